@@ -1,0 +1,19 @@
+"""moeflow: Mixture-of-Experts training across many devices.
+
+Public API (see DESIGN.md): ``MoEConfig``, ``Topology``, ``MoELayer``, ``sync_gradients``,
+and the registries through which routers, codecs and all-to-all algorithms plug in.
+"""
+
+from moeflow.comm.alltoall import AllToAll, Pending, register_alltoall
+from moeflow.comm.codecs import Codec, register_codec
+from moeflow.config import ConfigError, ModelConfig, MoEConfig, TrainConfig, model_preset
+from moeflow.layer import MoELayer
+from moeflow.parallel.grad_sync import sync_gradients
+from moeflow.routing import Router, Routing, register_router
+from moeflow.topology import Topology
+
+__version__ = "0.1.0"
+
+__all__ = ["AllToAll", "Codec", "ConfigError", "ModelConfig", "MoEConfig", "MoELayer",
+           "Pending", "Router", "Routing", "Topology", "TrainConfig", "model_preset",
+           "register_alltoall", "register_codec", "register_router", "sync_gradients"]

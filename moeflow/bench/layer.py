@@ -1,0 +1,114 @@
+"""``moeflow bench layer``: one MoE layer's forward + backward, split into its phases.
+
+For each config: warm-up steps, then timed repetitions (ranks aligned by a barrier before each);
+a repetition's time is the slowest rank's. Reports medians: tokens/s over all ranks and
+milliseconds per phase (route / permute / all_to_all / experts / combine, forward + backward,
+as charged by :class:`~moeflow.phases.PhaseTimer`). This is the baseline later work improves on.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeflow.config import MoEConfig
+from moeflow.layer import MoELayer
+from moeflow.phases import PhaseTimer
+from moeflow.topology import Topology
+
+PHASES = ("route", "permute", "all_to_all", "experts", "combine")
+
+
+@dataclass
+class BenchCase:
+    name: str
+    num_experts: int
+    top_k: int
+    capacity_factor: float | None
+    activation: str = "gelu"
+
+
+DEFAULT_CASES = [
+    BenchCase("switch-top1-cap1.25", 8, 1, 1.25),
+    BenchCase("gshard-top2-cap1.25", 8, 2, 1.25),
+    BenchCase("dropless-top2", 8, 2, None),
+    BenchCase("dropless-top2-swiglu", 8, 2, None, "swiglu"),
+]
+
+
+def _slowest(value: float, topo: Topology) -> float:
+    if not topo.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_expert: int,
+               warmup: int, reps: int, device: str = "cpu") -> dict:
+    cfg = MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
+                    top_k=case.top_k, capacity_factor=case.capacity_factor,
+                    activation=case.activation, seed=1)
+    layer = MoELayer(cfg, topo).to(device)
+    timer = PhaseTimer()
+    gen = torch.Generator().manual_seed(1000 + topo.rank)
+    x = torch.randn(tokens, d_model, generator=gen).to(device).requires_grad_()
+    totals, phases = [], {p: [] for p in PHASES}
+    for i in range(warmup + reps):
+        layer.timer = timer
+        timer.reset()
+        if topo.distributed:
+            dist.barrier()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = layer(x)
+        (y.square().mean() + layer.aux_loss).backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        elapsed = _slowest(time.perf_counter() - t0, topo)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        if i >= warmup:
+            totals.append(elapsed)
+            for p in PHASES:
+                phases[p].append(_slowest(timer.forward.get(p, 0.0)
+                                          + timer.backward.get(p, 0.0), topo))
+    step = statistics.median(totals)
+    return {**asdict(case), "world_size": topo.world_size, "tokens_per_rank": tokens,
+            "d_model": d_model, "d_expert": d_expert, "reps": reps,
+            "step_ms": 1e3 * step, "tokens_per_s": topo.world_size * tokens / step,
+            "phase_ms": {p: 1e3 * statistics.median(v) for p, v in phases.items()},
+            "dropped_fraction": layer.stats["dropped_fraction"]}
+
+
+def bench_worker(cases: list[BenchCase], tokens: int, d_model: int, d_expert: int,
+                 warmup: int, reps: int, device: str = "cpu") -> list[dict]:
+    topo = Topology.from_env()
+    return [bench_case(c, topo, tokens, d_model, d_expert, warmup, reps, device)
+            for c in cases]
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'config':<22} {'world':>5} {'tok/rank':>8} {'tokens/s':>10} {'ms/step':>8} "
+            + " ".join(f"{p:>10}" for p in PHASES) + f" {'dropped':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['name']:<22} {r['world_size']:>5} {r['tokens_per_rank']:>8} "
+                     f"{r['tokens_per_s']:>10.0f} {r['step_ms']:>8.2f} "
+                     + " ".join(f"{r['phase_ms'][p]:>10.2f}" for p in PHASES)
+                     + f" {r['dropped_fraction']:>7.3f}")
+    lines.append("phase columns: ms per forward+backward (median); all_to_all includes "
+                 "codec work; permute includes planning and the count exchange")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[dict], path: str, command: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"command": command, "torch": torch.__version__, "results": rows}, f,
+                  indent=2)

@@ -1,0 +1,31 @@
+"""The ``moeflow`` command: ``moeflow train``, ``moeflow bench layer`` (see --help of each)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moeflow.commands import bench, train
+from moeflow.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeflow", description="Mixture-of-Experts training across many devices.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (train, bench):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, FileNotFoundError) as err:
+        parser.exit(2, f"moeflow {args.command}: error: {err}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Communication: all-to-all algorithms, payload codecs, and the differentiable exchange."""

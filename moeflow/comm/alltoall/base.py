@@ -1,0 +1,54 @@
+"""The all-to-all interface and its registry (ScheMoE section 3.1, Listing 2).
+
+An algorithm is built for a :class:`~moeflow.topology.Topology` and exchanges a tensor over the
+topology's expert-parallel group: rank ``i`` sends rows ``[sum(send[:j]), sum(send[:j+1]))`` to
+rank ``j`` and receives ``recv[j]`` rows from rank ``j``, stacked in source-rank order. ``start``
+returns a :class:`Pending` handle so that a scheduler can overlap the exchange with compute.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from moeflow.registry import Registry
+from moeflow.topology import Topology
+
+
+class Pending:
+    """An exchange in flight; ``wait()`` returns the received tensor."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor]):
+        self._wait = wait
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self._wait()
+        return self._result
+
+
+class AllToAll(ABC):
+    name: str = "?"
+
+    def __init__(self, topo: Topology):
+        self.check_topology(topo)
+        self.topo = topo
+
+    @classmethod
+    def check_topology(cls, topo: Topology) -> None:
+        """Raise ConfigError if this algorithm cannot run on ``topo`` (e.g. needs several nodes)."""
+
+    @abstractmethod
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+        """Begin the exchange of ``x`` (rows split by ``send_splits``)."""
+
+    def exchange(self, x: torch.Tensor, send_splits: list[int],
+                 recv_splits: list[int]) -> torch.Tensor:
+        return self.start(x, send_splits, recv_splits).wait()
+
+
+ALLTOALLS = Registry("alltoall", AllToAll)
+register_alltoall = ALLTOALLS.register

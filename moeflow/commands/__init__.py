@@ -1,0 +1,1 @@
+"""Sub-commands of the ``moeflow`` CLI, one module each (``register(subparsers)``)."""

@@ -1,0 +1,53 @@
+"""Helpers shared by CLI sub-commands: ``--set key=value`` overrides, running on ranks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Callable
+
+from moeflow.config import ConfigError
+from moeflow.launch import init_from_env, launch_local, under_torchrun
+
+
+def parse_value(text: str) -> Any:
+    """``none``/``null`` -> None, JSON numbers/booleans as such, anything else a string."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r} is invalid: write FIELD=VALUE, e.g. "
+                              "--set num_experts=16 or --set capacity_factor=none")
+        out[key.strip()] = parse_value(value.strip())
+    return out
+
+
+def add_launch_args(p: argparse.ArgumentParser, default_nproc: int) -> None:
+    p.add_argument("--nproc", type=int, default=default_nproc,
+                   help=f"CPU ranks to start on this machine (default {default_nproc}); "
+                        "ignored under torchrun, which sets the world itself")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds after which a stuck collective fails the job (default 300)")
+
+
+def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args) -> Any:
+    """Run ``fn(*fn_args)`` on every rank; return rank 0's result.
+
+    Under torchrun this process is one rank (NCCL on GPUs, gloo on CPU); otherwise
+    ``--nproc`` gloo ranks are started here with torch's elastic launcher.
+    """
+    if under_torchrun():
+        init_from_env(args.timeout)
+        return fn(*fn_args)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} is invalid: start at least one rank")
+    return launch_local(fn, args.nproc, *fn_args, timeout_s=args.timeout)[0]

@@ -1,0 +1,70 @@
+"""Start ranks: on this machine through torch's elastic launcher (torchrun's machinery), or join
+the job torchrun started.
+
+``launch_local(fn, nproc, *args)`` runs ``fn(*args)`` in ``nproc`` fresh processes with
+torch.distributed initialised (gloo on CPU, NCCL when CUDA is present and asked for) and
+returns ``{rank: result}``. ``init_from_env`` is what each rank (ours or torchrun's) calls.
+Every collective is bounded by ``timeout_s``: a rank that dies makes the others fail with an
+error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import uuid
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another launcher setting its env)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> None:
+    """Initialise torch.distributed from the launcher's environment (no-op if already done).
+
+    backend: ``None`` picks NCCL when CUDA is available, else gloo. With NCCL the rank's device
+    is ``LOCAL_RANK``.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _entry(fn: Callable, args: tuple, timeout_s: float, backend: str | None,
+           threads: int) -> Any:
+    torch.set_num_threads(threads)
+    init_from_env(timeout_s, backend)
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
+                 backend: str | None = "gloo", threads: int | None = None) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nproc`` local ranks; return ``{rank: fn's return value}``.
+
+    ``fn`` must be importable (a module-level function). A failing rank raises
+    ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` here with its
+    traceback.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} is invalid: need at least one rank")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // nproc)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                          run_id=f"moeflow-{uuid.uuid4().hex[:8]}", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    return elastic_launch(config, _entry)(fn, args, timeout_s, backend, threads)

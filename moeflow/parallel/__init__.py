@@ -1,0 +1,1 @@
+"""Parallelism beyond expert dispatch: gradient synchronisation (later: Parm's MP+EP+ESP)."""

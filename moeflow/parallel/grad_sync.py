@@ -1,0 +1,67 @@
+"""Gradient synchronisation for a mix of replicated and expert-sharded parameters.
+
+The training loss is the mean over the N ranks of each rank's local loss, and every rank calls
+``backward`` on its local loss. Then:
+
+* a replicated parameter (attention, dense FFN, router, embeddings) holds d(loss_r)/dp on rank
+  r: the global gradient is the sum over the world divided by N;
+* an expert parameter already received, through the backward all-to-all, the contributions of
+  every rank of its expert-parallel group: d(sum_r loss_r)/dp over those ranks. Its copies on
+  the other EP groups (the expert-data-parallel group) saw the remaining ranks' tokens, so the
+  global gradient is the sum over the expert-data-parallel group divided by N, **not** by the
+  expert-data-parallel size (the classic bug: expert gradients N/dp times too large).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from moeflow.experts.ffn import EXPERT_PARAM_ATTR
+from moeflow.topology import Topology
+
+_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, EXPERT_PARAM_ATTR, False))
+
+
+def sync_gradients(model: nn.Module, topo: Topology) -> None:
+    """Average gradients over ranks as described in the module docstring (in place).
+
+    Parameters without a gradient get a zero gradient first, so every rank issues the same
+    collectives even when one of them did not use a parameter this step.
+    """
+    if not topo.distributed:
+        return
+    replicated, experts = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        (experts if is_expert_param(p) else replicated).append(p.grad)
+    _sum_then_scale(replicated, topo.world_group, 1.0 / topo.world_size)
+    _sum_then_scale(experts, topo.expert_dp_group if topo.expert_dp_size > 1 else None,
+                    1.0 / topo.world_size)
+
+
+def _sum_then_scale(grads: list[torch.Tensor], group, scale: float) -> None:
+    """All-reduce (sum) ``grads`` over ``group`` in flat buckets per dtype/device, then scale."""
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    for g in grads:
+        lists = buckets.setdefault((g.dtype, g.device), [[]])
+        if lists[-1] and sum(t.numel() * t.element_size() for t in lists[-1]) > _BUCKET_BYTES:
+            lists.append([])
+        lists[-1].append(g)
+    for lists in buckets.values():
+        for bucket in lists:
+            flat = _flatten_dense_tensors(bucket)
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+            flat.mul_(scale)
+            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(synced)

@@ -1,0 +1,36 @@
+"""Name -> class registries through which routers, codecs and all-to-all algorithms plug in.
+
+A part registered from user code (``@moeflow.register_codec("mine")``) is accepted by
+``MoEConfig`` and built by ``MoELayer`` exactly like a built-in one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(dict):
+    def __init__(self, kind: str, base: type):
+        super().__init__()
+        self.kind = kind
+        self.base = base
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        def deco(cls: type[T]) -> type[T]:
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                raise TypeError(f"register_{self.kind}({name!r}): {cls!r} must subclass "
+                                f"{self.base.__module__}.{self.base.__name__}")
+            if name in self and self[name] is not cls:
+                raise ValueError(f"register_{self.kind}({name!r}): the name is already taken by "
+                                 f"{self[name].__module__}.{self[name].__name__}; pick another")
+            cls.name = name
+            self[name] = cls
+            return cls
+        return deco
+
+    def build(self, name: str, **kwargs):
+        if name not in self:
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self))}")
+        return self[name](**kwargs)

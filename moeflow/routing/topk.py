@@ -1,0 +1,38 @@
+"""Top-k softmax gating: k = 1 is Switch, k = 2 is GShard, any k <= E works.
+
+Router math runs in float32 at least (float64 when the input is float64). Optional Gaussian
+gate noise is added to the logits in training mode only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.init import seeded_normal
+from moeflow.routing.base import Router, Routing, register_router
+from moeflow.routing.losses import balance_loss, z_loss
+
+
+@register_router("topk")
+class TopKRouter(Router):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.weight = nn.Parameter(seeded_normal((cfg.d_model, cfg.num_experts), 0.02,
+                                                 cfg.seed, "layer", cfg.layer_id, "router"))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        cfg = self.cfg
+        dt = torch.promote_types(x.dtype, torch.float32)
+        logits = x.to(dt) @ self.weight.to(dt)
+        if self.training and cfg.gate_noise > 0:
+            logits = logits + torch.randn_like(logits) * cfg.gate_noise
+        probs = torch.softmax(logits, dim=-1)
+        weights, experts = probs.topk(cfg.top_k, dim=-1)
+        if cfg.renormalize_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        lb = balance_loss(probs, experts, cfg.num_experts)
+        zl = z_loss(logits)
+        aux = cfg.aux_loss_coef * lb + cfg.z_loss_coef * zl
+        return Routing(experts=experts, weights=weights, aux_loss=aux,
+                       balance_loss=lb.detach(), z_loss=zl.detach())

@@ -1,0 +1,190 @@
+"""The training loop of ``moeflow train``: a byte-level MoE GPT with expert parallelism.
+
+Runs on every rank (torch.distributed initialised, or a world of one). AdamW with linear
+warm-up and cosine decay, global-norm gradient clipping that counts each expert once, periodic
+validation, metrics as JSON lines, a progress bar on rank 0, and DCP checkpoints that resume
+exactly (the batch of step s depends only on (seed, s, rank)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moeflow import checkpoint
+from moeflow.config import ConfigError, ModelConfig, TrainConfig
+from moeflow.data import Corpus
+from moeflow.models import GPT
+from moeflow.parallel.grad_clip import clip_gradients
+from moeflow.parallel.grad_sync import sync_gradients
+from moeflow.topology import Topology
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.min_lr_ratio
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not norms or biases)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(0.9, 0.95), foreach=False)
+
+
+def _world_mean(values: list[float], topo: Topology) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if topo.distributed:
+        dist.all_reduce(t)
+        t /= topo.world_size
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology) -> float:
+    """Mean validation cross-entropy (nats/byte) over ``eval_batches`` batches per rank."""
+    model.eval()
+    total = 0.0
+    for i in range(cfg.eval_batches):
+        x, y = corpus.batch("val", cfg.batch_size, model.cfg.seq_len, cfg.seed, i, topo.rank)
+        total += float(model(x, y)[1])
+    model.train()
+    return _world_mean([total / cfg.eval_batches], topo)[0]
+
+
+class Trainer:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | Path,
+                 topo: Topology, data: str | None = None, progress: bool = True):
+        self.mcfg, self.cfg, self.topo = model_cfg, train_cfg, topo
+        self.out = Path(out_dir)
+        self.progress = progress and topo.rank == 0
+        self.corpus = Corpus.load(data)
+        self.model = GPT(model_cfg, topo)
+        self.opt = make_optimizer(self.model, train_cfg)
+        self.step = 0
+        self.history: list[dict] = []
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoint"
+
+    def _log(self, record: dict) -> None:
+        self.history.append(record)
+        if self.topo.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _write_config(self) -> None:
+        if self.topo.rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(
+            {"model": dataclasses.asdict(self.mcfg), "train": dataclasses.asdict(self.cfg),
+             "world_size": self.topo.world_size}, indent=2))
+
+    def save(self) -> None:
+        path = self.ckpt_root / f"step-{self.step}"
+        checkpoint.save(str(path), self.model, self.opt, self.step)
+        if self.topo.rank == 0:                      # written after every rank finished
+            (self.ckpt_root / "latest").write_text(path.name)
+
+    def resume(self) -> None:
+        latest = self.ckpt_root / "latest"
+        if not latest.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_root} (expected "
+                                    "a 'latest' file written by an earlier run with this --out)")
+        saved = json.loads((self.out / "config.json").read_text())["model"]
+        if saved != dataclasses.asdict(self.mcfg):
+            diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.mcfg).items()
+                    if saved.get(k) != v}
+            raise ConfigError(f"--resume: the model config differs from the checkpoint's "
+                              f"(field: (saved, now)) {diff}; resume with the same model options")
+        self.step = checkpoint.load(str(self.ckpt_root / latest.read_text().strip()),
+                                    self.model, self.opt)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        cfg, topo = self.cfg, self.topo
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, cfg)
+        x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.seq_len, cfg.seed,
+                                 self.step, topo.rank)
+        _, ce = self.model(x, y)
+        aux = self.model.aux_loss
+        self.opt.zero_grad(set_to_none=True)
+        (ce + aux).backward()
+        sync_gradients(self.model, topo)
+        clip_gradients(self.model, topo, cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return ce.item(), aux.item()
+
+    def run(self, resume: bool = False) -> dict:
+        cfg, topo = self.cfg, self.topo
+        if resume:
+            self.resume()
+        else:
+            self._write_config()
+        if topo.distributed:
+            dist.barrier()
+        tokens_per_step = topo.world_size * cfg.batch_size * self.mcfg.seq_len
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True, mininterval=1.0)
+        if self.step == 0:
+            self._log({"step": 0, "val_loss": evaluate(self.model, self.corpus, cfg, topo)})
+        t_last, steps_last, ce_sum, aux_sum = time.perf_counter(), 0, 0.0, 0.0
+        start_time = time.perf_counter()
+        while self.step < cfg.steps:
+            ce, aux = self.train_step()
+            ce_sum, aux_sum, steps_last = ce_sum + ce, aux_sum + aux, steps_last + 1
+            done = self.step == cfg.steps
+            if self.step % cfg.log_every == 0 or done:
+                loss, aux_mean = _world_mean([ce_sum / steps_last, aux_sum / steps_last], topo)
+                now = time.perf_counter()
+                rec = {"step": self.step, "loss": loss, "aux_loss": aux_mean,
+                       "lr": lr_at(self.step - 1, cfg),
+                       "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
+                       "elapsed_s": now - start_time}
+                if self.step % cfg.eval_every == 0 or done:
+                    rec["val_loss"] = evaluate(self.model, self.corpus, cfg, topo)
+                self._log(rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.3f}", aux=f"{aux_mean:.4f}",
+                                    tok_s=f"{rec['tokens_per_s']:.0f}",
+                                    **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec
+                                       else {}))
+                t_last, steps_last, ce_sum, aux_sum = time.perf_counter(), 0, 0.0, 0.0
+            if bar is not None:
+                bar.update(1)
+            if done or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+                self.save()
+        if bar is not None:
+            bar.close()
+        vals = [r["val_loss"] for r in self.history if "val_loss" in r]
+        return {"step": self.step, "final_val_loss": vals[-1] if vals else None,
+                "history": self.history, "out_dir": str(self.out)}
+
+
+def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
+                 data: str | None, resume: bool, progress: bool = True) -> dict:
+    """Entry point on every rank (torch.distributed already initialised, or a world of one)."""
+    topo = Topology.from_env(ep_size=train_cfg.ep_size)
+    torch.manual_seed(train_cfg.seed + topo.rank)      # only gate noise / dropout draw from it
+    return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress).run(resume)

@@ -1,0 +1,64 @@
+"""The ``moeflow`` command line: argument errors, a short training run, the layer benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moeflow.cli import main
+from moeflow.commands.common import parse_overrides
+
+
+def test_overrides_parse_types():
+    assert parse_overrides(["top_k=1", "capacity_factor=none", "lr=0.5", "router=topk"]) == {
+        "top_k": 1, "capacity_factor": None, "lr": 0.5, "router": "topk"}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--set", "oops"], "FIELD=VALUE"),
+    (["train", "--set", "top_k=99"], "MoEConfig.top_k=99"),
+    (["train", "--set", "colour=red"], "ModelConfig.colour"),
+    (["train", "--steps", "0"], "TrainConfig.steps=0"),
+    (["train", "--nproc", "0"], "--nproc 0"),
+    (["train", "--data", "/no/such/place"], "no such file"),
+])
+def test_bad_arguments_are_clear_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.multirank
+def test_train_cli_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moeflow.cli", "train", "--steps", "3", "--batch-size", "2",
+           "--eval-every", "3", "--eval-batches", "1", "--warmup-steps", "1", "--log-every", "1",
+           "--set", "n_layers=2", "--set", "seq_len=32", "--out", str(out), "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "validation loss" in done.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 3 and "val_loss" in records[-1]
+    assert (out / "checkpoint" / "latest").read_text() == "step-3"
+    again = subprocess.run(cmd[:5] + ["5"] + cmd[6:] + ["--resume"], capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-2:] == [4, 5]
+
+
+def test_bench_layer_cli(tmp_path, capsys):
+    out = tmp_path / "layer.json"
+    assert main(["bench", "layer", "--tokens", "64", "--d-model", "16", "--d-expert", "32",
+                 "--warmup", "1", "--reps", "2", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "gshard-top2-cap1.25" in table and "all_to_all" in table
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["phase_ms"]["experts"] > 0
+        assert sum(r["phase_ms"].values()) <= r["step_ms"] * 1.05

@@ -1,0 +1,77 @@
+"""Every bad configuration fails at construction with a message naming field, value and fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moeflow as mf
+from moeflow.config import ConfigError, ModelConfig, TrainConfig, model_preset
+
+BASE = dict(d_model=8, d_expert=16, num_experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("change,field,hint", [
+    (dict(top_k=5), "top_k=5", "num_experts"),
+    (dict(top_k=0), "top_k=0", "positive"),
+    (dict(num_experts=0), "num_experts=0", "positive"),
+    (dict(d_model=-1), "d_model=-1", "positive"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0", "None for dropless"),
+    (dict(capacity_factor=-1.5), "capacity_factor=-1.5", "> 0"),
+    (dict(router="nope"), "router='nope'", "registered: topk"),
+    (dict(codec="zip"), "codec='zip'", "register_codec"),
+    (dict(a2a="magic"), "a2a='magic'", "registered: direct"),
+    (dict(activation="tanh"), "activation='tanh'", "gelu"),
+    (dict(gate_noise=-0.1), "gate_noise=-0.1", ">= 0"),
+    (dict(aux_loss_coef=-1.0), "aux_loss_coef=-1.0", ">= 0"),
+])
+def test_moe_config_errors(change, field, hint):
+    with pytest.raises(ConfigError) as err:
+        mf.MoEConfig(**{**BASE, **change})
+    assert f"MoEConfig.{field}" in str(err.value) and hint in str(err.value)
+
+
+def test_experts_not_divisible_by_ep_size():
+    topo = mf.Topology(rank=0, world_size=3, local_size=3, ep_size=3)
+    with pytest.raises(ConfigError, match=r"num_experts=4 .* multiple of it; use 6 experts"):
+        mf.MoELayer(mf.MoEConfig(**BASE), topo)
+
+
+def test_d_model_mismatch_on_input():
+    layer = mf.MoELayer(mf.MoEConfig(**BASE))
+    with pytest.raises(ValueError, match=r"last dimension 9 but MoEConfig.d_model=8"):
+        layer(torch.randn(3, 9))
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(n_heads=3), "n_heads=3"), (dict(moe_every=0), "moe_every=0"),
+    (dict(dropout=1.0), "dropout=1.0"), (dict(top_k=9), "top_k=9"),
+])
+def test_model_config_errors(change, field):
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
+        ModelConfig(**change)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(steps=0), "steps=0"), (dict(lr=0.0), "lr=0.0"),
+    (dict(warmup_steps=2000), "warmup_steps=2000"), (dict(grad_clip=-1.0), "grad_clip=-1.0"),
+    (dict(ep_size=0), "ep_size=0"), (dict(collective_timeout_s=0), "collective_timeout_s=0"),
+])
+def test_train_config_errors(change, field):
+    with pytest.raises(ConfigError, match=f"TrainConfig.{field}"):
+        TrainConfig(**change)
+
+
+def test_presets_and_unknown_override():
+    assert model_preset("tiny").num_moe_layers == 2
+    with pytest.raises(ConfigError, match="preset='huge'"):
+        model_preset("huge")
+    with pytest.raises(ConfigError, match="ModelConfig.colour"):
+        model_preset("tiny", colour=1)
+
+
+def test_topology_without_distributed():
+    topo = mf.Topology.from_env()
+    assert (topo.world_size, topo.num_nodes, topo.ep_size) == (1, 1, 1)
+    with pytest.raises(ConfigError, match="init_process_group"):
+        mf.Topology.from_env(ep_size=2)

@@ -1,0 +1,110 @@
+"""Router math against the formulas: gates, capacity, drop order, balancing and z losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import moeflow as mf
+from moeflow.dispatch import capacity
+from moeflow.routing.losses import balance_loss, z_loss
+
+
+def _router(**kw):
+    cfg = mf.MoEConfig(d_model=4, d_expert=8, **{"num_experts": 4, "top_k": 2, **kw})
+    return mf.MoELayer(cfg).router.double()
+
+
+def test_topk_gates_follow_softmax():
+    r = _router(top_k=2)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    out = r(x)
+    probs = torch.softmax(x @ r.weight, -1)
+    top = probs.topk(2, -1)
+    assert torch.equal(out.experts, top.indices)
+    torch.testing.assert_close(out.weights, top.values / top.values.sum(-1, keepdim=True))
+    r1 = _router(top_k=1)                                   # Switch: raw probability
+    torch.testing.assert_close(r1(x).weights, torch.softmax(x @ r1.weight, -1).max(-1,
+                               keepdim=True).values)
+
+
+def test_router_math_is_at_least_float32():
+    r = _router()
+    out = r(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert out.weights.dtype == torch.float32
+
+
+def test_gate_noise_only_in_training():
+    r = _router(gate_noise=1.0)
+    x = torch.randn(64, 4, dtype=torch.float64)
+    r.eval()
+    assert torch.equal(r(x).weights, r(x).weights)
+    r.train()
+    assert not torch.equal(r(x).weights, r(x).weights)
+
+
+def test_balance_loss_formula_and_uniform_minimum():
+    E, T = 4, 8
+    probs = torch.full((T, E), 1.0 / E)
+    experts = torch.arange(T).remainder(E).unsqueeze(1)            # perfectly balanced
+    assert balance_loss(probs, experts, E).item() == pytest.approx(1.0)
+    probs = torch.softmax(torch.randn(T, E), -1)
+    experts = torch.zeros(T, 1, dtype=torch.long)                  # all to expert 0
+    assert balance_loss(probs, experts, E).item() == pytest.approx(E * probs[:, 0].mean().item())
+    experts = torch.tensor([[0, 1]] * T)                           # f counts all k choices
+    expect = E * 0.5 * (probs[:, 0].mean() + probs[:, 1].mean())
+    assert balance_loss(probs, experts, E).item() == pytest.approx(expect.item())
+
+
+def test_z_loss_formula():
+    logits = torch.randn(6, 4, dtype=torch.float64)
+    expect = (torch.log(torch.exp(logits).sum(-1)) ** 2).mean()
+    torch.testing.assert_close(z_loss(logits), expect)
+
+
+def test_aux_loss_coefficients():
+    r = _router(aux_loss_coef=0.3, z_loss_coef=0.05)
+    out = r(torch.randn(7, 4, dtype=torch.float64))
+    torch.testing.assert_close(out.aux_loss, 0.3 * out.balance_loss + 0.05 * out.z_loss)
+
+
+@pytest.mark.parametrize("T,k,E,f", [(64, 2, 8, 1.25), (10, 1, 4, 1.0), (7, 2, 4, 0.5),
+                                     (3, 4, 4, 1.0), (0, 2, 8, 1.25)])
+def test_capacity_formula(T, k, E, f):
+    assert capacity(T, k, E, f) == math.ceil(round(f * k * T / E, 9))
+    assert capacity(64, 2, 8, 1.25) == 20
+
+
+def test_drop_order_first_choices_before_second():
+    """GShard priority: all first choices in token order, then second choices."""
+    from moeflow.comm.alltoall import ALLTOALLS
+    from moeflow.dispatch import make_plan
+
+    algo = ALLTOALLS["direct"](mf.Topology.single())
+    # 4 tokens; expert 0 is the first choice of tokens 2,3 and second choice of tokens 0,1
+    experts = torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1]])
+    plan = make_plan(experts, 2, capacity=3, algo=algo)
+    kept = sorted(zip(plan.token.tolist(), plan.choice.tolist()))
+    # expert 0 slots: (2,0), (3,0), then (0,1); (1,1) dropped. expert 1: (0,0),(1,0),(2,1)
+    assert kept == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (3, 0)]
+    assert plan.dropped == 2
+    slots = dict(zip(zip(plan.token.tolist(), plan.choice.tolist()), plan.slot.tolist()))
+    assert [slots[(2, 0)], slots[(3, 0)], slots[(0, 1)]] == [0, 1, 2]
+
+
+def test_dropless_keeps_everything_and_all_to_one_expert():
+    layer = mf.MoELayer(mf.MoEConfig(d_model=4, d_expert=8, num_experts=4, top_k=1,
+                                     capacity_factor=None)).double()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, 2] = 5.0
+    x = torch.rand(9, 4, dtype=torch.float64) + 1.0
+    y = layer(x)
+    assert layer.stats["dropped_fraction"] == 0.0
+    assert (layer.router(x).experts == 2).all()
+    w = layer.router(x).weights
+    e = layer.experts
+    expect = torch.nn.functional.gelu(x @ e.w1[2]) @ e.w2[2] * w
+    torch.testing.assert_close(y, expect)
