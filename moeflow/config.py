@@ -54,12 +54,16 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     codec: str = "none"
+    codec_backward: bool = False
     a2a: str = "direct"
+    schedule: str = "sequential"
+    pipeline_degree: int = 1
     seed: int = 0
     layer_id: int = 0
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
+        _positive_int(o, "pipeline_degree", self.pipeline_degree)
         for name in ("d_model", "d_expert", "num_experts", "top_k"):
             _positive_int(o, name, getattr(self, name))
         _require(self.top_k <= self.num_experts, o, "top_k", self.top_k,
@@ -85,12 +89,14 @@ class MoEConfig:
         from moeflow.comm.alltoall import ALLTOALLS
         from moeflow.comm.codecs import CODECS
         from moeflow.routing import ROUTERS
+        from moeflow.schedule import SCHEDULERS
 
-        for name, registry in (("router", ROUTERS), ("codec", CODECS), ("a2a", ALLTOALLS)):
+        for name, registry in (("router", ROUTERS), ("codec", CODECS), ("a2a", ALLTOALLS),
+                               ("schedule", SCHEDULERS)):
             v = getattr(self, name)
             _require(v in registry, o, name, v,
                      f"unknown name; registered: {', '.join(sorted(registry))} "
-                     f"(register your own with moeflow.register_{'alltoall' if name == 'a2a' else name})")
+                     f"(register your own with moeflow.register_{registry.kind})")
 
     @property
     def dropless(self) -> bool:
@@ -129,7 +135,10 @@ class ModelConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     codec: str = "none"
+    codec_backward: bool = False
     a2a: str = "direct"
+    schedule: str = "sequential"
+    pipeline_degree: int = 1
     dropout: float = 0.0
     seed: int = 0
 
@@ -161,7 +170,9 @@ class ModelConfig:
                          num_experts=self.num_experts, top_k=self.top_k,
                          capacity_factor=self.capacity_factor, router=self.router,
                          activation=self.activation, aux_loss_coef=self.aux_loss_coef,
-                         z_loss_coef=self.z_loss_coef, codec=self.codec, a2a=self.a2a,
+                         z_loss_coef=self.z_loss_coef, codec=self.codec,
+                         codec_backward=self.codec_backward, a2a=self.a2a,
+                         schedule=self.schedule, pipeline_degree=self.pipeline_degree,
                          seed=self.seed, layer_id=block)
 
 

@@ -11,12 +11,14 @@ from torch import nn
 
 from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
-from moeflow.comm.exchange import exchange
 from moeflow.config import ConfigError, MoEConfig
-from moeflow.dispatch import capacity, combine, group_by_expert, make_plan, permute, ungroup
+from moeflow.dispatch import capacity, combine, make_plan, permute
 from moeflow.experts import ExpertFFN
 from moeflow.phases import NULL_TIMER, PhaseTimer
 from moeflow.routing import ROUTERS
+from moeflow.schedule import SCHEDULERS
+from moeflow.schedule.executor import CommLane, Timeline
+from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 from moeflow.topology import Topology
 
 
@@ -44,7 +46,11 @@ class MoELayer(nn.Module):
                                  self.num_local, cfg.activation, cfg.seed, cfg.layer_id)
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.codec = CODECS[cfg.codec]()
+        self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
+        self.scheduler = SCHEDULERS[cfg.schedule]()
+        self.lane = CommLane()
         self.timer: PhaseTimer | None = None
+        self.timeline: Timeline | None = None     # set to a Timeline to record every task
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, float] = {}
 
@@ -52,7 +58,7 @@ class MoELayer(nn.Module):
         c = self.cfg
         return (f"experts={c.num_experts} (local {self.num_local}), top_k={c.top_k}, "
                 f"capacity_factor={c.capacity_factor}, router={c.router}, codec={c.codec}, "
-                f"a2a={c.a2a}")
+                f"a2a={c.a2a}, schedule={c.schedule}, r={c.pipeline_degree}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, t = self.cfg, self.timer or NULL_TIMER
@@ -69,15 +75,10 @@ class MoELayer(nn.Module):
         with t.phase("permute", h):
             plan = make_plan(routing.experts, cfg.num_experts, cap, self.algo)
             send = permute(t.mark(h, "permute"), plan)
-        with t.phase("all_to_all", h):
-            recv = exchange(t.mark(send, "all_to_all"), self.algo, self.codec,
-                            plan.send_splits, plan.recv_splits)
-        with t.phase("experts", h):
-            grouped, counts, perm = group_by_expert(t.mark(recv, "experts"), plan.recv_counts)
-            out = ungroup(self.experts(grouped, counts), perm)
-        with t.phase("all_to_all", h):
-            back = exchange(t.mark(out, "all_to_all"), self.algo, self.codec,
-                            plan.recv_splits, plan.send_splits)
+        runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
+                                  self.scheduler, cfg.pipeline_degree, self.lane,
+                                  self.timeline or t.timeline)
+        back = scheduled_experts(t.mark(send, None), plan, runner)
         with t.phase("combine", h):
             y = combine(t.mark(back, "combine"), plan, routing.weights)
         self.aux_loss = routing.aux_loss

@@ -31,6 +31,7 @@ class Topology:
     expert_dp_group: object = None
     intra_node_group: object = None
     inter_node_group: object = None
+    lane_group: object = None         # a second world group: a concurrent lane (Pipe-A2A)
 
     # ---- derived coordinates -------------------------------------------------------------
     @property
@@ -108,7 +109,8 @@ class Topology:
                                                   consecutive=False),
                        intra_node_group=_partition(world, rank, local_size, consecutive=True),
                        inter_node_group=_partition(world, rank, world // local_size,
-                                                   consecutive=False))
+                                                   consecutive=False),
+                       lane_group=dist.new_group(list(range(world))))
         _CACHE[key] = topo
         return topo
 

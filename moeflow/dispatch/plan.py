@@ -34,6 +34,7 @@ class DispatchPlan:
     send_splits: list[int]       # rows to each rank of the EP group
     recv_splits: list[int]       # rows from each rank of the EP group
     recv_counts: torch.Tensor    # (ep, E_local) rows received per (source rank, local expert)
+    send_counts: torch.Tensor    # (E,) rows sent per global expert (expert-major send buffer)
     dropped: int                 # assignments dropped by capacity
 
     @property
@@ -73,4 +74,5 @@ def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
                         send_rows=send_rows,
                         send_splits=per_expert.view(ep, e_local).sum(1).tolist(),
                         recv_splits=recv_counts.sum(1).tolist(),
-                        recv_counts=recv_counts.cpu(), dropped=dropped)
+                        recv_counts=recv_counts.cpu(), send_counts=per_expert.cpu(),
+                        dropped=dropped)

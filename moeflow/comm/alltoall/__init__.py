@@ -5,6 +5,7 @@ sizes; the layer does not know which one runs.
 """
 
 from moeflow.comm.alltoall.base import ALLTOALLS, AllToAll, Pending, register_alltoall
-from moeflow.comm.alltoall import direct as _direct  # noqa: F401  (registers "direct")
+# Importing registers each algorithm under its name.
+from moeflow.comm.alltoall import direct, hier1d, hier2d, pairwise, pipe  # noqa: F401,E402
 
 __all__ = ["ALLTOALLS", "AllToAll", "Pending", "register_alltoall"]

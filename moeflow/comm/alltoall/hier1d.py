@@ -1,0 +1,64 @@
+"""``hier1d``: the 1D-hierarchical all-to-all of HetuMoE (ScheMoE section 6, "1DH").
+
+1. Every rank of a node sends all its rows to the node leader (local rank 0).
+2. The leader regroups them by destination node and the leaders exchange them (one inter-node
+   all-to-all among leaders: N-1 large messages per node).
+3. Each leader regroups what it received by destination local rank, in source-rank order, and
+   scatters it to its local ranks.
+Fewest inter-node messages, at the price of the leader relaying everything twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
+from moeflow.comm.alltoall.blocks import split_matrix, take
+from moeflow.comm.alltoall.hier2d import _a2a
+from moeflow.comm.alltoall.hierarchy import require_nodes
+
+
+@register_alltoall("hier1d")
+class Hier1DAllToAll(AllToAll):
+    @classmethod
+    def check_topology(cls, topo) -> None:
+        require_nodes("hier1d", topo)
+
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+        topo = self.topo
+        N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
+        P = N * L
+        S = split_matrix(send_splits, topo.world_group, x.device)
+        g = lambda node, local: node * L + local  # noqa: E731
+        leader = l == 0
+        # 1: gather to the leader (an intra-node all-to-all where only the leader receives)
+        total = [sum(S[g(n, l1)]) for l1 in range(L)]
+        if L > 1:
+            got = _a2a(x, [x.shape[0]] + [0] * (L - 1),
+                       total if leader else [0] * L, topo.intra_node_group)
+        else:
+            got = x
+        if leader:
+            # got: for source l1, blocks for every destination d (ascending)
+            sizes = [S[g(n, l1)][d] for l1 in range(L) for d in range(P)]
+            order = [l1 * P + g(n2, l2) for n2 in range(N) for l1 in range(L) for l2 in range(L)]
+            step2 = take(got, sizes, order)
+            send2 = [sum(S[g(n, l1)][g(n2, l2)] for l1 in range(L) for l2 in range(L))
+                     for n2 in range(N)]
+            recv2 = [sum(S[g(n1, l1)][g(n, l2)] for l1 in range(L) for l2 in range(L))
+                     for n1 in range(N)]
+            got2 = _a2a(step2, send2, recv2, topo.inter_node_group)
+            # got2: for source node n1, source l1, dest local l2; regroup by dest local rank
+            sizes2 = [S[g(n1, l1)][g(n, l2)] for n1 in range(N) for l1 in range(L)
+                      for l2 in range(L)]
+            order2 = [(n1 * L + l1) * L + l2 for l2 in range(L) for n1 in range(N)
+                      for l1 in range(L)]
+            step3 = take(got2, sizes2, order2)
+            send3 = [sum(S[s][g(n, l2)] for s in range(P)) for l2 in range(L)]
+        else:
+            step3, send3 = x.new_empty((0,) + tuple(x.shape[1:])), [0] * L
+        # 3: scatter from the leader
+        mine = sum(S[s][g(n, l)] for s in range(P))
+        out = (_a2a(step3, send3, [mine] + [0] * (L - 1), topo.intra_node_group) if L > 1
+               else step3)
+        return Pending(lambda: out)
