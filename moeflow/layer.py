@@ -68,6 +68,12 @@ class MoELayer(nn.Module):
                              f"layer with d_model={x.shape[-1]}")
         shape = x.shape
         h = x.reshape(-1, cfg.d_model)
+        if 0 < h.shape[0] < cfg.pipeline_degree:
+            # Checked before any collective. A rank with no tokens at all is fine (empty chunks).
+            raise ConfigError(f"MoEConfig.pipeline_degree={cfg.pipeline_degree} is invalid for "
+                              f"a batch of {h.shape[0]} tokens on this rank: it must not exceed "
+                              "the local token count; lower pipeline_degree or send larger "
+                              "batches")
         with t.phase("route", h):
             routing = self.router(t.mark(h, "route"))
         cap = (None if cfg.dropless else

@@ -14,7 +14,7 @@ from moeflow import MoEConfig, MoELayer, Topology, sync_gradients
 from moeflow.init import seeded_normal
 
 D_MODEL, D_EXPERT = 8, 12
-TOKENS = (6, 11, 3, 9)          # tokens on rank r (different per rank on purpose)
+TOKENS = (6, 11, 4, 9)          # tokens on rank r (different per rank on purpose)
 
 CASES: dict[str, dict] = {
     "capacity_k2": dict(num_experts=8, top_k=2, capacity_factor=1.25),
@@ -31,13 +31,14 @@ CASES: dict[str, dict] = {
 }
 
 
-def make_config(name: str) -> MoEConfig:
+def make_config(name: str, **overrides) -> MoEConfig:
     spec = {k: v for k, v in CASES[name].items() if k not in ("hot", "tokens")}
-    return MoEConfig(d_model=D_MODEL, d_expert=D_EXPERT, seed=7, layer_id=3, **spec)
+    return MoEConfig(d_model=D_MODEL, d_expert=D_EXPERT, seed=7, layer_id=3,
+                     **{**spec, **overrides})
 
 
-def make_layer(name: str, topo: Topology) -> MoELayer:
-    layer = MoELayer(make_config(name), topo).double()
+def make_layer(name: str, topo: Topology, **overrides) -> MoELayer:
+    layer = MoELayer(make_config(name, **overrides), topo).double()
     hot = CASES[name].get("hot")
     if hot is not None:           # every token's first choice becomes expert `hot`
         with torch.no_grad():
@@ -70,8 +71,10 @@ def _snapshot(layer: MoELayer) -> tuple[dict, dict]:
     return grads, params
 
 
-def run_rank(name: str, topo: Topology) -> dict:
-    layer = make_layer(name, topo)
+def run_rank(name: str, topo: Topology, **overrides) -> dict:
+    """One case on this rank; ``overrides`` change MoEConfig fields that must not change the
+    function (all-to-all algorithm, scheduler, pipelining degree)."""
+    layer = make_layer(name, topo, **overrides)
     x, g = make_batch(name, topo.rank)
     x.requires_grad_()
     y = layer(x)
@@ -91,6 +94,13 @@ def rank_worker(names: list[str], ep_sizes: list[int]) -> dict:
         for name in names:
             out[(name, ep)] = run_rank(name, topo)
     return out
+
+
+def variants_worker(names: list[str], variants: list[dict], local_size: int) -> dict:
+    """Every case under every variant, on a world seen as nodes of ``local_size`` ranks."""
+    topo = Topology.from_env(local_size=local_size)
+    return {(name, i): run_rank(name, topo, **v) for i, v in enumerate(variants)
+            for name in names}
 
 
 def reference(name: str, world: int) -> dict:

@@ -17,7 +17,6 @@ import torch
 
 from moeflow.comm.alltoall.base import AllToAll
 from moeflow.comm.codecs.base import Codec
-from moeflow.config import ConfigError
 from moeflow.dispatch.permute import group_by_expert, ungroup
 from moeflow.dispatch.plan import DispatchPlan
 from moeflow.schedule.executor import CommLane, Stage, Timeline, run_schedule
@@ -151,10 +150,5 @@ class _Scheduled(torch.autograd.Function):
 def scheduled_experts(send: torch.Tensor, plan: DispatchPlan,
                       runner: ScheduledExperts) -> torch.Tensor:
     """Differentiable: the send buffer -> rows returned from the experts (same order)."""
-    r = runner.r
-    if r > 1 and r > plan.num_tokens:
-        raise ConfigError(f"MoEConfig.pipeline_degree={r} is invalid for a batch of "
-                          f"{plan.num_tokens} tokens on this rank: it must not exceed the "
-                          "local token count; lower pipeline_degree or send larger batches")
-    cp = ChunkPlan.build(plan, r, send.device)
+    cp = ChunkPlan.build(plan, runner.r, send.device)
     return _Scheduled.apply(send, runner, cp, *runner.experts.parameters())
