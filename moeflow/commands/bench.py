@@ -24,6 +24,27 @@ def register(sub) -> None:
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
 
+    sched = bsub.add_parser("schedule", help="ScheMoE ablation (codec, Pipe-A2A, OptSche) and "
+                                             "the profiler-driven chooser on one MoE layer")
+    sched.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096)")
+    sched.add_argument("--d-model", type=int, default=512)
+    sched.add_argument("--d-expert", type=int, default=1024)
+    sched.add_argument("--experts-per-rank", type=int, default=1)
+    sched.add_argument("--top-k", type=int, default=1)
+    sched.add_argument("--capacity-factor", type=float, default=1.2)
+    sched.add_argument("--codec", default="fp16", help="the codec of the +codec variants")
+    sched.add_argument("--r", type=int, default=2, help="pipelining degree of the last rows")
+    sched.add_argument("--warmup", type=int, default=2)
+    sched.add_argument("--reps", type=int, default=5)
+    sched.add_argument("--choose", action="store_true",
+                       help="also profile, choose codec/a2a/r/schedule, and measure the choice")
+    sched.add_argument("--trace", default=None, help="Chrome trace JSON of the last variant")
+    sched.add_argument("--gantt", default=None, help="PNG timeline of the last variant")
+    sched.add_argument("--device", default="cpu")
+    sched.add_argument("--out", default=None, help="write the results as JSON here")
+    add_launch_args(sched, default_nproc=1)
+    sched.set_defaults(func=run_schedule)
+
 
 def run_layer(args: argparse.Namespace) -> int:
     for name in ("tokens", "d_model", "d_expert", "reps"):
@@ -36,5 +57,29 @@ def run_layer(args: argparse.Namespace) -> int:
         print(format_table(rows))
         if args.out:
             write_json(rows, args.out, "moeflow " + shlex.join(sys.argv[1:]))
+            print(f"wrote {args.out}")
+    return 0
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    import json
+
+    from moeflow.bench.schedule import bench_worker, format_result
+    from moeflow.comm.codecs import CODECS
+    from moeflow.config import ConfigError
+
+    if args.codec not in CODECS:
+        raise ConfigError(f"--codec {args.codec!r} is not registered; registered: "
+                          f"{', '.join(sorted(CODECS))}")
+    opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
+                                          "top_k", "capacity_factor", "codec", "r", "warmup",
+                                          "reps", "choose", "trace", "gantt", "device")}
+    res = run_on_ranks(bench_worker, args, opts)
+    if res is not None:
+        print(format_result(res))
+        if args.out:
+            res["command"] = "moeflow " + shlex.join(sys.argv[1:])
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
             print(f"wrote {args.out}")
     return 0
