@@ -54,6 +54,12 @@ class MoELayer(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, float] = {}
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the last forward's aux_loss (it belongs to that graph)."""
+        state = dict(super().__getstate__())
+        state["aux_loss"] = None
+        return state
+
     def extra_repr(self) -> str:
         c = self.cfg
         return (f"experts={c.num_experts} (local {self.num_local}), top_k={c.top_k}, "

@@ -50,3 +50,16 @@ def test_registry_rejects_wrong_types_and_taken_names():
         class Other(mf.AllToAll):
             def start(self, x, send_splits, recv_splits):
                 raise NotImplementedError
+
+
+def test_layer_copies_and_pickles_after_a_forward():
+    import copy
+    import pickle
+
+    layer = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=8, num_experts=2, schedule="optsche",
+                                     pipeline_degree=2))
+    x = torch.randn(4, 8)
+    y = layer(x)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        torch.testing.assert_close(clone(x), y)
+    assert layer.aux_loss is not None

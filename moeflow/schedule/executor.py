@@ -52,6 +52,13 @@ class CommLane:
             self._pool.shutdown(wait=True)
             self._pool = None
 
+    # A lane is a resource, not state: copies and pickles of a layer get a fresh one.
+    def __deepcopy__(self, memo) -> "CommLane":
+        return CommLane()
+
+    def __getstate__(self) -> dict:
+        return {"_pool": None}
+
 
 def _done(value: Any) -> Future:
     f: Future = Future()
