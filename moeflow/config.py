@@ -53,6 +53,13 @@ class MoEConfig:
     renormalize: bool | None = None
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    # SMILE bi-level routing (router="bilevel"): experts in `bilevel_nodes` equal groups, one
+    # per node; top `node_top_k` nodes x top `local_top_k` experts of a node per token
+    # (top_k must be their product); the intra-node loss coefficient beta defaults to alpha.
+    bilevel_nodes: int | None = None
+    node_top_k: int = 1
+    local_top_k: int = 1
+    local_loss_coef: float | None = None
     codec: str = "none"
     codec_backward: bool = False
     a2a: str = "direct"
@@ -64,6 +71,8 @@ class MoEConfig:
     def __post_init__(self) -> None:
         o = "MoEConfig"
         _positive_int(o, "pipeline_degree", self.pipeline_degree)
+        if self.router == "bilevel":
+            self._check_bilevel(o)
         for name in ("d_model", "d_expert", "num_experts", "top_k"):
             _positive_int(o, name, getattr(self, name))
         _require(self.top_k <= self.num_experts, o, "top_k", self.top_k,
@@ -97,6 +106,28 @@ class MoEConfig:
             _require(v in registry, o, name, v,
                      f"unknown name; registered: {', '.join(sorted(registry))} "
                      f"(register your own with moeflow.register_{registry.kind})")
+
+    def _check_bilevel(self, o: str) -> None:
+        n = self.bilevel_nodes
+        _require(isinstance(n, int) and n > 0, o, "bilevel_nodes", n,
+                 "router='bilevel' needs the number of nodes the experts are grouped into "
+                 "(e.g. bilevel_nodes=2 for 2 nodes)")
+        _require(self.num_experts % n == 0, o, "num_experts", self.num_experts,
+                 f"must be a multiple of bilevel_nodes={n} (the same experts on every node)")
+        m = self.num_experts // n
+        _positive_int(o, "node_top_k", self.node_top_k)
+        _positive_int(o, "local_top_k", self.local_top_k)
+        _require(self.node_top_k <= n, o, "node_top_k", self.node_top_k,
+                 f"must be <= bilevel_nodes={n}")
+        _require(self.local_top_k <= m, o, "local_top_k", self.local_top_k,
+                 f"must be <= the {m} experts of a node")
+        _require(self.top_k == self.node_top_k * self.local_top_k, o, "top_k", self.top_k,
+                 f"with router='bilevel' it must equal node_top_k x local_top_k = "
+                 f"{self.node_top_k * self.local_top_k}; set top_k="
+                 f"{self.node_top_k * self.local_top_k}")
+        if self.local_loss_coef is not None:
+            _require(self.local_loss_coef >= 0, o, "local_loss_coef", self.local_loss_coef,
+                     "must be >= 0, or None for the same value as aux_loss_coef")
 
     @property
     def dropless(self) -> bool:
@@ -134,6 +165,10 @@ class ModelConfig:
     activation: str = "gelu"
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    bilevel_nodes: int | None = None
+    node_top_k: int = 1
+    local_top_k: int = 1
+    local_loss_coef: float | None = None
     codec: str = "none"
     codec_backward: bool = False
     a2a: str = "direct"
@@ -170,7 +205,9 @@ class ModelConfig:
                          num_experts=self.num_experts, top_k=self.top_k,
                          capacity_factor=self.capacity_factor, router=self.router,
                          activation=self.activation, aux_loss_coef=self.aux_loss_coef,
-                         z_loss_coef=self.z_loss_coef, codec=self.codec,
+                         z_loss_coef=self.z_loss_coef, bilevel_nodes=self.bilevel_nodes,
+                         node_top_k=self.node_top_k, local_top_k=self.local_top_k,
+                         local_loss_coef=self.local_loss_coef, codec=self.codec,
                          codec_backward=self.codec_backward, a2a=self.a2a,
                          schedule=self.schedule, pipeline_degree=self.pipeline_degree,
                          seed=self.seed, layer_id=block)

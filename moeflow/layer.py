@@ -41,6 +41,7 @@ class MoELayer(nn.Module):
                 "ep_size")
         self.cfg, self.topo = cfg, topo
         self.num_local = cfg.num_experts // topo.ep_size
+        ROUTERS[cfg.router].check_topology(cfg, topo)
         self.router = ROUTERS[cfg.router](cfg)
         self.experts = ExpertFFN(cfg.d_model, cfg.d_expert, topo.ep_rank * self.num_local,
                                  self.num_local, cfg.activation, cfg.seed, cfg.layer_id)

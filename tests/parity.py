@@ -31,15 +31,29 @@ CASES: dict[str, dict] = {
 }
 
 
+# SMILE bi-level routing: needs 2 nodes when distributed (run on 2 x 2 ranks).
+BILEVEL_CASES: dict[str, dict] = {
+    "bilevel_top1": dict(num_experts=8, top_k=1, capacity_factor=2.0, router="bilevel",
+                         bilevel_nodes=2, aux_loss_coef=0.005),
+    "bilevel_dropless_2x2": dict(num_experts=8, top_k=4, capacity_factor=None,
+                                 router="bilevel", bilevel_nodes=2, node_top_k=2,
+                                 local_top_k=2, local_loss_coef=0.02, z_loss_coef=0.01),
+}
+
+
+def _spec(name: str) -> dict:
+    return CASES[name] if name in CASES else BILEVEL_CASES[name]
+
+
 def make_config(name: str, **overrides) -> MoEConfig:
-    spec = {k: v for k, v in CASES[name].items() if k not in ("hot", "tokens")}
+    spec = {k: v for k, v in _spec(name).items() if k not in ("hot", "tokens")}
     return MoEConfig(d_model=D_MODEL, d_expert=D_EXPERT, seed=7, layer_id=3,
                      **{**spec, **overrides})
 
 
 def make_layer(name: str, topo: Topology, **overrides) -> MoELayer:
     layer = MoELayer(make_config(name, **overrides), topo).double()
-    hot = CASES[name].get("hot")
+    hot = _spec(name).get("hot")
     if hot is not None:           # every token's first choice becomes expert `hot`
         with torch.no_grad():
             layer.router.weight[:, hot] += 10.0 * _hot_direction()
@@ -52,9 +66,9 @@ def _hot_direction() -> torch.Tensor:
 
 def make_batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_r, g_r): rank r's tokens and the weights of its local loss."""
-    t = CASES[name].get("tokens", TOKENS)[rank]
+    t = _spec(name).get("tokens", TOKENS)[rank]
     x = seeded_normal((t, D_MODEL), 1.0, "x", name, rank, dtype=torch.float64)
-    if CASES[name].get("hot") is not None:
+    if _spec(name).get("hot") is not None:
         x = x + 3.0 * _hot_direction()
     g = seeded_normal((t, D_MODEL), 1.0, "g", name, rank, dtype=torch.float64)
     return x, g

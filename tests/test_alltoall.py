@@ -1,4 +1,5 @@
-"""Every all-to-all algorithm moves exactly what ``direct`` moves, for any split sizes."""
+"""Every all-to-all algorithm moves exactly what ``direct`` moves, for any split sizes, in both
+directions (dispatch ``start`` and ``start_combine``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from moeflow.init import seeded_normal
 from moeflow.launch import launch_local
 from moeflow.topology import Topology
 
-ALGOS = ["pairwise", "hier1d", "hier2d", "pipe"]
+ALGOS = ["pairwise", "hier1d", "hier2d", "pipe", "bilevel"]
 
 
 def _splits(world: int, trial: int) -> list[list[int]]:
@@ -37,8 +38,10 @@ def _worker(layouts: list[int]) -> dict:
             x = seeded_normal((sum(send), 3), 1.0, "a2a", trial, topo.rank, dtype=torch.float64)
             expect = ref.exchange(x, send, recv)
             for name in ALGOS:
-                got = ALLTOALLS[name](topo).exchange(x, send, recv)
-                out[(local_size, trial, name)] = bool(torch.equal(got, expect))
+                algo = ALLTOALLS[name](topo)
+                out[(local_size, trial, name)] = all(
+                    bool(torch.equal(algo.exchange(x, send, recv, combine), expect))
+                    for combine in (False, True))
     return out
 
 
@@ -57,7 +60,7 @@ def test_algorithm_equals_direct(results, name, world, local_size):
             assert res[(local_size, trial, name)], (rank, trial)
 
 
-@pytest.mark.parametrize("name", ["hier1d", "hier2d", "pipe"])
+@pytest.mark.parametrize("name", ["hier1d", "hier2d", "pipe", "bilevel"])
 def test_hierarchical_algorithms_refuse_one_node(name):
     with pytest.raises(ConfigError, match="needs several nodes"):
         ALLTOALLS[name](Topology(rank=0, world_size=4, local_size=4, ep_size=4))

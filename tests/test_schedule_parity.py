@@ -1,5 +1,5 @@
 """Every all-to-all algorithm x scheduler x pipelining degree gives the float64 reference
-(4 ranks seen as 2 nodes x 2 ranks, capacity and dropless)."""
+(4 ranks seen as 2 nodes x 2 ranks, capacity and dropless, top-k and SMILE bi-level routing)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from moeflow.launch import launch_local
 from tests import parity
 from tests.test_layer_parity import TOL
 
-ALGOS = ["direct", "pairwise", "hier1d", "hier2d", "pipe"]
+ALGOS = ["direct", "pairwise", "hier1d", "hier2d", "pipe", "bilevel"]
 SCHEDULES = ["sequential", "pipelined", "optsche"]
 VARIANTS = [dict(a2a=a, schedule=s, pipeline_degree=r)
             for a, s, r in itertools.product(ALGOS, SCHEDULES, [1, 2, 4])]
-NAMES = ["capacity_k2", "dropless_k2", "zero_token_rank"]
+NAMES = ["capacity_k2", "dropless_k2", "zero_token_rank", "bilevel_top1",
+         "bilevel_dropless_2x2"]
 WORLD = 4
 
 

@@ -36,6 +36,10 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
 
+    @classmethod
+    def check_topology(cls, cfg, topo) -> None:
+        """Raise ConfigError if this router cannot place its experts on ``topo``."""
+
 
 ROUTERS = Registry("router", Router)
 register_router = ROUTERS.register

@@ -68,8 +68,8 @@ class ScheduledExperts:
         self.backward_codec, self.scheduler, self.r = backward_codec, scheduler, r
         self.lane, self.timeline = lane, timeline
 
-    def _exchange(self, payloads, send, recv):
-        out = [self.algo.exchange(p, send, recv) for p in payloads]
+    def _exchange(self, payloads, send, recv, combine=False):
+        out = [self.algo.exchange(p, send, recv, combine) for p in payloads]
         return out, sum(p.numel() * p.element_size() for p in payloads)
 
     def forward(self, send: torch.Tensor, cp: ChunkPlan) -> tuple[torch.Tensor, list]:
@@ -90,7 +90,7 @@ class ScheduledExperts:
             "D1": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * send.shape[1]),
             "E": expert,
             "C2": lambda i, y: (codec.encode(y), y.numel()),
-            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i]),
+            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i], True),
             "D2": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * send.shape[1]),
         })
         chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline,
@@ -118,7 +118,7 @@ class ScheduledExperts:
             "D1": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * grad.shape[1]),
             "E": expert,
             "C2": lambda i, g: (codec.encode(g), g.numel()),
-            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i]),
+            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i], True),
             "D2": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * grad.shape[1]),
         })
         chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline,

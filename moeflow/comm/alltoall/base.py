@@ -45,9 +45,18 @@ class AllToAll(ABC):
     def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
         """Begin the exchange of ``x`` (rows split by ``send_splits``)."""
 
+    def start_combine(self, x: torch.Tensor, send_splits: list[int],
+                      recv_splits: list[int]) -> Pending:
+        """The exchange from the experts back to the tokens' ranks (and, in backward, the
+        gradient of the dispatch). Same contract as ``start``; an algorithm whose stages have a
+        direction (SMILE's bi-level: inter then intra to dispatch, intra then inter back)
+        overrides it. By default it is ``start``."""
+        return self.start(x, send_splits, recv_splits)
+
     def exchange(self, x: torch.Tensor, send_splits: list[int],
-                 recv_splits: list[int]) -> torch.Tensor:
-        return self.start(x, send_splits, recv_splits).wait()
+                 recv_splits: list[int], combine: bool = False) -> torch.Tensor:
+        start = self.start_combine if combine else self.start
+        return start(x, send_splits, recv_splits).wait()
 
 
 ALLTOALLS = Registry("alltoall", AllToAll)

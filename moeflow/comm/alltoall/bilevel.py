@@ -1,0 +1,50 @@
+"""``bilevel``: SMILE's two-stage all-to-all (SMILE section 3.2.3, Fig. 5).
+
+Dispatch: an inter-node all-to-all among the ranks with the same local rank (rank (n, l) sends
+to (n', l) everything bound for node n'), then an intra-node all-to-all (to the right local
+rank). Combine (``start_combine``): the reverse, intra-node first, then inter-node. Each rank
+talks to N-1 + L-1 peers instead of N*L - 1 (O(m + n) launches instead of O(mn)). Results are in
+source-rank order like every algorithm, so schedulers and codecs apply unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow.comm.alltoall.base import Pending, register_alltoall
+from moeflow.comm.alltoall.blocks import split_matrix, take
+from moeflow.comm.alltoall.hier2d import Hier2DAllToAll, _a2a
+from moeflow.comm.alltoall.hierarchy import require_nodes
+
+
+@register_alltoall("bilevel")
+class BiLevelAllToAll(Hier2DAllToAll):
+    @classmethod
+    def check_topology(cls, topo) -> None:
+        require_nodes("bilevel", topo)
+
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+        """Inter-node stage, then intra-node stage."""
+        topo = self.topo
+        N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
+        S = split_matrix(send_splits, topo.world_group, x.device)
+        g = lambda node, local: node * L + local  # noqa: E731
+        # 1: to (n2, l) the blocks for every (n2, l2): contiguous already (destination order)
+        send1 = [sum(S[g(n, l)][g(n2, l2)] for l2 in range(L)) for n2 in range(N)]
+        recv1 = [sum(S[g(n1, l)][g(n, l2)] for l2 in range(L)) for n1 in range(N)]
+        got1 = _a2a(x, send1, recv1, topo.inter_node_group)
+        # got1: (source node n1, dest local l2) -> regroup by dest local rank
+        sizes1 = [S[g(n1, l)][g(n, l2)] for n1 in range(N) for l2 in range(L)]
+        step2 = take(got1, sizes1, [n1 * L + l2 for l2 in range(L) for n1 in range(N)])
+        # 2: to local rank l2 everything from every source node through us
+        send2 = [sum(S[g(n1, l)][g(n, l2)] for n1 in range(N)) for l2 in range(L)]
+        recv2 = [sum(S[g(n1, l1)][g(n, l)] for n1 in range(N)) for l1 in range(L)]
+        got2 = _a2a(step2, send2, recv2, topo.intra_node_group) if L > 1 else step2
+        # got2: (relay local l1, source node n1) -> source-rank order (n1, l1)
+        sizes2 = [S[g(n1, l1)][g(n, l)] for l1 in range(L) for n1 in range(N)]
+        out = take(got2, sizes2, [l1 * N + n1 for n1 in range(N) for l1 in range(L)])
+        return Pending(lambda: out)
+
+    # Combine: intra-node first, then inter-node among the same local ranks, which is exactly
+    # the 2D-hierarchical order.
+    start_combine = Hier2DAllToAll.start

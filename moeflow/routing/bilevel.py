@@ -1,0 +1,75 @@
+"""SMILE's bi-level router (SMILE section 3.2.1, Eq. 3) and additive balancing loss (Eq. 4).
+
+Experts form ``n`` groups of ``m``, group i living on node i. An inter-node router (n outputs)
+picks node(s) i with probability p_i(x); an intra-node router (m outputs) picks the expert(s) j
+of that node with probability q_j(x); expert ``i*m + j`` gets weight ``p_i(x) q_j(x)``. Both
+routers are replicated (tied) on every rank. Cost O(max(n, m) T d) instead of O(n m T d).
+Top-1 per level as in the paper; ``node_top_k`` / ``local_top_k`` give top-k per level.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.init import seeded_normal
+from moeflow.routing.base import Router, Routing, register_router
+from moeflow.routing.losses import balance_loss, z_loss
+
+
+def additive_balance_loss(p: torch.Tensor, nodes: torch.Tensor, q: torch.Tensor,
+                          locals_: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """Eq. (4): ``alpha n sum_i f_i P_i + beta m sum_j f_j Q_j``; uniform routing gives
+    ``alpha + beta``. f counts the chosen nodes / local experts over all choices."""
+    return (alpha * balance_loss(p, nodes, p.shape[-1])
+            + beta * balance_loss(q, locals_, q.shape[-1]))
+
+
+@register_router("bilevel")
+class BiLevelRouter(Router):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.n = cfg.bilevel_nodes
+        self.m = cfg.num_experts // self.n
+        self.node_weight = nn.Parameter(seeded_normal((cfg.d_model, self.n), 0.02, cfg.seed,
+                                                      "layer", cfg.layer_id, "router", "node"))
+        self.local_weight = nn.Parameter(seeded_normal((cfg.d_model, self.m), 0.02, cfg.seed,
+                                                       "layer", cfg.layer_id, "router", "local"))
+
+    @classmethod
+    def check_topology(cls, cfg, topo) -> None:
+        """Expert group i must live on node i: expert parallelism over the whole world, and as
+        many nodes as groups. A world of one (the single-process reference) holds them all."""
+        from moeflow.config import ConfigError
+
+        if not topo.distributed:
+            return
+        if topo.ep_size != topo.world_size or topo.num_nodes != cfg.bilevel_nodes:
+            raise ConfigError(
+                f"MoEConfig.bilevel_nodes={cfg.bilevel_nodes} does not match the job: "
+                f"{topo.num_nodes} node(s) x {topo.local_size} ranks with ep_size="
+                f"{topo.ep_size}; set bilevel_nodes={topo.num_nodes} and keep expert "
+                "parallelism over all ranks (ep_size=None)")
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        cfg = self.cfg
+        dt = torch.promote_types(x.dtype, torch.float32)
+        xd = x.to(dt)
+        node_logits = xd @ self.node_weight.to(dt)
+        local_logits = xd @ self.local_weight.to(dt)
+        if self.training and cfg.gate_noise > 0:
+            node_logits = node_logits + torch.randn_like(node_logits) * cfg.gate_noise
+            local_logits = local_logits + torch.randn_like(local_logits) * cfg.gate_noise
+        p, q = torch.softmax(node_logits, -1), torch.softmax(local_logits, -1)
+        p_top, nodes = p.topk(cfg.node_top_k, dim=-1)            # (T, k1)
+        q_top, locals_ = q.topk(cfg.local_top_k, dim=-1)         # (T, k2)
+        # every (node, local) pair; choice order: node choice major, local choice minor
+        experts = (nodes.unsqueeze(2) * self.m + locals_.unsqueeze(1)).flatten(1)
+        weights = (p_top.unsqueeze(2) * q_top.unsqueeze(1)).flatten(1)   # Eq. (3)
+        alpha = cfg.aux_loss_coef
+        beta = alpha if cfg.local_loss_coef is None else cfg.local_loss_coef
+        unscaled = additive_balance_loss(p, nodes, q, locals_, 1.0, 1.0)
+        lb = additive_balance_loss(p, nodes, q, locals_, alpha, beta)
+        zl = z_loss(node_logits) + z_loss(local_logits)
+        return Routing(experts=experts, weights=weights, aux_loss=lb + cfg.z_loss_coef * zl,
+                       balance_loss=unscaled.detach(), z_loss=zl.detach())
