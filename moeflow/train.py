@@ -117,7 +117,7 @@ class Trainer:
                                     self.model, self.opt)
 
     # ---- the loop -------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
+    def train_step(self) -> tuple[float, float, float]:
         cfg, topo = self.cfg, self.topo
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, cfg)
@@ -131,7 +131,8 @@ class Trainer:
         clip_gradients(self.model, topo, cfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return ce.item(), aux.item()
+        balance = sum(m.stats["balance_loss"] for m in self.model.moe_layers())
+        return ce.item(), aux.item(), balance
 
     def run(self, resume: bool = False) -> dict:
         cfg, topo = self.cfg, self.topo
@@ -149,16 +150,17 @@ class Trainer:
                        dynamic_ncols=True, mininterval=1.0)
         if self.step == 0:
             self._log({"step": 0, "val_loss": evaluate(self.model, self.corpus, cfg, topo)})
-        t_last, steps_last, ce_sum, aux_sum = time.perf_counter(), 0, 0.0, 0.0
+        t_last, steps_last, sums = time.perf_counter(), 0, [0.0, 0.0, 0.0]
         start_time = time.perf_counter()
         while self.step < cfg.steps:
-            ce, aux = self.train_step()
-            ce_sum, aux_sum, steps_last = ce_sum + ce, aux_sum + aux, steps_last + 1
+            sums = [a + b for a, b in zip(sums, self.train_step())]
+            steps_last += 1
             done = self.step == cfg.steps
             if self.step % cfg.log_every == 0 or done:
-                loss, aux_mean = _world_mean([ce_sum / steps_last, aux_sum / steps_last], topo)
+                loss, aux_mean, balance = _world_mean([v / steps_last for v in sums], topo)
                 now = time.perf_counter()
                 rec = {"step": self.step, "loss": loss, "aux_loss": aux_mean,
+                       "balance_loss": balance,
                        "lr": lr_at(self.step - 1, cfg),
                        "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
                        "elapsed_s": now - start_time}
@@ -170,7 +172,7 @@ class Trainer:
                                     tok_s=f"{rec['tokens_per_s']:.0f}",
                                     **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec
                                        else {}))
-                t_last, steps_last, ce_sum, aux_sum = time.perf_counter(), 0, 0.0, 0.0
+                t_last, steps_last, sums = time.perf_counter(), 0, [0.0, 0.0, 0.0]
             if bar is not None:
                 bar.update(1)
             if done or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):

@@ -72,3 +72,19 @@ def test_bench_schedule_cli(tmp_path, capsys):
     assert rows[0]["speedup"] == 1.0 and len(rows) == 5
     with pytest.raises(SystemExit):
         main(["bench", "schedule", "--codec", "nope"])
+
+
+def test_bench_smile_refuses_one_node(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["bench", "smile"])
+    assert err.value.code == 2 and "several nodes" in capsys.readouterr().err
+
+
+def test_time_variants_reports_a2a_time():
+    from moeflow.bench.schedule import time_variants
+
+    base = mf.MoEConfig(d_model=16, d_expert=16, num_experts=4, top_k=1)
+    rows = time_variants(base, [("a", {}), ("b", dict(schedule="optsche", pipeline_degree=2))],
+                         mf.Topology.single(), torch.randn(32, 16), warmup=1, reps=2)
+    assert [r["variant"] for r in rows] == ["a", "b"]
+    assert all(0 < r["a2a_ms"] < r["step_ms"] for r in rows)

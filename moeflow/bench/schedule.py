@@ -57,18 +57,27 @@ def step_once(layer: MoELayer, x: torch.Tensor, topo: Topology) -> float:
 
 def time_variants(base: MoEConfig, variants: list[tuple[str, dict]], topo: Topology,
                   x: torch.Tensor, warmup: int, reps: int) -> list[dict]:
+    """Median forward + backward time of each variant (round-robin repetitions), and the
+    median time its all-to-all tasks took (forward + backward, slowest rank)."""
     layers = [MoELayer(base.replace(**v), topo) for _, v in variants]
     times: list[list[float]] = [[] for _ in variants]
+    comm: list[list[float]] = [[] for _ in variants]
+    for layer in layers:
+        layer.timeline = Timeline()
     for i in range(warmup + reps):
-        for layer, ts in zip(layers, times):
+        for layer, ts, cs in zip(layers, times, comm):
+            layer.timeline.clear()
             t = step_once(layer, x, topo)
+            a2a = sum(r.end - r.start for r in layer.timeline.records if r.task.is_comm)
             if i >= warmup:
                 ts.append(t)
+                cs.append(_slowest(a2a, topo))
     base_ms = 1e3 * statistics.median(times[0])
     out = []
-    for (label, v), ts in zip(variants, times):
+    for (label, v), ts, cs in zip(variants, times, comm):
         ms = 1e3 * statistics.median(ts)
         out.append({"variant": label, **v, "step_ms": ms, "speedup": base_ms / ms,
+                    "a2a_ms": 1e3 * statistics.median(cs),
                     "samples_ms": [1e3 * t for t in ts]})
     for layer in layers:
         layer.lane.close()
@@ -124,9 +133,10 @@ def bench_worker(opts: dict) -> dict:
 
 def format_result(res: dict) -> str:
     lines = [res["topology"],
-             f"{'variant':<34} {'ms/step':>9} {'speedup':>8}", "-" * 53]
+             f"{'variant':<34} {'ms/step':>9} {'speedup':>8} {'a2a ms':>8}", "-" * 62]
     for r in res["rows"]:
-        lines.append(f"{r['variant']:<34} {r['step_ms']:>9.2f} {r['speedup']:>7.2f}x")
+        lines.append(f"{r['variant']:<34} {r['step_ms']:>9.2f} {r['speedup']:>7.2f}x "
+                     f"{r['a2a_ms']:>8.2f}")
     if "choice" in res:
         c = res["choice"]
         lines += ["", "chooser (prediction from profiled fits, two-lane model):", c["explain"],

@@ -45,6 +45,20 @@ def register(sub) -> None:
     add_launch_args(sched, default_nproc=1)
     sched.set_defaults(func=run_schedule)
 
+    smile = bsub.add_parser("smile", help="SMILE: bi-level vs flat top-1 routing, layer and "
+                                          "all-to-all time (needs several nodes)")
+    smile.add_argument("--tokens", type=int, nargs="+", default=[256, 4096],
+                       help="tokens per rank; several values = small and large messages")
+    smile.add_argument("--d-model", type=int, default=256)
+    smile.add_argument("--d-expert", type=int, default=512)
+    smile.add_argument("--experts-per-rank", type=int, default=1)
+    smile.add_argument("--capacity-factor", type=float, default=2.0)
+    smile.add_argument("--warmup", type=int, default=2)
+    smile.add_argument("--reps", type=int, default=5)
+    smile.add_argument("--out", default=None, help="write the results as JSON here")
+    add_launch_args(smile, default_nproc=1)
+    smile.set_defaults(func=run_smile)
+
 
 def run_layer(args: argparse.Namespace) -> int:
     for name in ("tokens", "d_model", "d_expert", "reps"):
@@ -74,6 +88,30 @@ def run_schedule(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "top_k", "capacity_factor", "codec", "r", "warmup",
                                           "reps", "choose", "trace", "gantt", "device")}
+    res = run_on_ranks(bench_worker, args, opts)
+    if res is not None:
+        print(format_result(res))
+        if args.out:
+            res["command"] = "moeflow " + shlex.join(sys.argv[1:])
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+            print(f"wrote {args.out}")
+    return 0
+
+
+def run_smile(args: argparse.Namespace) -> int:
+    import json
+
+    from moeflow.bench.smile import bench_worker, format_result
+    from moeflow.config import ConfigError
+    from moeflow.launch import under_torchrun
+
+    if not under_torchrun():
+        raise ConfigError("moeflow bench smile needs several nodes: run it under "
+                          "`moeflow cluster run --nodes N --ranks-per-node M -- python -m "
+                          "moeflow.cli bench smile`, or torchrun on several nodes")
+    opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
+                                          "capacity_factor", "warmup", "reps")}
     res = run_on_ranks(bench_worker, args, opts)
     if res is not None:
         print(format_result(res))
