@@ -2,7 +2,8 @@
 
 A link's rate is limited with a token bucket (``tbf``) on the egress of an interface; latency is
 added with ``netem`` as the root qdisc and the ``tbf`` as its child (netem delays, then the
-bucket paces). Each direction of a link is the egress of one of its two ends, so shaping both
+bucket paces); kernels built without netem (the project's machine is one) refuse a latency
+with a clear error. Each direction of a link is the egress of one of its two ends, so shaping both
 ends limits both directions independently (full duplex, like a real NIC).
 
 tbf counts bytes at layer 2 (Ethernet + IP + TCP headers included), so TCP's goodput over a
@@ -47,6 +48,11 @@ def format_rate(bits_per_s: float) -> str:
     return f"{bits_per_s:g}bit"
 
 
+QUEUE_S = 0.010     # tbf queue: 10 ms of traffic, a switch-like buffer. With 200 ms, the ACKs
+                    # of a reverse flow wait behind data (bufferbloat) and bidirectional
+                    # goodput fell to ~85 MB/s per direction at 1gbit (vs ~105 with 10 ms).
+
+
 @dataclass(frozen=True)
 class LinkShape:
     """The limits of one link direction; ``None`` means unlimited."""
@@ -58,9 +64,15 @@ class LinkShape:
         return self.rate_bps is not None or bool(self.latency_s)
 
     def burst_bytes(self, mtu: int) -> int:
-        """Bucket size: at least 2 ms of traffic and 4 packets (tbf drops packets > burst)."""
+        """Bucket size: 2 ms of traffic (256 KB at 1gbit), at least 4 packets.
+
+        The bucket lets a burst this big through at memory speed, so messages below it are not
+        limited (a real NIC never allows that). Smaller buckets were measured on the project's
+        loaded 2-core machine (docs/benchmarks/cluster.md): 64 KB and 25 KB cut large-transfer
+        goodput at 1gbit from ~115 to 55-80 MB/s because the qdisc timer fires late.
+        """
         assert self.rate_bps is not None
-        return int(max(self.rate_bps / 8 * 2e-3, 4 * (mtu + 100), 256 * 1024))
+        return int(max(self.rate_bps / 8 * 2e-3, 4 * (mtu + 100)))
 
     def tc_commands(self, netns: str, dev: str, mtu: int) -> list[list[str]]:
         """``tc`` argument lists that put this shape on ``dev``'s egress inside ``netns``."""
@@ -73,5 +85,6 @@ class LinkShape:
             parent = ["parent", "1:"]
         if self.rate_bps is not None:
             cmds.append(tc + parent + ["handle", "2:", "tbf", "rate", f"{self.rate_bps:.0f}bit",
-                                       "burst", str(self.burst_bytes(mtu)), "latency", "200ms"])
+                                       "burst", str(self.burst_bytes(mtu)), "latency",
+                                       f"{QUEUE_S * 1e3:g}ms"])
         return cmds
