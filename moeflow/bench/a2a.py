@@ -4,7 +4,7 @@ The experiment of ScheMoE section 6.4 / Fig. 9: the time of one all-to-all for m
 1) small [1K, 1M), 2) medium [1M, 200M) and 3) large [200M, 2G] bytes per rank, for each
 algorithm of :data:`moeflow.comm.alltoall.ALLTOALLS` (an algorithm whose ``check_topology``
 refuses the layout is skipped with its reason). Reported per size: median time (slowest rank,
-ranks aligned by a barrier), algorithm bandwidth ``bytes / time`` (nccl-tests' algbw; ``bytes`` =
+ranks aligned by a barrier; 3x the repetitions below 1 MiB), algorithm bandwidth ``bytes / time`` (nccl-tests' algbw; ``bytes`` =
 one rank's send buffer) and the ratio to a lower bound:
 
 * several nodes: every node must push ``M * S * (W - M) / W`` bytes through its link
@@ -65,7 +65,8 @@ def a2a_worker(names: list[str] | None, sizes: list[int], warmup: int, reps: int
             x = torch.ones(world * rows, cols)
             splits = [rows] * world
             times = []
-            for i in range(warmup + reps):
+            n_reps = 3 * reps if nbytes < (1 << 20) else reps   # small: cheap and noisier
+            for i in range(warmup + n_reps):
                 if topo.distributed:
                     dist.barrier()
                 t0 = time.perf_counter()
