@@ -232,3 +232,29 @@ def test_ctrl_c_stops_every_node_and_cleans_up():
     assert "got signal" in out
     assert not _procs_with(marker), "ranks left running"
     assert not _our_namespaces(proc.pid)
+
+
+@needs_netns
+def test_cleanup_removes_what_a_killed_launcher_left():
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; from moeflow.cluster import EmulatedNetwork\n"
+         "net = EmulatedNetwork(3); net.create(); print('up', flush=True); time.sleep(60)"],
+        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        left = _our_namespaces(holder.pid)
+        assert len(left) == 4
+        out = subprocess.run([sys.executable, "-m", "moeflow.cli", "cluster", "cleanup"],
+                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert _our_namespaces(holder.pid) == left       # its launcher is alive: kept
+        holder.kill()                                    # kill -9: no clean-up ran
+        holder.wait()
+        out = subprocess.run([sys.executable, "-m", "moeflow.cli", "cluster", "cleanup"],
+                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and all(n in out.stdout for n in left), out.stdout
+        assert not _our_namespaces(holder.pid)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        for ns in _our_namespaces(holder.pid):
+            subprocess.run(["ip", "netns", "del", ns])
