@@ -258,3 +258,18 @@ def test_cleanup_removes_what_a_killed_launcher_left():
             holder.kill()
         for ns in _our_namespaces(holder.pid):
             subprocess.run(["ip", "netns", "del", ns])
+
+
+@needs_netns
+def test_latency_uses_netem_or_is_refused_clearly():
+    shape = LinkShape(rate_bps=1e9, latency_s=1e-3)
+    try:
+        with EmulatedNetwork(2, inter=shape) as net:
+            qd = net.qdiscs()
+            names = list(net.namespaces)
+    except ClusterError as err:                     # kernels without netem (this project's)
+        assert "netem" in str(err) and "--inter-latency" in str(err)
+        assert not _our_namespaces(os.getpid())
+        return
+    assert qd.count("netem") == 2 and qd.count("tbf") == 2 and "delay 1ms" in qd
+    assert not [n for n in names if n in _our_namespaces(os.getpid())]
