@@ -48,18 +48,29 @@ def test_names_fit_and_do_not_collide():
         EmulatedNetwork(0)
 
 
+def test_addresses_sort_like_node_indices():
+    """torchrun's c10d rendezvous numbers nodes by their address (as text)."""
+    net = EmulatedNetwork(150)
+    addresses = [net.node_address(i) for i in range(150)]
+    assert sorted(addresses) == addresses and len(set(addresses)) == 150
+    with pytest.raises(ClusterError, match="1..150"):
+        EmulatedNetwork(151)
+
+
 def test_spec_validation_and_torchrun_command():
     with pytest.raises(ClusterError, match="--ranks-per-node 0"):
         ClusterSpec(2, 0)
     with pytest.raises(ClusterError, match="--nodes 0"):
         ClusterSpec(0, 2)
     spec = ClusterSpec(3, 2, inter=LinkShape(rate_bps=1e9))
-    cmd = torchrun_command(spec, 1, "10.1.2.1", ["python", "train.py"])
+    node = Node(1, "ns", "mfabcdefn1", "10.1.2.101")
+    cmd = torchrun_command(spec, node, "10.1.2.100", "abcdef", ["python", "train.py"])
     joined = " ".join(cmd)
-    for part in ("--nnodes 3", "--node-rank 1", "--nproc-per-node 2", "--master-addr 10.1.2.1",
-                 "--max-restarts 0", "--no-python python train.py"):
+    for part in ("--nnodes 3", "--nproc-per-node 2", "--rdzv-backend c10d",
+                 "--rdzv-endpoint 10.1.2.100:29400", "--rdzv-conf is_host=false",
+                 "--local-addr 10.1.2.101", "--max-restarts 0", "--no-python python train.py"):
         assert part in joined
-    env = spec.environment(Node(1, "ns", "mfabcdefn1", "10.1.2.2"))
+    env = spec.environment(node)
     assert env["GLOO_SOCKET_IFNAME"] == "mfabcdefn1"
     assert env["MOEFLOW_CLUSTER_INTER_BW_BPS"] == "1000000000"
     assert "MOEFLOW_CLUSTER_INTRA_BW_BPS" not in env

@@ -1,16 +1,20 @@
 """``moeflow cluster run``: torchrun in every emulated node, output streamed, everything removed after.
 
 For node ``i`` of ``N`` the launcher starts, inside that node's namespace,
-``python -m torch.distributed.run --nnodes N --node-rank i --nproc-per-node M
---master-addr <node 0's address> --master-port P --max-restarts 0 --no-python COMMAND...``
-(torchrun's static rendezvous, so node ``i`` holds global ranks ``i*M .. i*M+M-1``, the numbering
-:class:`~moeflow.topology.Topology` assumes) with ``GLOO_SOCKET_IFNAME`` set to the node's
-interface. Lines of every rank are printed as ``[n<node>r<rank>] ...``.
+``python -m torch.distributed.run --nnodes N --nproc-per-node M --rdzv-backend c10d
+--rdzv-endpoint <node 0>:29400 --rdzv-conf is_host=false --local-addr <node i's address>
+--max-restarts 0 --no-python COMMAND...`` with ``GLOO_SOCKET_IFNAME`` set to the node's
+interface. The rendezvous store is a separate process in node 0's namespace that outlives every
+agent (with torchrun's static rendezvous, node 0's agent hosts the store and may exit while the
+others still wait in torchrun's exit barrier, which they report with a stack trace). The c10d
+rendezvous orders nodes by their address, and node addresses sort like node indices, so node
+``i`` holds global ranks ``i*M .. i*M+M-1``, the numbering :class:`~moeflow.topology.Topology`
+assumes (the tests check it). Lines of every rank are printed as ``[n<node>r<rank>] ...``.
 
 The job's exit status is the first non-zero status of a node (0 when all succeed). When a node
 fails, the others are stopped at once (their ranks would otherwise wait for a collective
-timeout). SIGINT/SIGTERM stop every node; the namespaces, links and every process inside them
-are removed in all cases.
+timeout). SIGINT/SIGTERM/SIGHUP stop every node; the namespaces, links and every process inside
+them are removed in all cases.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from typing import TextIO
 from moeflow.cluster.netns import ClusterError, EmulatedNetwork, kill_namespace_processes
 from moeflow.cluster.shaping import LinkShape
 
-MASTER_PORT = 29500          # free by construction: node 0's namespace is new
+STORE_PORT = 29400           # free by construction: node 0's namespace is new
+STORE = ("import signal, sys\n"
+         "from torch.distributed import TCPStore\n"
+         "store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, "
+         "wait_for_workers=False)\n"
+         "signal.pause()\n")
 
 
 @dataclass
@@ -58,12 +67,13 @@ class ClusterSpec:
         return env
 
 
-def torchrun_command(spec: ClusterSpec, node_rank: int, master: str,
+def torchrun_command(spec: ClusterSpec, node, master: str, run_id: str,
                      command: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(spec.nodes),
-            "--node-rank", str(node_rank), "--nproc-per-node", str(spec.ranks_per_node),
-            "--master-addr", master, "--master-port", str(MASTER_PORT), "--max-restarts", "0",
-            "--monitor-interval", "0.2", "--role", f"n{node_rank}r",
+            "--nproc-per-node", str(spec.ranks_per_node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{master}:{STORE_PORT}", "--rdzv-id", f"moeflow-{run_id}",
+            "--rdzv-conf", "is_host=false", "--local-addr", node.address,
+            "--max-restarts", "0", "--monitor-interval", "0.2", "--role", f"n{node.index}r",
             "--tee", "3", "--no-python", *command]
 
 
@@ -108,15 +118,19 @@ def run_cluster(spec: ClusterSpec, command: list[str], out: TextIO | None = None
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old[s] = signal.signal(s, on_signal)
     procs: list[subprocess.Popen] = []
+    store = None
     pumps: list[threading.Thread] = []
     net = EmulatedNetwork(spec.nodes, spec.inter, spec.intra, mtu=spec.mtu)
     try:
         net.create()
         master = net.nodes[0].address
+        store = subprocess.Popen(["ip", "netns", "exec", net.nodes[0].netns, sys.executable,
+                                  "-c", STORE, master, str(STORE_PORT)],
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
         for node in net.nodes:
             env = dict(os.environ, **spec.environment(node))
             argv = ["ip", "netns", "exec", node.netns,
-                    *torchrun_command(spec, node.index, master, command)]
+                    *torchrun_command(spec, node, master, net.run_id, command)]
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -128,6 +142,9 @@ def run_cluster(spec: ClusterSpec, command: list[str], out: TextIO | None = None
             pumps.append(t)
         status = 0
         while not stop.is_set():
+            if store.poll() is not None:
+                raise ClusterError(f"the rendezvous store in node 0 exited with status "
+                                   f"{store.returncode} before the job ended")
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
@@ -157,6 +174,8 @@ def run_cluster(spec: ClusterSpec, command: list[str], out: TextIO | None = None
                 proc.wait()
         for t in pumps:
             t.join(timeout=grace_s)
-        net.destroy()
+        net.destroy()                     # also kills the store and anything left inside
+        if store is not None:
+            store.wait()
         for s, handler in old.items():
             signal.signal(s, handler)

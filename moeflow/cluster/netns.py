@@ -28,6 +28,7 @@ from moeflow.cluster.shaping import LinkShape
 
 NAME_RE = re.compile(r"^mf-(\d+)-([0-9a-f]{6})-(n\d+|sw)$")
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+MAX_NODES = 150
 
 
 class ClusterError(RuntimeError):
@@ -92,14 +93,20 @@ class EmulatedNetwork:
     namespaces: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self):
-        if not 1 <= self.num_nodes <= 250:
-            raise ClusterError(f"nodes={self.num_nodes} is invalid: pick 1..250 emulated nodes")
+        if not 1 <= self.num_nodes <= MAX_NODES:
+            raise ClusterError(f"nodes={self.num_nodes} is invalid: pick 1..{MAX_NODES} "
+                               "emulated nodes")
         a, b = secrets.randbelow(256), secrets.randbelow(256)
         self.subnet = f"10.{a}.{b}"
 
     # ---- naming -----------------------------------------------------------------------------
     def ns_name(self, what: str) -> str:
         return f"mf-{os.getpid()}-{self.run_id}-{what}"
+
+    def node_address(self, i: int) -> str:
+        """Host parts 100..249 all have 3 digits, so addresses sort (as text) like node
+        indices: the order in which torchrun's c10d rendezvous numbers the nodes."""
+        return f"{self.subnet}.{100 + i}"
 
     @property
     def switch(self) -> str:
@@ -131,7 +138,7 @@ class EmulatedNetwork:
         for i in range(self.num_nodes):
             ns = self.ns_name(f"n{i}")
             self._add_ns(ns)
-            self.nodes.append(Node(i, ns, f"mf{rid}n{i}", f"{self.subnet}.{i + 1}"))
+            self.nodes.append(Node(i, ns, f"mf{rid}n{i}", self.node_address(i)))
         if self.num_nodes == 2:            # one veth pair, each end shaped (both directions)
             a, b = self.nodes
             _run(["ip", "link", "add", a.ifname, "netns", a.netns, "mtu", str(self.mtu),
