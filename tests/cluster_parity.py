@@ -1,7 +1,8 @@
 """Run on every rank of an emulated 2-node job: topology as seen from inside a node, then the
 float64 layout-parity cases (``tests/parity.py``) checked against the single-process reference.
 
-Prints ``TOPO rank nodes node local ifname`` and ``PARITY OK <n> cases`` (or raises)."""
+Prints ``TOPO rank nodes node local ifname`` and ``PARITY OK <n> cases`` (or raises), then runs
+``bench links`` at two tiny sizes and prints the fitted (group/op/group size) on rank 0."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from moeflow.bench.links import links_worker
 from moeflow.launch import init_from_env
 from moeflow.topology import Topology
 from tests import parity
@@ -40,6 +42,10 @@ def main() -> None:
                 torch.testing.assert_close(value, expect, **TOL)
         checked += 1
     print(f"PARITY OK {checked} cases", flush=True)
+    res = links_worker([4096, 65536], 0, 1)      # every link class of a real 2-node layout
+    if res is not None:
+        print("LINKS " + " ".join(f"{f['group']}/{f['op']}/{f['group_size']}"
+                                  for f in res["fits"]), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -186,6 +186,10 @@ def test_topology_and_float64_parity_across_two_nodes():
         assert re.search(rf"^\[n{node}r{rank}\] TOPO {rank} 2 {node} {local} mf[0-9a-f]{{6}}n{node}$",
                          out, re.M), out
         assert re.search(rf"^\[n{node}r{rank}\] PARITY OK \d+ cases$", out, re.M), out
+    links = re.search(r"^\[n0r0\] LINKS (.*)$", out, re.M).group(1).split()
+    assert links == [f"{g}/{op}/{n}" for g, n in (("intra", 2), ("inter", 2), ("world", 4))
+                     for op in ("p2p", "all_to_all", "all_gather", "reduce_scatter",
+                                "all_reduce") if not (g == "world" and op == "p2p")]
     assert not _our_namespaces(proc.pid)
 
 
