@@ -102,7 +102,7 @@ def bandwidths(inter_bw: float | None, intra_bw: float | None,
             out[cls] = (given, f"--{cls}-bw")
         elif env:
             out[cls] = (float(env), "emulated cluster setting")
-        elif fits and (cls, "p2p") in fits:
+        elif fits and (cls, "p2p") in fits and fits[(cls, "p2p")].beta > 0:
             out[cls] = (8 * fits[(cls, "p2p")].bandwidth, f"{links} (p2p fit)")
         else:
             out[cls] = (None, "unknown")

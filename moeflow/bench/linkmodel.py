@@ -8,9 +8,10 @@ JSON schema (``"schema": "moeflow.links/1"``)::
 
     {
       "schema": "moeflow.links/1",
-      "command": "moeflow bench links ...", "date": "2026-...Z", "host": "...", "load": "...",
+      "command": "moeflow bench links ...", "date": "2026-...Z", "host": "...", "cpus": 2,
+      "load": "9.15 8.92 5.83",                 # load averages when the run ended
       "layout": {"nodes": 2, "ranks_per_node": 2, "world": 4},
-      "link": {"inter_bw_bps": 1e9 | null, "intra_bw_bps": null, ...},  # emulator settings
+      "link": {"inter_bw_bps": 1e9} | null,     # the emulator's settings (those that were set)
       "fits": [
         {"group": "intra" | "inter" | "world",
          "op": "p2p" | "all_to_all" | "all_gather" | "reduce_scatter" | "all_reduce",
@@ -18,7 +19,7 @@ JSON schema (``"schema": "moeflow.links/1"``)::
          "concurrent_groups": 2,     # groups of this class running the op at the same time
          "alpha_s": 1.2e-4,          # seconds
          "beta_s_per_byte": 8.4e-9,  # seconds per byte
-         "bandwidth_Bps": 1.19e8,    # 1 / beta, bytes per second
+         "bandwidth_Bps": 1.19e8,    # 1 / beta, bytes per second (null when beta = 0)
          "r2": 0.999,                # coefficient of determination of the fit (time domain)
          "max_rel_err": 0.07,        # max |fit - measured| / measured over the points
          "points": [[bytes, median_seconds], ...]}
@@ -90,7 +91,8 @@ def fit_record(group: str, op: str, group_size: int, concurrent: int,
     fit = fit_alpha_beta([p[0] for p in points], [p[1] for p in points], group_size)
     return {"group": group, "op": op, "group_size": group_size,
             "concurrent_groups": concurrent, "alpha_s": fit.alpha,
-            "beta_s_per_byte": fit.beta, "bandwidth_Bps": fit.bandwidth, "r2": fit.r2,
+            "beta_s_per_byte": fit.beta,
+            "bandwidth_Bps": fit.bandwidth if fit.beta > 0 else None, "r2": fit.r2,
             "max_rel_err": fit.max_rel_err, "points": [[int(b), float(t)] for b, t in points]}
 
 

@@ -15,6 +15,7 @@ shows a single flow's bandwidth. Byte conventions: see :mod:`moeflow.bench.linkm
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -149,7 +150,7 @@ def format_table(fits: list[dict]) -> str:
     for r in fits:
         big, t = r["points"][-1]
         lines.append(f"{r['group']:6} {r['op']:15} {r['group_size']:>3} "
-                     f"{r['alpha_s'] * 1e6:>9.1f} {r['bandwidth_Bps'] / 1e6:>12.1f} "
+                     f"{r['alpha_s'] * 1e6:>9.1f} {(r['bandwidth_Bps'] or math.inf) / 1e6:>12.1f} "
                      f"{r['r2']:>7.4f} {r['max_rel_err'] * 100:>7.1f}% "
                      f"{_fmt_bytes(big):>9} {t * 1e3:>9.2f} {big / t / 1e6:>8.1f}")
     return "\n".join(lines)
