@@ -16,9 +16,9 @@ def split_matrix(send_splits: list[int], group, device: torch.device) -> list[li
     """All-gather the send splits of every rank of ``group``: ``S[src][dst]``."""
     n = len(send_splits)
     mine = torch.tensor(send_splits, dtype=torch.long, device=device)
-    out = torch.empty(n * n, dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
-    return out.view(n, n).tolist()
+    rows = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(rows, mine, group=group)
+    return torch.stack(rows).tolist()
 
 
 def offsets(sizes: list[int]) -> list[int]:
