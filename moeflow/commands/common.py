@@ -40,14 +40,18 @@ def add_launch_args(p: argparse.ArgumentParser, default_nproc: int) -> None:
 
 
 def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args) -> Any:
-    """Run ``fn(*fn_args)`` on every rank; return rank 0's result.
+    """Run ``fn(*fn_args)`` on every rank; return rank 0's result (None on other ranks, so
+    only rank 0 prints and writes files).
 
     Under torchrun this process is one rank (NCCL on GPUs, gloo on CPU); otherwise
     ``--nproc`` gloo ranks are started here with torch's elastic launcher.
     """
     if under_torchrun():
+        import torch.distributed as dist
+
         init_from_env(args.timeout)
-        return fn(*fn_args)
+        result = fn(*fn_args)
+        return result if dist.get_rank() == 0 else None
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is invalid: start at least one rank")
     return launch_local(fn, args.nproc, *fn_args, timeout_s=args.timeout)[0]
