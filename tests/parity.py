@@ -133,3 +133,23 @@ def reference(name: str, world: int) -> dict:
     grads, params = _snapshot(layer)
     return {"y": ys, "x_grad": [x.grad for x in xs], "aux": auxs, "grads": grads,
             "params": params}
+
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+def assert_rank_matches(got: dict, ref: dict, rank: int, world: int, label: str = "") -> None:
+    """Rank ``rank``'s outputs, input gradient (of its local loss: N times the reference's, which
+    differentiates the mean), gradients and updated parameters (its expert shard) equal the
+    reference's."""
+    torch.testing.assert_close(got["y"], ref["y"][rank], **TOL)
+    torch.testing.assert_close(got["aux"], ref["aux"][rank], **TOL)
+    torch.testing.assert_close(got["x_grad"], world * ref["x_grad"][rank], **TOL)
+    lo, n = got["first_expert"], got["num_local"]
+    for what in ("grads", "params"):
+        for pname, value in got[what].items():
+            expect = ref[what][pname]
+            if pname.startswith("experts."):
+                expect = expect[lo:lo + n]
+            torch.testing.assert_close(value, expect, **TOL, msg=lambda m: (
+                f"{what} of {pname} on rank {rank} {label}: {m}"))

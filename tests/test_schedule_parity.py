@@ -6,11 +6,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
-
 from moeflow.launch import launch_local
 from tests import parity
-from tests.test_layer_parity import TOL
 
 ALGOS = ["direct", "pairwise", "hier1d", "hier2d", "pipe", "bilevel"]
 SCHEDULES = ["sequential", "pipelined", "optsche"]
@@ -37,15 +34,6 @@ def references():
                          ids=[f"{v['a2a']}-{v['schedule']}-r{v['pipeline_degree']}"
                               for v in VARIANTS])
 def test_variant_matches_reference(results, references, name, index):
-    ref = references[name]
     for rank in range(WORLD):
-        got = results[rank][(name, index)]
-        torch.testing.assert_close(got["y"], ref["y"][rank], **TOL)
-        torch.testing.assert_close(got["x_grad"], WORLD * ref["x_grad"][rank], **TOL)
-        lo, n = got["first_expert"], got["num_local"]
-        for what in ("grads", "params"):
-            for pname, value in got[what].items():
-                expect = ref[what][pname]
-                if pname.startswith("experts."):
-                    expect = expect[lo:lo + n]
-                torch.testing.assert_close(value, expect, **TOL)
+        parity.assert_rank_matches(results[rank][(name, index)], references[name], rank, WORLD,
+                                   str(VARIANTS[index]))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseTimer
+from moeflow.bench.timing import slowest
 from moeflow.topology import Topology
 
 PHASES = ("route", "permute", "all_to_all", "experts", "combine")
@@ -40,13 +41,6 @@ DEFAULT_CASES = [
     BenchCase("dropless-top2-swiglu", 8, 2, None, "swiglu"),
 ]
 
-
-def _slowest(value: float, topo: Topology) -> float:
-    if not topo.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_expert: int,
@@ -71,13 +65,13 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
         (y.square().mean() + layer.aux_loss).backward()
         if x.is_cuda:
             torch.cuda.synchronize()
-        elapsed = _slowest(time.perf_counter() - t0, topo)
+        elapsed = slowest(time.perf_counter() - t0, topo)
         layer.zero_grad(set_to_none=True)
         x.grad = None
         if i >= warmup:
             totals.append(elapsed)
             for p in PHASES:
-                phases[p].append(_slowest(timer.forward.get(p, 0.0)
+                phases[p].append(slowest(timer.forward.get(p, 0.0)
                                           + timer.backward.get(p, 0.0), topo))
     step = statistics.median(totals)
     return {**asdict(case), "world_size": topo.world_size, "tokens_per_rank": tokens,

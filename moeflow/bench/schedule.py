@@ -19,6 +19,7 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.schedule.executor import Timeline
+from moeflow.bench.timing import slowest
 from moeflow.topology import Topology
 
 
@@ -34,13 +35,6 @@ def ablation_variants(codec: str, multi_node: bool, r: int) -> list[tuple[str, d
              dict(codec=codec, a2a=a2a, schedule="optsche", pipeline_degree=r))]
 
 
-def _slowest(t: float, topo: Topology) -> float:
-    if not topo.distributed:
-        return t
-    v = torch.tensor([t], dtype=torch.float64)
-    dist.all_reduce(v, op=dist.ReduceOp.MAX)
-    return float(v)
-
 
 def step_once(layer: MoELayer, x: torch.Tensor, topo: Topology) -> float:
     if topo.distributed:
@@ -50,7 +44,7 @@ def step_once(layer: MoELayer, x: torch.Tensor, topo: Topology) -> float:
     (y.square().mean() + layer.aux_loss).backward()
     if x.is_cuda:
         torch.cuda.synchronize()
-    elapsed = _slowest(time.perf_counter() - t0, topo)
+    elapsed = slowest(time.perf_counter() - t0, topo)
     layer.zero_grad(set_to_none=True)
     return elapsed
 
@@ -71,7 +65,7 @@ def time_variants(base: MoEConfig, variants: list[tuple[str, dict]], topo: Topol
             a2a = sum(r.end - r.start for r in layer.timeline.records if r.task.is_comm)
             if i >= warmup:
                 ts.append(t)
-                cs.append(_slowest(a2a, topo))
+                cs.append(slowest(a2a, topo))
     base_ms = 1e3 * statistics.median(times[0])
     out = []
     for (label, v), ts, cs in zip(variants, times, comm):

@@ -77,9 +77,21 @@ def run_layer(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_schedule(args: argparse.Namespace) -> int:
+def _report(res: dict | None, args: argparse.Namespace, format_result) -> int:
+    """Print rank 0's result as a table and, with --out, write it as JSON with its command."""
     import json
 
+    if res is not None:
+        print(format_result(res))
+        if args.out:
+            res["command"] = "moeflow " + shlex.join(sys.argv[1:])
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+            print(f"wrote {args.out}")
+    return 0
+
+
+def run_schedule(args: argparse.Namespace) -> int:
     from moeflow.bench.schedule import bench_worker, format_result
     from moeflow.comm.codecs import CODECS
     from moeflow.config import ConfigError
@@ -90,20 +102,10 @@ def run_schedule(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "top_k", "capacity_factor", "codec", "r", "warmup",
                                           "reps", "choose", "trace", "gantt", "device")}
-    res = run_on_ranks(bench_worker, args, opts)
-    if res is not None:
-        print(format_result(res))
-        if args.out:
-            res["command"] = "moeflow " + shlex.join(sys.argv[1:])
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=2)
-            print(f"wrote {args.out}")
-    return 0
+    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
 def run_smile(args: argparse.Namespace) -> int:
-    import json
-
     from moeflow.bench.smile import bench_worker, format_result
     from moeflow.config import ConfigError
     from moeflow.launch import under_torchrun
@@ -114,12 +116,4 @@ def run_smile(args: argparse.Namespace) -> int:
                           "moeflow.cli bench smile`, or torchrun on several nodes")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "capacity_factor", "warmup", "reps")}
-    res = run_on_ranks(bench_worker, args, opts)
-    if res is not None:
-        print(format_result(res))
-        if args.out:
-            res["command"] = "moeflow " + shlex.join(sys.argv[1:])
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=2)
-            print(f"wrote {args.out}")
-    return 0
+    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)

@@ -72,9 +72,29 @@ class ScheduledExperts:
         out = [self.algo.exchange(p, send, recv, combine) for p in payloads]
         return out, sum(p.numel() * p.element_size() for p in payloads)
 
+    def _run(self, source: torch.Tensor, cp: ChunkPlan, codec: Codec, expert, phase: str
+             ) -> torch.Tensor:
+        """Run the 7r tasks over the rows of ``source`` (the send buffer in forward, the
+        gradient of the returned rows in backward); ``expert(i, rows)`` is task E."""
+        dtype, width = source.dtype, source.shape[1]
+
+        def rows(i: int) -> torch.Tensor:
+            return source if self.r == 1 else source.index_select(0, cp.rows[i])
+
+        stage = Stage({
+            "C1": lambda i, _: (codec.encode(rows(i)), cp.rows[i].numel() * width),
+            "A1": lambda i, p: self._exchange(p, cp.send_splits[i], cp.recv_splits[i]),
+            "D1": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * width),
+            "E": expert,
+            "C2": lambda i, y: (codec.encode(y), y.numel()),
+            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i], True),
+            "D2": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * width),
+        })
+        chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline, phase)
+        return _assemble(chunks, cp, source)
+
     def forward(self, send: torch.Tensor, cp: ChunkPlan) -> tuple[torch.Tensor, list]:
-        codec, dtype, saved = self.codec, send.dtype, [None] * self.r
-        rows = (lambda i: send) if self.r == 1 else (lambda i: send.index_select(0, cp.rows[i]))
+        saved: list = [None] * self.r
 
         def expert(i, x):
             with torch.enable_grad():
@@ -84,24 +104,11 @@ class ScheduledExperts:
             saved[i] = (inp, out)
             return out.detach(), inp.numel()
 
-        stage = Stage({
-            "C1": lambda i, _: (codec.encode(rows(i)), cp.rows[i].numel() * send.shape[1]),
-            "A1": lambda i, p: self._exchange(p, cp.send_splits[i], cp.recv_splits[i]),
-            "D1": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * send.shape[1]),
-            "E": expert,
-            "C2": lambda i, y: (codec.encode(y), y.numel()),
-            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i], True),
-            "D2": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * send.shape[1]),
-        })
-        chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline,
-                              "forward")
-        return _assemble(chunks, cp, send), saved
+        return self._run(send, cp, self.codec, expert, "forward"), saved
 
     def backward(self, grad: torch.Tensor, cp: ChunkPlan, saved: list,
                  params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list]:
-        codec, dtype = self.backward_codec, grad.dtype
         param_grads: list = [None] * len(params)
-        rows = (lambda i: grad) if self.r == 1 else (lambda i: grad.index_select(0, cp.rows[i]))
 
         def expert(i, g):
             inp, out = saved[i]
@@ -112,18 +119,7 @@ class ScheduledExperts:
             saved[i] = None
             return got[0], g.numel()
 
-        stage = Stage({
-            "C1": lambda i, _: (codec.encode(rows(i)), cp.rows[i].numel() * grad.shape[1]),
-            "A1": lambda i, p: self._exchange(p, cp.send_splits[i], cp.recv_splits[i]),
-            "D1": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * grad.shape[1]),
-            "E": expert,
-            "C2": lambda i, g: (codec.encode(g), g.numel()),
-            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i], True),
-            "D2": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * grad.shape[1]),
-        })
-        chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline,
-                              "backward")
-        return _assemble(chunks, cp, grad), param_grads
+        return self._run(grad, cp, self.backward_codec, expert, "backward"), param_grads
 
 
 def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from moeflow.comm.alltoall.base import Pending, register_alltoall
-from moeflow.comm.alltoall.blocks import split_matrix, take
+from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hier2d import Hier2DAllToAll, _a2a
-from moeflow.comm.alltoall.hierarchy import require_nodes
+from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
 
 
 @register_alltoall("bilevel")
@@ -26,9 +26,8 @@ class BiLevelAllToAll(Hier2DAllToAll):
     def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
         """Inter-node stage, then intra-node stage."""
         topo = self.topo
-        N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
-        S = split_matrix(send_splits, topo.world_group, x.device)
-        g = lambda node, local: node * L + local  # noqa: E731
+        lay = Layout.of(topo, send_splits, x.device)
+        N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         # 1: to (n2, l) the blocks for every (n2, l2): contiguous already (destination order)
         send1 = [sum(S[g(n, l)][g(n2, l2)] for l2 in range(L)) for n2 in range(N)]
         recv1 = [sum(S[g(n1, l)][g(n, l2)] for l2 in range(L)) for n1 in range(N)]

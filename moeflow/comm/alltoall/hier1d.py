@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
-from moeflow.comm.alltoall.blocks import split_matrix, take
+from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hier2d import _a2a
-from moeflow.comm.alltoall.hierarchy import require_nodes
+from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
 
 
 @register_alltoall("hier1d")
@@ -26,10 +26,9 @@ class Hier1DAllToAll(AllToAll):
 
     def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
         topo = self.topo
-        N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
+        lay = Layout.of(topo, send_splits, x.device)
+        N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         P = N * L
-        S = split_matrix(send_splits, topo.world_group, x.device)
-        g = lambda node, local: node * L + local  # noqa: E731
         leader = l == 0
         # 1: gather to the leader (an intra-node all-to-all where only the leader receives)
         total = [sum(S[g(n, l1)]) for l1 in range(L)]

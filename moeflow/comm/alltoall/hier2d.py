@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
-from moeflow.comm.alltoall.blocks import split_matrix, take
-from moeflow.comm.alltoall.hierarchy import require_nodes
+from moeflow.comm.alltoall.blocks import take
+from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
 
 
 def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -35,9 +35,8 @@ class Hier2DAllToAll(AllToAll):
 
     def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
         topo = self.topo
-        N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
-        S = split_matrix(send_splits, topo.world_group, x.device)
-        g = lambda node, local: node * L + local  # noqa: E731
+        lay = Layout.of(topo, send_splits, x.device)
+        N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         # 1-2: to local rank l' go the blocks for (n', l'), n' ascending
         step1 = take(x, send_splits, [g(n2, l2) for l2 in range(L) for n2 in range(N)])
         send1 = [sum(S[g(n, l)][g(n2, l2)] for n2 in range(N)) for l2 in range(L)]

@@ -6,8 +6,33 @@ the world and there must be more than one node.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.comm.alltoall.blocks import split_matrix
 from moeflow.config import ConfigError
 from moeflow.topology import Topology
+
+
+@dataclass
+class Layout:
+    """This rank's place in nodes x local ranks, and the whole split matrix ``S[src][dst]``."""
+
+    N: int          # nodes
+    L: int          # ranks per node
+    n: int          # this rank's node
+    l: int          # this rank's local rank
+    S: list[list[int]]
+
+    def g(self, node: int, local: int) -> int:
+        """Global rank of (node, local)."""
+        return node * self.L + local
+
+    @classmethod
+    def of(cls, topo: Topology, send_splits: list[int], device: torch.device) -> "Layout":
+        return cls(topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank,
+                   split_matrix(send_splits, topo.world_group, device))
 
 
 def require_nodes(name: str, topo: Topology) -> None:
