@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.comm.codecs.zfp import bitplane, transform as T
+from moeflow.comm.codecs.zfp import bitplane, fast1d, transform as T
 
 
 
@@ -41,7 +41,10 @@ def decode_blocks(bits: torch.Tensor, d: int) -> torch.Tensor:
     nonzero = b64[:, 0].bool()
     e = (b64[:, 1:] << torch.arange(T.EBITS, device=bits.device)).sum(1)
     emax = (e - T.EBIAS).to(torch.int32)
-    u = bitplane.decode_planes(bits[:, 1 + T.EBITS:], S)
+    if bits.shape[1] > 1 + T.EBITS:
+        u = bitplane.decode_planes(bits[:, 1 + T.EBITS:], S)
+    else:
+        u = torch.zeros(bits.shape[0], S, dtype=torch.int64, device=bits.device)
     f = T.inv_cast(T.inv_xform(T.inv_order(u, d), d), emax)
     return torch.where(nonzero.unsqueeze(1), f, torch.zeros_like(f))
 
@@ -92,3 +95,63 @@ def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int)
         nslices *= s
     bits = unpack_bits(data.reshape(nslices, -1), per * maxbits).reshape(nslices * per, maxbits)
     return T.from_blocks(decode_blocks(bits, d), tuple(shape), d)
+
+
+# ------------------------------------------------------------- 1-D fast path (table coder)
+
+
+def _starts(nslices: int, per: int, maxbits: int, slice_words32: int, device) -> torch.Tensor:
+    j = torch.arange(per, device=device, dtype=torch.int64) * maxbits
+    s = torch.arange(nslices, device=device, dtype=torch.int64) * (32 * slice_words32)
+    return (s.unsqueeze(1) + j).reshape(-1)
+
+
+CHUNK = 1 << 15          # blocks per step of the 1-D path: keeps its temporaries in cache
+
+
+def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
+    """Like ``compress(a, 1, maxbits)`` (each row of ``a`` its own stream), by the table coder."""
+    lead = a.shape[:-1]
+    blocks = T.to_blocks(a, 1)
+    per = -(-a.shape[-1] // 4)
+    nslices = blocks.shape[0] // per
+    nbytes = stream_bytes(per, maxbits)
+    starts = _starts(nslices, per, maxbits, nbytes // 4, a.device)
+    nwords = nslices * nbytes // 4
+    if maxbits > 64:
+        words = fast1d.encode(blocks, starts, maxbits, nwords)
+    else:
+        acc = torch.cat([fast1d.encode_words(blocks[i:i + CHUNK], maxbits)
+                         for i in range(0, blocks.shape[0], CHUNK)])
+        if maxbits == 32 and nbytes * 8 == per * maxbits:
+            words = acc                                   # one block per 32-bit word
+        else:
+            words = torch.zeros(nwords + 3, dtype=torch.int64, device=a.device)
+            fast1d._write(words, starts, acc & 0xFFFFFFFF)
+            if maxbits > 32:
+                fast1d._write(words, starts + 32, (acc >> 32) & 0xFFFFFFFF)
+            words = words[:nwords]
+    return words.to(torch.int32).view(torch.uint8).reshape(*lead, nbytes)
+
+
+def decompress_1d(data: torch.Tensor, shape: tuple[int, ...], maxbits: int) -> torch.Tensor:
+    """Inverse of :func:`compress_1d`."""
+    n = shape[-1]
+    per = -(-n // 4)
+    nbytes = data.shape[-1]
+    nslices = data.numel() // max(nbytes, 1)
+    words = data.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    starts = _starts(nslices, per, maxbits, nbytes // 4, data.device)
+    if maxbits > 64:
+        blocks = fast1d.decode(words, starts, maxbits)
+    else:
+        if maxbits == 32 and nbytes * 8 == per * maxbits:
+            acc = words
+        else:
+            w = torch.cat([words, torch.zeros(3, dtype=torch.int64, device=words.device)])
+            acc = fast1d._read(w, starts, min(32, maxbits))
+            if maxbits > 32:
+                acc = acc | (fast1d._read(w, starts + 32, maxbits - 32) << 32)
+        blocks = torch.cat([fast1d.decode_words(acc[i:i + CHUNK], maxbits)
+                            for i in range(0, acc.shape[0], CHUNK)])
+    return T.from_blocks(blocks, tuple(shape), 1)
