@@ -13,3 +13,4 @@ from moeflow.comm.codecs import int8 as _int8  # noqa: F401  (registers "int8")
 from moeflow.comm.codecs import fp8 as _fp8  # noqa: F401  (registers "fp8", "fp8-row")
 
 __all__ = ["CODECS", "Codec", "register_codec"]
+from moeflow.comm.codecs import zfp_codec as _zfp_codec  # noqa: F401,E402  ("zfp", "zfpy")

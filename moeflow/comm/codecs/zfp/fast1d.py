@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from moeflow.comm.codecs.zfp import transform as T
@@ -93,17 +94,22 @@ def _spread(x: int) -> int:
 def _enc_table(G: int) -> torch.Tensor:
     """Entry for (n, planes) = code | len << 40 | n' << 48, planes indexed as 4 G-bit fields
     (field i = coefficient i's bits of the G planes, most significant plane highest)."""
-    vals = []
-    for n in range(S + 1):
-        for idx in range(1 << (S * G)):
-            code, ln, nn = 0, 0, n
-            for g in range(G - 1, -1, -1):                 # highest plane first
-                x = sum((((idx >> (G * i)) >> g) & 1) << i for i in range(S))
-                c, l, nn = _encode_plane(x, nn)
-                code |= c << ln
-                ln += l
-            vals.append(code | (ln << 40) | (nn << 48))
-    return torch.tensor(vals, dtype=torch.int64)
+    one = [_encode_plane(x, n) for n in range(S + 1) for x in range(1 << S)]
+    c1, l1, n1 = (np.array(v, dtype=np.int64) for v in zip(*one))
+    idx = np.arange(1 << (S * G), dtype=np.int64)
+    cols = []
+    for n in range(S + 1):                                 # numpy: built once, off torch
+        code = np.zeros_like(idx)
+        ln = np.zeros_like(idx)
+        nn = np.full_like(idx, n)
+        for g in range(G - 1, -1, -1):                     # highest plane first
+            x = sum((((idx >> (G * i)) >> g) & 1) << i for i in range(S))
+            e = nn * (1 << S) + x
+            code |= c1[e] << ln
+            ln += l1[e]
+            nn = n1[e]
+        cols.append(code | (ln << 40) | (nn << 48))
+    return torch.from_numpy(np.concatenate(cols))
 
 
 @functools.lru_cache(maxsize=None)
