@@ -240,8 +240,11 @@ def decode(words: torch.Tensor, starts: torch.Tensor, maxbits: int) -> torch.Ten
 
 def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor:
     """float32 ``(B, 4)`` -> int64 ``(B,)``: each block's whole ``maxbits``-bit code (header
-    and body) in one word, for ``maxbits <= 64``. Fixed op count (no early exit), so it runs
-    as one fused loop under ``torch.compile``."""
+    and body) in one word, for ``maxbits <= 64``.
+
+    Codes are appended by multiplying with ``P = 2^(9 + pos)`` (kept as a running product of
+    the table's ``2^len``) instead of variable shifts; bits that land past ``maxbits`` are
+    masked off at the end (or overflow out of the word), which is exactly zfp's truncation."""
     emax = T.block_emax(blocks)
     e = (emax + T.EBIAS).to(torch.int64)
     nonzero = e != 0
@@ -254,11 +257,10 @@ def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor
     sh = torch.arange(S, device=blocks.device) * 16
     vlo = ((u & 0xFFFF) << sh).sum(1)
     vhi = ((u >> 16) << sh).sum(1)
-    table = _enc_table(G).to(blocks.device)
+    code_t, p2_t = _enc_mul_tables(G, str(blocks.device))
     mult = sum(1 << (48 - 12 * i) for i in range(S))
-    pos = torch.zeros_like(acc)
-    n = torch.zeros_like(acc)
-    one = torch.ones_like(acc)
+    P = torch.full_like(acc, 1 << (1 + T.EBITS))
+    noff = torch.zeros_like(acc)                          # n * 2^(4G)
     for k in range(32 - G, -1, -G):
         p = ((vhi >> (k - 16)) if k >= 16 else (vlo >> k)) & (((1 << G) - 1) * _M1)
         if G == 4:
@@ -266,15 +268,29 @@ def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor
         else:
             key = (p | (p >> (16 - G)) | (p >> (32 - 2 * G)) | (p >> (48 - 3 * G))) & \
                 ((1 << (S * G)) - 1)
-        ent = table[(n << (S * G)) + key]
-        left = (budget - pos).clamp(min=0, max=40)
-        code = ent & ((one << left) - 1) & 0xFFFFFFFFFF
-        acc = acc | (code << (pos.clamp(max=budget) + 1 + T.EBITS))
-        pos = pos + ((ent >> 40) & 0xFF)
-        n = (ent >> 48) & 0xFF
-        if acc.device.type == "cpu" and not bool((pos < budget).any()):
-            break
+        idx = noff + key
+        ent = code_t.index_select(0, idx)
+        acc += (ent & 0xFFFFFFFF) * P                      # disjoint bits: + is |
+        P = P * p2_t.index_select(0, idx)
+        noff = ent >> 32
+        live = (P != 0) if maxbits >= 63 else ((P > 0) & (P < (1 << maxbits)))
+        if blocks.device.type == "cpu" and k % 8 == 0 and not bool(live.any()):
+            break                                          # every block has its maxbits
+    if maxbits < 64:
+        acc &= (1 << maxbits) - 1
     return acc
+
+
+@functools.lru_cache(maxsize=None)
+def _enc_mul_tables(G: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code | n' * 2^(4G) << 32, 2^len) per (n, planes) entry, for :func:`encode_words`."""
+    t = _enc_table(G)
+    code = t & 0xFFFFFFFFFF
+    ln = (t >> 40) & 0xFF
+    nn = (t >> 48) & 0xFF
+    return ((code | ((nn << (S * G)) << 32)).to(device),
+            torch.where(ln < 63, torch.ones_like(ln) << ln.clamp(max=62),
+                        torch.zeros_like(ln)).to(device))
 
 
 def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
@@ -296,7 +312,7 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
     for k in range(31, -1, -1):
         left = (budget - pos).clamp(min=0, max=8)
         peek = (body >> pos.clamp(max=63)) & 0xFF
-        ent = table[(n * 9 + left) * 256 + peek]
+        ent = table.index_select(0, (n * 9 + left) * 256 + peek)
         x = ent & _M1
         if k >= 16:
             uhi = uhi | (x << (k - 16))
