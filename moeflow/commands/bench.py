@@ -57,6 +57,8 @@ def register_codecs_bench(bsub) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=0,
                    help="train the tiny GPT this many steps before taking its activations")
+    p.add_argument("--error-rows", type=int, default=2048,
+                   help="rows (of 512 values) of the Gaussian and smooth error data (2048)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.set_defaults(func=run_codecs)
 
@@ -74,8 +76,8 @@ def run_codecs(args: argparse.Namespace) -> int:
                              f"{', '.join(sorted(CODECS))}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("moeflow bench codecs: --device cuda but no CUDA device is visible")
-    if args.reps < 1 or args.threads < 1:
-        raise SystemExit("moeflow bench codecs: --reps and --threads must be >= 1")
+    if args.reps < 1 or args.threads < 1 or args.error_rows < 1:
+        raise SystemExit("moeflow bench codecs: --reps, --threads and --error-rows must be >= 1")
     try:
         sizes = (bc.parse_sizes(args.sizes) if args.sizes else
                  bc.DEFAULT_SIZES_CUDA if args.device.startswith("cuda") else
@@ -83,7 +85,8 @@ def run_codecs(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"moeflow bench codecs: {err}")
     torch.set_num_threads(args.threads)
-    res = bc.run(names, sizes, args.device, args.warmup, args.reps, args.train_steps)
+    res = bc.run(names, sizes, args.device, args.warmup, args.reps, args.train_steps,
+                 args.error_rows)
     print(bc.format_table(res))
     if args.out:
         bc.write_json(res, args.out, "moeflow " + shlex.join(sys.argv[1:]))

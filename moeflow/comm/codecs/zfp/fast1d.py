@@ -114,13 +114,14 @@ def _enc_table(G: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _dec_table() -> torch.Tensor:
-    """Entry for (n, min(bits left, 8), next 8 bits) = spread(x) | len << 1 | n' << 5."""
+    """Entry for (n, min(bits left, 8), next 8 bits) =
+    spread(x) | len << 1 | n' << 5 | (n' * 9 * 256) << 49 (the next lookup's row offset)."""
     vals = []
     for n in range(S + 1):
         for r in range(9):
             for peek in range(256):
                 x, ln, nn = _decode_plane(peek, n, r)
-                vals.append(_spread(x) | (ln << 1) | (nn << 5))
+                vals.append(_spread(x) | (ln << 1) | (nn << 5) | ((nn * 9 * 256) << 49))
     return torch.tensor(vals, dtype=torch.int64)
 
 
@@ -306,21 +307,20 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
         body = body & ((1 << (64 - 1 - T.EBITS)) - 1)           # undo sign extension
     table = _dec_table().to(acc.device)
     pos = torch.zeros_like(acc)
-    n = torch.zeros_like(acc)
+    noff = torch.zeros_like(acc)                           # n * 9 * 256
     ulo = torch.zeros_like(acc)
     uhi = torch.zeros_like(acc)
     for k in range(31, -1, -1):
-        left = (budget - pos).clamp(min=0, max=8)
-        peek = (body >> pos.clamp(max=63)) & 0xFF
-        ent = table.index_select(0, (n * 9 + left) * 256 + peek)
-        x = ent & _M1
+        # pos never passes budget + 8 <= 63: past the budget a lookup consumes nothing
+        left = (budget - pos).clamp_(min=0, max=8)
+        ent = table.index_select(0, noff + (left << 8) + ((body >> pos) & 0xFF))
         if k >= 16:
-            uhi = uhi | (x << (k - 16))
+            uhi |= (ent & _M1) << (k - 16)
         else:
-            ulo = ulo | (x << k)
-        pos = pos + ((ent >> 1) & 15)
-        n = (ent >> 5) & 7
-        if k % 4 == 0 and acc.device.type == "cpu" and not bool((pos < budget).any()):
+            ulo |= (ent & _M1) << k
+        pos += (ent >> 1) & 15
+        noff = ent >> 49
+        if k % 2 == 0 and acc.device.type == "cpu" and not bool((pos < budget).any()):
             break
     sh = torch.arange(S, device=acc.device) * 16
     u = ((ulo.unsqueeze(1) >> sh) & 0xFFFF) | (((uhi.unsqueeze(1) >> sh) & 0xFFFF) << 16)

@@ -138,8 +138,14 @@ def block_emax(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2_f32(e: torch.Tensor) -> torch.Tensor:
-    """float32 ``2^e`` as ``ldexpf(1, e)`` rounds it (0 below 2^-149, inf above 2^127)."""
-    return torch.exp2(e.to(torch.float64)).to(torch.float32)
+    """float32 ``2^e`` as ``ldexpf(1, e)`` rounds it (0 below 2^-149, inf above 2^127), built
+    from its bits (normal range) or exactly through float64 (the rare rest)."""
+    e = e.to(torch.int32)
+    normal = ((e.clamp(-126, 127) + 127) << 23).view(torch.float32)
+    if bool(((e < -126) | (e > 127)).any()):
+        return torch.where((e >= -126) & (e <= 127), normal,
+                           torch.exp2(e.to(torch.float64)).to(torch.float32))
+    return normal
 
 
 def fwd_cast(blocks: torch.Tensor, emax: torch.Tensor) -> torch.Tensor:
