@@ -146,6 +146,19 @@ def _write(words: torch.Tensor, start: torch.Tensor, code: torch.Tensor) -> None
 # -------------------------------------------------------------------------- coder
 
 
+def _transpose(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(B, 4)`` coefficients -> two words: low / high 16 bits of coefficient i at
+    bits ``16 i`` (multiplications by constants: vectorized, unlike variable shifts)."""
+    w = torch.tensor([1, 1 << 16, 1 << 32, 1 << 48], dtype=torch.int64, device=u.device)
+    return ((u & 0xFFFF) * w).sum(1), ((u >> 16) * w).sum(1)
+
+
+def _untranspose(ulo: torch.Tensor, uhi: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_transpose`."""
+    return torch.stack([((ulo >> (16 * i)) & 0xFFFF) | (((uhi >> (16 * i)) & 0xFFFF) << 16)
+                        for i in range(S)], dim=1)
+
+
 def encode(blocks: torch.Tensor, starts: torch.Tensor, maxbits: int, nwords: int,
            G: int = 2) -> torch.Tensor:
     """Write the zfp code of float32 ``blocks: (B, 4)`` at bit offsets ``starts`` into a new
@@ -255,9 +268,7 @@ def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor
         return acc
     u = T.fwd_order(T.fwd_xform(T.fwd_cast(blocks, emax), 1), 1)
     u = u * nonzero.long().unsqueeze(1)
-    sh = torch.arange(S, device=blocks.device) * 16
-    vlo = ((u & 0xFFFF) << sh).sum(1)
-    vhi = ((u >> 16) << sh).sum(1)
+    vlo, vhi = _transpose(u)
     code_t, p2_t = _enc_mul_tables(G, str(blocks.device))
     mult = sum(1 << (48 - 12 * i) for i in range(S))
     P = torch.full_like(acc, 1 << (1 + T.EBITS))
@@ -322,7 +333,6 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
         noff = ent >> 49
         if k % 2 == 0 and acc.device.type == "cpu" and not bool((pos < budget).any()):
             break
-    sh = torch.arange(S, device=acc.device) * 16
-    u = ((ulo.unsqueeze(1) >> sh) & 0xFFFF) | (((uhi.unsqueeze(1) >> sh) & 0xFFFF) << 16)
+    u = _untranspose(ulo, uhi)
     f = T.inv_cast(T.inv_xform(T.inv_order(u, 1), 1), emax)
     return f * nonzero.unsqueeze(1)
