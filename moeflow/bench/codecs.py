@@ -3,11 +3,12 @@ value, and error on three kinds of payload (ScheMoE section 3.1 / Table 6 compar
 volume and accuracy; the question here is whether a codec runs near memory speed).
 
 For each codec and size ``rows x cols`` (float32 input): median encode and decode times over
-``reps`` runs after a warm-up; throughput in GB/s of input; the ratio of the bytes a codec reads
-plus writes per second to the copy bandwidth measured the same way (``dst.copy_(x)`` into a
-preallocated buffer: ``2 * nbytes / t``), for encode, decode, and both together; bits per value
-on the wire. Errors (relative Frobenius ``||x^ - x|| / ||x||`` and the largest ``|x^ - x| / max|x|``) on
-Gaussian rows, smooth rows (sums of low-frequency sines) and real activations: the inputs of the
+``reps`` runs after a warm-up, the codecs and the copy timed round robin within each repetition
+(so a shared machine's load hits all alike); throughput in GB/s of input; the ratio of the
+bytes a codec reads plus writes per second to the copy bandwidth measured the same way
+(``dst.copy_(x)`` into a preallocated buffer: ``2 * nbytes / t``), for encode, decode, and both
+together; bits per value on the wire. Errors (relative Frobenius ``||x^ - x|| / ||x||`` and the
+largest ``|x^ - x| / max|x|``) on Gaussian rows, smooth rows (sums of low-frequency sines) and real activations: the inputs of the
 MoE layers of the tiny GPT on a batch of the embedded corpus (optionally after a few training
 steps). For ZFP codecs the error of LLNL's zfpy at the same rate on the same data (computed on
 CPU) is reported beside it.
@@ -119,14 +120,6 @@ def _zfpy_errors(x: torch.Tensor, rate: float) -> dict | None:
     return _errors(xc, codec.decode(codec.encode(xc), torch.float32))
 
 
-def copy_bandwidth(rows: int, cols: int, device, warmup: int, reps: int) -> float:
-    """Read + write GB/s of ``dst.copy_(x)`` into a preallocated buffer (the memory bound)."""
-    x = gaussian(rows, cols).to(device)
-    dst = torch.empty_like(x)
-    t = _time(lambda: dst.copy_(x), device, warmup, reps)
-    return 2 * x.numel() * 4 / t / 1e9
-
-
 def run(codecs: list[str], sizes: list[tuple[int, int]], device: str = "cpu", warmup: int = 1,
         reps: int = 5, train_steps: int = 0, error_rows: int = 2048) -> dict:
     dev = torch.device(device)
@@ -134,28 +127,44 @@ def run(codecs: list[str], sizes: list[tuple[int, int]], device: str = "cpu", wa
             "activations": activations(train_steps=train_steps)}
     results = []
     for rows, cols in sizes:
-        copy_gbs = copy_bandwidth(rows, cols, dev, warmup, reps)
         x = gaussian(rows, cols).to(dev)
+        dst = torch.empty_like(x)
         nbytes = x.numel() * 4
+        live, payloads = [], {}
         for name in codecs:
             codec = CODECS[name]()
             if not codec.supports(torch.float32, dev):
                 results.append({"codec": name, "rows": rows, "cols": cols, "device": str(dev),
                                 "skipped": f"{name} does not run on {dev.type}"})
                 continue
-            payloads = codec.encode(x)
+            live.append((name, codec))
+            payloads[name] = codec.encode(x)
+        # Round robin: every repetition times the copy and each codec back to back, so a
+        # shared machine's changing load hits all of them alike (ratios stay meaningful).
+        t_copy, t_enc, t_dec = [], {n: [] for n, _ in live}, {n: [] for n, _ in live}
+        for rep in range(warmup + reps):
+            tc = _time(lambda: dst.copy_(x), dev, 0, 1)
+            te = {n: _time(lambda c=c: c.encode(x), dev, 0, 1) for n, c in live}
+            td = {n: _time(lambda c=c, n=n: c.decode(payloads[n], torch.float32), dev, 0, 1)
+                  for n, c in live}
+            if rep >= warmup:
+                t_copy.append(tc)
+                for n, _ in live:
+                    t_enc[n].append(te[n])
+                    t_dec[n].append(td[n])
+        copy_gbs = 2 * nbytes / statistics.median(t_copy) / 1e9
+        for name, codec in live:
             wire = codec.wire_bytes(rows, cols, torch.float32)
-            t_enc = _time(lambda: codec.encode(x), dev, warmup, reps)
-            t_dec = _time(lambda: codec.decode(payloads, torch.float32), dev, warmup, reps)
-            moved = nbytes + wire                             # read input + write payload
-            row = {"codec": name, "rows": rows, "cols": cols, "device": str(dev),
-                   "bits_per_value": 8 * wire / x.numel(), "copy_gbs": copy_gbs,
-                   "encode_ms": 1e3 * t_enc, "decode_ms": 1e3 * t_dec,
-                   "encode_gbs": nbytes / t_enc / 1e9, "decode_gbs": nbytes / t_dec / 1e9,
-                   "encode_vs_copy": moved / t_enc / 1e9 / copy_gbs,
-                   "decode_vs_copy": moved / t_dec / 1e9 / copy_gbs,
-                   "roundtrip_vs_copy": 2 * moved / (t_enc + t_dec) / 1e9 / copy_gbs}
-            results.append(row)
+            te, td = statistics.median(t_enc[name]), statistics.median(t_dec[name])
+            moved = nbytes + wire                             # input bytes + wire bytes
+            results.append({
+                "codec": name, "rows": rows, "cols": cols, "device": str(dev),
+                "bits_per_value": 8 * wire / x.numel(), "copy_gbs": copy_gbs,
+                "encode_ms": 1e3 * te, "decode_ms": 1e3 * td,
+                "encode_gbs": nbytes / te / 1e9, "decode_gbs": nbytes / td / 1e9,
+                "encode_vs_copy": moved / te / 1e9 / copy_gbs,
+                "decode_vs_copy": moved / td / 1e9 / copy_gbs,
+                "roundtrip_vs_copy": 2 * moved / (te + td) / 1e9 / copy_gbs})
     errors = []
     for name in codecs:
         codec = CODECS[name]()
