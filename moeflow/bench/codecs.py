@@ -8,7 +8,8 @@ For each codec and size ``rows x cols`` (float32 input): median encode and decod
 bytes a codec reads plus writes per second to the copy bandwidth measured the same way
 (``dst.copy_(x)`` into a preallocated buffer: ``2 * nbytes / t``), for encode, decode, and both
 together; bits per value on the wire. Errors (relative Frobenius ``||x^ - x|| / ||x||`` and the
-largest ``|x^ - x| / max|x|``) on Gaussian rows, smooth rows (sums of low-frequency sines) and real activations: the inputs of the
+largest ``|x^ - x| / max|x|``) on Gaussian rows, smooth rows (sums of low-frequency sines) and
+real activations: the inputs of the
 MoE layers of the tiny GPT on a batch of the embedded corpus (optionally after a few training
 steps). For ZFP codecs the error of LLNL's zfpy at the same rate on the same data (computed on
 CPU) is reported beside it.

@@ -75,6 +75,12 @@ if triton is not None:
         return x, y, z, w
 
     @triton.jit
+    def _to_int(y):
+        # trunc(y), or INT_MIN where y is not finite or not below 2^31 (x86 cvttss2si, as zfp)
+        ok = tl.abs(y) < 2147483648.0
+        return tl.where(ok, tl.where(ok, y, 0.0).to(tl.int32), -2147483648)
+
+    @triton.jit
     def _negabinary(v):
         return ((v.to(tl.int64) + 0xAAAAAAAA) & 0xFFFFFFFF) ^ 0xAAAAAAAA
 
@@ -114,11 +120,10 @@ if triton is not None:
         y1 = f1 * s
         y2 = f2 * s
         y3 = f3 * s
-        lim = 2147483648.0
-        i0 = tl.where(tl.abs(y0) < lim, tl.where(tl.abs(y0) < lim, y0, 0.0).to(tl.int32), -2147483648)
-        i1 = tl.where(tl.abs(y1) < lim, tl.where(tl.abs(y1) < lim, y1, 0.0).to(tl.int32), -2147483648)
-        i2 = tl.where(tl.abs(y2) < lim, tl.where(tl.abs(y2) < lim, y2, 0.0).to(tl.int32), -2147483648)
-        i3 = tl.where(tl.abs(y3) < lim, tl.where(tl.abs(y3) < lim, y3, 0.0).to(tl.int32), -2147483648)
+        i0 = _to_int(y0)
+        i1 = _to_int(y1)
+        i2 = _to_int(y2)
+        i3 = _to_int(y3)
         i0, i1, i2, i3 = _fwd_lift(i0, i1, i2, i3)
         u0 = _negabinary(i0)
         u1 = _negabinary(i1)
@@ -165,8 +170,10 @@ if triton is not None:
         sh = start & 31
         nwords = rows * row_words
         w0 = tl.load(in_ptr + w, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
-        w1 = tl.load(in_ptr + w + 1, mask=live & (w + 1 < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
-        w2 = tl.load(in_ptr + w + 2, mask=live & (w + 2 < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
+        w1 = tl.load(in_ptr + w + 1, mask=live & (w + 1 < nwords), other=0).to(tl.int64)
+        w2 = tl.load(in_ptr + w + 2, mask=live & (w + 2 < nwords), other=0).to(tl.int64)
+        w1 = w1 & 0xFFFFFFFF
+        w2 = w2 & 0xFFFFFFFF
         lo = ((w0 >> sh) | (w1 << (32 - sh))) & 0xFFFFFFFF
         hi = ((w1 >> sh) | (w2 << (32 - sh))) & 0xFFFFFFFF
         if MAXBITS < 32:
