@@ -7,7 +7,9 @@ pads it), so the payload is a uint8 ``(rows, nbytes)`` tensor that the all-to-al
 the same split sizes. ``nbytes = 8 * ceil(ceil(cols / 4) * maxbits / 64)`` with
 ``maxbits = 4 * rate``: the row's zfp stream, padded to 64-bit words as zfp pads a stream.
 1-D blocks are chosen because rows are independent tokens; 2-D/3-D blocks are available through
-:func:`moeflow.comm.codecs.zfp.compress`.
+:func:`moeflow.comm.codecs.zfp.compress`. A row's byte count does not tell its width (the last
+block is padded), so a codec instance decodes rows of the width it last encoded, which is what
+an all-to-all exchanges (every rank sends rows of ``d_model`` values); a mismatch raises.
 
 ``zfp`` is our implementation (any device; CUDA tensors use the Triton kernels when
 ``triton`` is installed, else the same torch code); ``zfpy`` wraps LLNL's ``zfpy`` (CPU tensors
