@@ -146,6 +146,45 @@ def _write(words: torch.Tensor, start: torch.Tensor, code: torch.Tensor) -> None
 # -------------------------------------------------------------------------- coder
 
 
+NB32 = -0x55555556                      # 0xaaaaaaaa as an int32
+
+
+def _prologue(blocks: torch.Tensor, emax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(B, 4)`` -> the transposed negabinary coefficients (see :func:`_transpose`),
+    computed column by column in int32 (the same wrapping arithmetic as
+    ``transform.fwd_cast/fwd_xform/fwd_order`` for d = 1, whose permutation is the identity).
+    All-zero blocks give garbage here (0 * inf); the caller zeroes them."""
+    s = T._pow2_f32(30 - emax)
+    lim = 2.0 ** 31
+    cols = []
+    for i in range(S):
+        y = blocks[:, i] * s
+        cols.append(torch.where(y.abs() < lim, y, -lim).to(torch.int32))
+    cols = T._fwd_lift(*cols)
+    vlo = vhi = None
+    for i, c in enumerate(cols):
+        c = (c + NB32) ^ NB32                         # negabinary, wrapping in 32 bits
+        lo = (c & 0xFFFF).to(torch.int64)
+        hi = ((c >> 16) & 0xFFFF).to(torch.int64)
+        if i:
+            lo, hi = lo << (16 * i), hi << (16 * i)
+        vlo = lo if vlo is None else vlo | lo
+        vhi = hi if vhi is None else vhi | hi
+    return vlo, vhi
+
+
+def _epilogue(ulo: torch.Tensor, uhi: torch.Tensor, emax: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_prologue` followed by the inverse cast: float32 ``(B, 4)``."""
+    cols = []
+    for i in range(S):
+        c = ((ulo >> (16 * i)) & 0xFFFF) | (((uhi >> (16 * i)) & 0xFFFF) << 16)
+        c = c.to(torch.int32)                         # wraps modulo 2^32
+        cols.append((c ^ NB32) - NB32)
+    cols = T._inv_lift(*cols)
+    s = T._pow2_f32(emax - 30)
+    return torch.stack([c.to(torch.float32) * s for c in cols], dim=1)
+
+
 def _transpose(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ``(B, 4)`` coefficients -> two words: low / high 16 bits of coefficient i at
     bits ``16 i`` (multiplications by constants: vectorized, unlike variable shifts)."""
@@ -266,9 +305,9 @@ def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor
     budget = maxbits - 1 - T.EBITS
     if budget <= 0:
         return acc
-    u = T.fwd_order(T.fwd_xform(T.fwd_cast(blocks, emax), 1), 1)
-    u = u * nonzero.long().unsqueeze(1)
-    vlo, vhi = _transpose(u)
+    vlo, vhi = _prologue(blocks, emax)
+    nz = nonzero.long()
+    vlo, vhi = vlo * nz, vhi * nz
     code_t, p2_t = _enc_mul_tables(G, str(blocks.device))
     mult = sum(1 << (48 - 12 * i) for i in range(S))
     P = torch.full_like(acc, 1 << (1 + T.EBITS))
@@ -333,6 +372,5 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
         noff = ent >> 49
         if k % 2 == 0 and acc.device.type == "cpu" and not bool((pos < budget).any()):
             break
-    u = _untranspose(ulo, uhi)
-    f = T.inv_cast(T.inv_xform(T.inv_order(u, 1), 1), emax)
-    return f * nonzero.unsqueeze(1)
+    f = _epilogue(ulo, uhi, emax)
+    return torch.where(nonzero.unsqueeze(1), f, torch.zeros_like(f))
