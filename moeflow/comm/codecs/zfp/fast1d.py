@@ -360,6 +360,8 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
     noff = torch.zeros_like(acc)                           # n * 9 * 256
     ulo = torch.zeros_like(acc)
     uhi = torch.zeros_like(acc)
+    ULO, UHI, rows = ulo, uhi, None                        # full-size results, live subset
+    cpu = acc.device.type == "cpu"
     for k in range(31, -1, -1):
         # pos never passes budget + 8 <= 63: past the budget a lookup consumes nothing
         left = (budget - pos).clamp_(min=0, max=8)
@@ -370,7 +372,24 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
             ulo |= (ent & _M1) << k
         pos += (ent >> 1) & 15
         noff = ent >> 49
-        if k % 2 == 0 and acc.device.type == "cpu" and not bool((pos < budget).any()):
-            break
+        if cpu and k % 2 == 0:
+            live = pos < budget
+            nlive = int(live.sum())
+            if nlive == 0:
+                break
+            if nlive * 2 < pos.shape[0]:                   # go on with the live blocks only
+                if rows is None:
+                    ULO, UHI = ulo.clone(), uhi.clone()
+                    rows = torch.arange(pos.shape[0], device=acc.device)
+                else:
+                    ULO.index_copy_(0, rows, ulo)
+                    UHI.index_copy_(0, rows, uhi)
+                sel = live.nonzero().squeeze(1)
+                rows, body, pos, noff = rows[sel], body[sel], pos[sel], noff[sel]
+                ulo, uhi = ulo[sel], uhi[sel]
+    if rows is not None:
+        ULO.index_copy_(0, rows, ulo)
+        UHI.index_copy_(0, rows, uhi)
+        ulo, uhi = ULO, UHI
     f = _epilogue(ulo, uhi, emax)
     return torch.where(nonzero.unsqueeze(1), f, torch.zeros_like(f))

@@ -106,7 +106,7 @@ def _starts(nslices: int, per: int, maxbits: int, slice_words32: int, device) ->
     return (s.unsqueeze(1) + j).reshape(-1)
 
 
-CHUNK = 1 << 15          # blocks per step of the 1-D path: keeps its temporaries in cache
+CHUNK = 1 << 17          # blocks per step of the 1-D path: keeps its temporaries in cache
 
 
 def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
