@@ -312,6 +312,8 @@ def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor
     mult = sum(1 << (48 - 12 * i) for i in range(S))
     P = torch.full_like(acc, 1 << (1 + T.EBITS))
     noff = torch.zeros_like(acc)                          # n * 2^(4G)
+    ACC, rows = acc, None                                 # full-size result, live subset
+    cpu = blocks.device.type == "cpu"
     for k in range(32 - G, -1, -G):
         p = ((vhi >> (k - 16)) if k >= 16 else (vlo >> k)) & (((1 << G) - 1) * _M1)
         if G == 4:
@@ -324,9 +326,23 @@ def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor
         acc += (ent & 0xFFFFFFFF) * P                      # disjoint bits: + is |
         P = P * p2_t.index_select(0, idx)
         noff = ent >> 32
-        live = (P != 0) if maxbits >= 63 else ((P > 0) & (P < (1 << maxbits)))
-        if blocks.device.type == "cpu" and k % 8 == 0 and not bool(live.any()):
-            break                                          # every block has its maxbits
+        if cpu and k:
+            live = (P != 0) if maxbits >= 63 else ((P > 0) & (P < (1 << maxbits)))
+            nlive = int(live.sum())
+            if nlive == 0:
+                break
+            if nlive * 2 < P.shape[0]:                     # go on with the live blocks only
+                if rows is None:
+                    ACC = acc.clone()
+                    rows = torch.arange(P.shape[0], device=acc.device)
+                else:
+                    ACC.index_copy_(0, rows, acc)
+                sel = live.nonzero().squeeze(1)
+                rows, acc, P, noff = rows[sel], acc[sel], P[sel], noff[sel]
+                vlo, vhi = vlo[sel], vhi[sel]
+    if rows is not None:
+        ACC.index_copy_(0, rows, acc)
+        acc = ACC
     if maxbits < 64:
         acc &= (1 << maxbits) - 1
     return acc
