@@ -11,7 +11,13 @@ from moeflow.comm.codecs import CODECS
 from moeflow.launch import launch_local
 from tests import codec_cases
 
-ALL = ["none", "fp16", "bf16", "int8", "fp8", "fp8-row", "zfp", "zfpy"]
+try:
+    import zfpy  # noqa: F401
+    HAVE_ZFPY = True
+except ImportError:                                   # the "test" extra installs it
+    HAVE_ZFPY = False
+
+ALL = ["none", "fp16", "bf16", "int8", "fp8", "fp8-row", "zfp"] + (["zfpy"] if HAVE_ZFPY else [])
 
 
 def _data(rows=33, cols=130, seed=0):
@@ -134,5 +140,6 @@ def test_two_ranks_each_codec_close_to_none():
             rel_g = float((got["x_grad"] - ref["x_grad"]).norm() / ref["x_grad"].norm())
             assert rel_y <= tol[name] and rel_g <= 2 * tol[name], (name, rank, rel_y, rel_g)
             assert (rel_y > 0) == (name != "none") or name in ("fp16",)
-        # zfp (ours) and zfpy (LLNL) move identical bytes: identical results
-        torch.testing.assert_close(res[rank]["zfp"]["y"], res[rank]["zfpy"]["y"], rtol=0, atol=0)
+        if HAVE_ZFPY:   # zfp (ours) and zfpy (LLNL) move identical bytes: identical results
+            torch.testing.assert_close(res[rank]["zfp"]["y"], res[rank]["zfpy"]["y"], rtol=0,
+                                       atol=0)
