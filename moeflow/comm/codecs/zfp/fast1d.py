@@ -3,13 +3,16 @@ the torch back end, and the layout the all-to-all codec uses (each row its own 1
 
 Same code as :mod:`bitplane` (Lindstrom 2014 section 3.4, zfp's fixed-rate mode), organised so
 each step is a few whole-tensor ops: the 4 coefficients of a block are held "transposed" in two
-int64 words (bit k of coefficient i at bit ``16 i + k``), so that ``G`` bit planes of all four
-coefficients are pulled out with one shift, one mask and one multiply; a precomputed table maps
-(number of significant coefficients ``n``, those ``4 G`` bits) to the planes' code, its length
-and the new ``n``. Decoding reads 8 stream bits at a time and uses a table indexed by ``n``, the
-bits left in the block's budget (0..8) and those 8 bits, which reproduces zfp's decoder exactly,
-including at the end of the budget. The stream is a flat array of 32-bit words (held in int64),
-written by adding codes at disjoint bit ranges (so adding is or-ing).
+int64 words (the low / high 16 bits of coefficient i at bits ``16 i``), so that ``G`` bit planes
+of all four coefficients are pulled out with one shift, one mask and one multiply; a
+precomputed table maps (number of significant coefficients ``n``, those ``4 G`` bits) to the
+planes' code, its length and the new ``n``. Decoding reads 8 stream bits at a time and uses a
+table indexed by ``n``, the bits left in the block's budget (0..8) and those 8 bits, which
+reproduces zfp's decoder exactly, including at the end of the budget. For ``maxbits <= 64``
+(rates up to 16) a block's whole code lives in one int64 (:func:`encode_words`,
+:func:`decode_words`), and blocks that have spent their budget leave the lockstep once they are
+the majority; above that, codes are added into a flat stream of 32-bit words at disjoint bit
+ranges (:func:`encode`, :func:`decode`).
 """
 
 from __future__ import annotations
@@ -198,6 +201,10 @@ def _untranspose(ulo: torch.Tensor, uhi: torch.Tensor) -> torch.Tensor:
                         for i in range(S)], dim=1)
 
 
+# The general 1-D path (any maxbits; used for rates above 16): codes are written into a flat
+# stream of 32-bit words at each block's bit offset.
+
+
 def encode(blocks: torch.Tensor, starts: torch.Tensor, maxbits: int, nwords: int,
            G: int = 2) -> torch.Tensor:
     """Write the zfp code of float32 ``blocks: (B, 4)`` at bit offsets ``starts`` into a new
@@ -217,11 +224,7 @@ def encode(blocks: torch.Tensor, starts: torch.Tensor, maxbits: int, nwords: int
     idx = nonzero.nonzero().squeeze(1)
     blocks, starts = blocks.index_select(0, idx), starts.index_select(0, idx) + 1 + T.EBITS
     u = T.fwd_order(T.fwd_xform(T.fwd_cast(blocks, emax.index_select(0, idx)), 1), 1)
-    lo = u & 0xFFFF
-    hi = u >> 16
-    sh = torch.arange(S, device=dev) * 16
-    vlo = (lo << sh).sum(1)
-    vhi = (hi << sh).sum(1)
+    vlo, vhi = _transpose(u)
     table = _enc_table(G).to(dev)
     mult = sum(1 << (48 - 12 * i) for i in range(S))
     pos = torch.zeros_like(starts)
@@ -281,8 +284,7 @@ def decode(words: torch.Tensor, starts: torch.Tensor, maxbits: int) -> torch.Ten
         n = (ent >> 5) & 7
         if k % 4 == 0 and not bool((pos < budget).any()):
             break
-    sh = torch.arange(S, device=dev) * 16
-    u = ((ulo.unsqueeze(1) >> sh) & 0xFFFF) | (((uhi.unsqueeze(1) >> sh) & 0xFFFF) << 16)
+    u = _untranspose(ulo, uhi)
     f = T.inv_cast(T.inv_xform(T.inv_order(u, 1), 1), emax.index_select(0, idx))
     out.index_copy_(0, idx, f)
     return out
