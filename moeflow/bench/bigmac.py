@@ -1,0 +1,176 @@
+"""``moeflow bench bigmac``: fine-grained vs BigMac (and vanilla) MoE layers, side by side.
+
+For every top-k and structure, one MoE layer's forward + backward is timed on every rank
+(warm-up, then repetitions aligned by a barrier; a repetition's time is the slowest rank's;
+medians), split into phases (``project`` is BigMac's two projections), and the bytes the layer
+hands to the all-to-all in one step are counted by the ``counting`` algorithm
+(:mod:`moeflow.bench.a2a_count`) and compared with the formula of
+:mod:`moeflow.models.cost` (``4 k w`` elements per token for dropless routing). The paper's
+claim under test: BigMac moves ``r`` times the fine-grained bytes, and is faster where the
+all-to-all dominates (BigMac Fig. 3-4: 1.5-3.1x), at the price of two small projections.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeflow.bench import a2a_count  # noqa: F401  (registers "counting")
+from moeflow.bench.layer import _slowest
+from moeflow.config import MoEConfig
+from moeflow.dispatch import capacity
+from moeflow.experts.structure import comm_width
+from moeflow.layer import MoELayer
+from moeflow.phases import PhaseTimer
+from moeflow.topology import Topology
+
+PHASES = ("route", "project", "permute", "all_to_all", "experts", "combine")
+
+
+@dataclass
+class StructureCase:
+    structure: str
+    num_experts: int
+    top_k: int
+    d_expert: int
+    downscale_factor: float | None = None
+    capacity_factor: float | None | str = "auto"
+
+    @property
+    def name(self) -> str:
+        r = f"-r{self.downscale_factor:g}" if self.downscale_factor else ""
+        return f"{self.structure}{r}-E{self.num_experts}-top{self.top_k}"
+
+
+def default_cases(num_experts: int, d_expert: int, top_ks: list[int], r: float,
+                  structures: list[str], granularity: int) -> list[StructureCase]:
+    """For each k: the fine-grained shape (E, F, k) as each requested structure; ``vanilla``
+    is that shape merged by ``granularity`` (E/g experts of width F*g, top k/g)."""
+    out = []
+    for k in top_ks:
+        for s in structures:
+            if s == "vanilla":
+                out.append(StructureCase(s, num_experts // granularity, max(1, k // granularity),
+                                         d_expert * granularity))
+            else:
+                out.append(StructureCase(s, num_experts, k, d_expert,
+                                         r if s == "bigmac" else None))
+    return out
+
+
+def expected_a2a_bytes(cfg: MoEConfig, tokens: int, element_size: int) -> int:
+    """Bytes handed to the all-to-all in one forward + backward by a rank with ``tokens``."""
+    w = comm_width(cfg)
+    rows = (cfg.top_k * tokens if cfg.dropless else
+            cfg.num_experts * capacity(tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor))
+    return 4 * rows * w * element_size
+
+
+def bench_structure(case: StructureCase, topo: Topology, tokens: int, d_model: int,
+                    warmup: int, reps: int, device: str = "cpu") -> dict:
+    cfg = MoEConfig(d_model=d_model, d_expert=case.d_expert, num_experts=case.num_experts,
+                    top_k=case.top_k, structure=case.structure,
+                    downscale_factor=case.downscale_factor,
+                    capacity_factor=case.capacity_factor, a2a="counting", seed=1)
+    layer = MoELayer(cfg, topo).to(device)
+    timer = PhaseTimer()
+    gen = torch.Generator().manual_seed(1000 + topo.rank)
+    x = torch.randn(tokens, d_model, generator=gen).to(device).requires_grad_()
+    totals, phases = [], {p: [] for p in PHASES}
+    counted = None
+    for i in range(warmup + reps):
+        layer.timer = timer
+        timer.reset()
+        layer.algo.reset()
+        if topo.distributed:
+            dist.barrier()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = layer(x)
+        (y.square().mean() + layer.aux_loss).backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        elapsed = _slowest(time.perf_counter() - t0, topo)
+        if counted is None:
+            counted = (layer.algo.payload_bytes, layer.algo.offrank_bytes,
+                       layer.algo.count_bytes)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        if i >= warmup:
+            totals.append(elapsed)
+            for p in PHASES:
+                phases[p].append(_slowest(timer.forward.get(p, 0.0)
+                                          + timer.backward.get(p, 0.0), topo))
+    sums = torch.tensor([float(v) for v in counted] + [float(tokens)], dtype=torch.float64)
+    if topo.distributed:
+        dist.all_reduce(sums)
+    payload, offrank, count_bytes, all_tokens = sums.tolist()
+    expect = expected_a2a_bytes(cfg, tokens, x.element_size())
+    expect_t = torch.tensor([float(expect)], dtype=torch.float64)
+    if topo.distributed:
+        dist.all_reduce(expect_t)
+    step = statistics.median(totals)
+    return {**asdict(case), "name": case.name, "capacity_factor": cfg.capacity_factor,
+            "world_size": topo.world_size, "tokens_per_rank": tokens, "d_model": d_model,
+            "comm_width": comm_width(cfg), "reps": reps, "step_ms": 1e3 * step,
+            "step_ms_all": [1e3 * t for t in totals],
+            "tokens_per_s": topo.world_size * tokens / step,
+            "phase_ms": {p: 1e3 * statistics.median(v) for p, v in phases.items()},
+            "a2a_bytes_per_token": payload / all_tokens,
+            "a2a_offrank_bytes_per_token": offrank / all_tokens,
+            "a2a_count_bytes_per_step": count_bytes,
+            "a2a_expected_bytes_per_token": float(expect_t) / all_tokens,
+            "a2a_bytes_match": payload == float(expect_t),
+            "params": sum(p.numel() for p in layer.parameters())}
+
+
+def bench_worker(cases: list[StructureCase], tokens: int, d_model: int, warmup: int,
+                 reps: int, device: str = "cpu") -> list[dict]:
+    topo = Topology.from_env()
+    torch.manual_seed(0)
+    return [bench_structure(c, topo, tokens, d_model, warmup, reps, device) for c in cases]
+
+
+def _speedups(rows: list[dict]) -> dict[int, float]:
+    """fine-grained step time / BigMac step time, per top-k."""
+    out = {}
+    for r in rows:
+        if r["structure"] == "bigmac":
+            fine = [f for f in rows if f["structure"] == "fine_grained"
+                    and f["top_k"] == r["top_k"]]
+            if fine:
+                out[r["top_k"]] = fine[0]["step_ms"] / r["step_ms"]
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'config':<26} {'world':>5} {'a2a w':>5} {'ms/step':>9} "
+            + " ".join(f"{p:>10}" for p in PHASES)
+            + f" {'A2A B/tok':>10} {'expected':>10} {'match':>5} {'off-rank':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['name']:<26} {r['world_size']:>5} {r['comm_width']:>5} "
+                     f"{r['step_ms']:>9.2f} "
+                     + " ".join(f"{r['phase_ms'][p]:>10.2f}" for p in PHASES)
+                     + f" {r['a2a_bytes_per_token']:>10.0f} "
+                     f"{r['a2a_expected_bytes_per_token']:>10.0f} "
+                     f"{'yes' if r['a2a_bytes_match'] else 'NO':>5} "
+                     f"{r['a2a_offrank_bytes_per_token']:>9.0f}")
+    for k, s in sorted(_speedups(rows).items()):
+        lines.append(f"top-{k}: BigMac step-time speedup over fine-grained = {s:.2f}x")
+    lines.append("phase columns: ms per forward+backward (median of the slowest rank); A2A B/tok: "
+                 "bytes handed to the all-to-all per token (fwd+bwd, dispatch+combine), counted; "
+                 "expected: the formula; off-rank: the part sent to other ranks")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[dict], path: str, command: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"command": command, "torch": torch.__version__, "results": rows,
+                   "speedup_fine_over_bigmac": _speedups(rows)}, f, indent=2)
