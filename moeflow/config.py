@@ -66,7 +66,7 @@ def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_mod
     hidden = d_expert / r
     _require(abs(hidden - round(hidden)) < 1e-9, o, "d_expert", d_expert,
              f"BigMac experts have hidden width d_expert / downscale_factor = {hidden:g}, which "
-             f"must be an integer; use a d_expert that is a multiple of {_denominator(r)} or "
+             f"must be an integer; use a d_expert that is a multiple of {_numerator(r)} or "
              f"another downscale_factor")
     return capacity_factor
 
@@ -76,9 +76,10 @@ def _nice_r(d_model: int) -> str:
     return f"{good[0]}" if good else f"1/{d_model} multiples"
 
 
-def _denominator(r: float) -> int:
+def _numerator(r: float) -> int:
+    """p of r = p/q in lowest terms: d_expert / r is an integer iff p divides d_expert."""
     from fractions import Fraction
-    return Fraction(r).limit_denominator(10**6).denominator
+    return Fraction(r).limit_denominator(10**6).numerator
 
 
 @dataclass
