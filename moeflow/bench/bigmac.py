@@ -1,8 +1,9 @@
 """``moeflow bench bigmac``: fine-grained vs BigMac (and vanilla) MoE layers, side by side.
 
 For every top-k and structure, one MoE layer's forward + backward is timed on every rank
-(warm-up, then repetitions aligned by a barrier; a repetition's time is the slowest rank's;
-medians), split into phases (``project`` is BigMac's two projections), and the bytes the layer
+(warm-up, then repetitions aligned by a barrier and interleaved over the cases; a repetition's
+time is the slowest rank's; medians; the process CPU time summed over ranks is reported too,
+as it is far less sensitive to other jobs sharing the cores), split into phases (``project`` is BigMac's two projections), and the bytes the layer
 hands to the all-to-all in one step are counted by the ``counting`` algorithm
 (:mod:`moeflow.bench.a2a_count`) and compared with the formula of
 :mod:`moeflow.models.cost` (``4 k w`` elements per token for dropless routing). The paper's
@@ -71,19 +72,27 @@ def expected_a2a_bytes(cfg: MoEConfig, tokens: int, element_size: int) -> int:
     return 4 * rows * w * element_size
 
 
-def bench_structure(case: StructureCase, topo: Topology, tokens: int, d_model: int,
-                    warmup: int, reps: int, device: str = "cpu") -> dict:
-    cfg = MoEConfig(d_model=d_model, d_expert=case.d_expert, num_experts=case.num_experts,
-                    top_k=case.top_k, structure=case.structure,
-                    downscale_factor=case.downscale_factor,
-                    capacity_factor=case.capacity_factor, a2a="counting", seed=1)
-    layer = MoELayer(cfg, topo).to(device)
-    timer = PhaseTimer()
-    gen = torch.Generator().manual_seed(1000 + topo.rank)
-    x = torch.randn(tokens, d_model, generator=gen).to(device).requires_grad_()
-    totals, phases = [], {p: [] for p in PHASES}
-    counted = None
-    for i in range(warmup + reps):
+class _Runner:
+    """One case on this rank: its layer, input, timer and collected samples."""
+
+    def __init__(self, case: StructureCase, topo: Topology, tokens: int, d_model: int,
+                 device: str):
+        self.case, self.topo, self.tokens = case, topo, tokens
+        self.cfg = MoEConfig(d_model=d_model, d_expert=case.d_expert,
+                             num_experts=case.num_experts, top_k=case.top_k,
+                             structure=case.structure, downscale_factor=case.downscale_factor,
+                             capacity_factor=case.capacity_factor, a2a="counting", seed=1)
+        self.layer = MoELayer(self.cfg, topo).to(device)
+        self.timer = PhaseTimer()
+        gen = torch.Generator().manual_seed(1000 + topo.rank)
+        self.x = torch.randn(tokens, d_model, generator=gen).to(device).requires_grad_()
+        self.totals: list[float] = []
+        self.cpu: list[float] = []                  # process CPU seconds, summed over ranks
+        self.phases: dict[str, list[float]] = {p: [] for p in PHASES}
+        self.counted: tuple[int, int, int] | None = None
+
+    def step(self, record: bool) -> None:
+        layer, x, topo, timer = self.layer, self.x, self.topo, self.timer
         layer.timer = timer
         timer.reset()
         layer.algo.reset()
@@ -91,79 +100,112 @@ def bench_structure(case: StructureCase, topo: Topology, tokens: int, d_model: i
             dist.barrier()
         if x.is_cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         y = layer(x)
         (y.square().mean() + layer.aux_loss).backward()
         if x.is_cuda:
             torch.cuda.synchronize()
+        cpu = time.process_time() - c0
         elapsed = _slowest(time.perf_counter() - t0, topo)
-        if counted is None:
-            counted = (layer.algo.payload_bytes, layer.algo.offrank_bytes,
-                       layer.algo.count_bytes)
+        if self.counted is None:
+            self.counted = (layer.algo.payload_bytes, layer.algo.offrank_bytes,
+                            layer.algo.count_bytes)
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        if i >= warmup:
-            totals.append(elapsed)
+        if record:
+            self.totals.append(elapsed)
+            self.cpu.append(_sum(cpu, topo))
             for p in PHASES:
-                phases[p].append(_slowest(timer.forward.get(p, 0.0)
-                                          + timer.backward.get(p, 0.0), topo))
-    sums = torch.tensor([float(v) for v in counted] + [float(tokens)], dtype=torch.float64)
-    if topo.distributed:
-        dist.all_reduce(sums)
-    payload, offrank, count_bytes, all_tokens = sums.tolist()
-    expect = expected_a2a_bytes(cfg, tokens, x.element_size())
-    expect_t = torch.tensor([float(expect)], dtype=torch.float64)
-    if topo.distributed:
-        dist.all_reduce(expect_t)
-    step = statistics.median(totals)
-    return {**asdict(case), "name": case.name, "capacity_factor": cfg.capacity_factor,
-            "world_size": topo.world_size, "tokens_per_rank": tokens, "d_model": d_model,
-            "comm_width": comm_width(cfg), "reps": reps, "step_ms": 1e3 * step,
-            "step_ms_all": [1e3 * t for t in totals],
-            "tokens_per_s": topo.world_size * tokens / step,
-            "phase_ms": {p: 1e3 * statistics.median(v) for p, v in phases.items()},
-            "a2a_bytes_per_token": payload / all_tokens,
-            "a2a_offrank_bytes_per_token": offrank / all_tokens,
-            "a2a_count_bytes_per_step": count_bytes,
-            "a2a_expected_bytes_per_token": float(expect_t) / all_tokens,
-            "a2a_bytes_match": payload == float(expect_t),
-            "params": sum(p.numel() for p in layer.parameters())}
+                self.phases[p].append(_slowest(timer.forward.get(p, 0.0)
+                                               + timer.backward.get(p, 0.0), topo))
+
+    def result(self) -> dict:
+        topo, cfg, case = self.topo, self.cfg, self.case
+        sums = torch.tensor([float(v) for v in self.counted] + [
+            float(self.tokens), float(expected_a2a_bytes(cfg, self.tokens,
+                                                         self.x.element_size()))],
+            dtype=torch.float64)
+        if topo.distributed:
+            dist.all_reduce(sums)
+        payload, offrank, count_bytes, all_tokens, expect = sums.tolist()
+        step = statistics.median(self.totals)
+        return {**asdict(case), "name": case.name, "capacity_factor": cfg.capacity_factor,
+                "world_size": topo.world_size, "tokens_per_rank": self.tokens,
+                "d_model": cfg.d_model, "comm_width": comm_width(cfg),
+                "reps": len(self.totals), "step_ms": 1e3 * step,
+                "step_ms_all": [1e3 * t for t in self.totals],
+                "cpu_ms": 1e3 * statistics.median(self.cpu),
+                "cpu_ms_all": [1e3 * t for t in self.cpu],
+                "tokens_per_s": topo.world_size * self.tokens / step,
+                "phase_ms": {p: 1e3 * statistics.median(v) for p, v in self.phases.items()},
+                "a2a_bytes_per_token": payload / all_tokens,
+                "a2a_offrank_bytes_per_token": offrank / all_tokens,
+                "a2a_count_bytes_per_step": count_bytes,
+                "a2a_expected_bytes_per_token": expect / all_tokens,
+                "a2a_bytes_match": payload == expect,
+                "params": sum(p.numel() for p in self.layer.parameters())}
+
+
+def _sum(value: float, topo: Topology) -> float:
+    if not topo.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)
 
 
 def bench_worker(cases: list[StructureCase], tokens: int, d_model: int, warmup: int,
-                 reps: int, device: str = "cpu") -> list[dict]:
+                 reps: int, device: str = "cpu", threads: int | None = None) -> list[dict]:
+    """Interleaved: each repetition runs every case once, so load drifts hit all alike.
+    ``threads``: intra-op CPU threads per rank (None: as launched)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     topo = Topology.from_env()
     torch.manual_seed(0)
-    return [bench_structure(c, topo, tokens, d_model, warmup, reps, device) for c in cases]
+    runners = [_Runner(c, topo, tokens, d_model, device) for c in cases]
+    for i in range(warmup + reps):
+        for r in runners:
+            r.step(record=i >= warmup)
+    return [r.result() for r in runners]
 
 
-def _speedups(rows: list[dict]) -> dict[int, float]:
-    """fine-grained step time / BigMac step time, per top-k."""
+def _speedups(rows: list[dict]) -> dict[int, dict[str, float]]:
+    """Fine-grained step time / BigMac step time per top-k: ratio of the medians, and the
+    median of the per-repetition ratios (the two ran back to back in each repetition)."""
     out = {}
     for r in rows:
-        if r["structure"] == "bigmac":
-            fine = [f for f in rows if f["structure"] == "fine_grained"
-                    and f["top_k"] == r["top_k"]]
-            if fine:
-                out[r["top_k"]] = fine[0]["step_ms"] / r["step_ms"]
+        if r["structure"] != "bigmac":
+            continue
+        fine = [f for f in rows if f["structure"] == "fine_grained" and f["top_k"] == r["top_k"]]
+        if fine:
+            pairs = [a / b for a, b in zip(fine[0]["step_ms_all"], r["step_ms_all"])]
+            out[r["top_k"]] = {"ratio_of_medians": fine[0]["step_ms"] / r["step_ms"],
+                               "cpu_ratio_of_medians": fine[0]["cpu_ms"] / r["cpu_ms"],
+                               "median_paired_ratio": statistics.median(pairs),
+                               "paired_min": min(pairs), "paired_max": max(pairs)}
     return out
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'config':<26} {'world':>5} {'a2a w':>5} {'ms/step':>9} "
+    head = (f"{'config':<26} {'world':>5} {'a2a w':>5} {'ms/step':>9} {'cpu ms':>8} "
             + " ".join(f"{p:>10}" for p in PHASES)
             + f" {'A2A B/tok':>10} {'expected':>10} {'match':>5} {'off-rank':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['name']:<26} {r['world_size']:>5} {r['comm_width']:>5} "
-                     f"{r['step_ms']:>9.2f} "
+                     f"{r['step_ms']:>9.2f} {r['cpu_ms']:>8.1f} "
                      + " ".join(f"{r['phase_ms'][p]:>10.2f}" for p in PHASES)
                      + f" {r['a2a_bytes_per_token']:>10.0f} "
                      f"{r['a2a_expected_bytes_per_token']:>10.0f} "
                      f"{'yes' if r['a2a_bytes_match'] else 'NO':>5} "
                      f"{r['a2a_offrank_bytes_per_token']:>9.0f}")
     for k, s in sorted(_speedups(rows).items()):
-        lines.append(f"top-{k}: BigMac step-time speedup over fine-grained = {s:.2f}x")
+        lines.append(f"top-{k}: BigMac speedup over fine-grained (fine ms / BigMac ms): "
+                     f"{s['ratio_of_medians']:.2f}x of medians, {s['median_paired_ratio']:.2f}x "
+                     f"median per repetition (range {s['paired_min']:.2f}-{s['paired_max']:.2f}); "
+                     f"CPU time {s['cpu_ratio_of_medians']:.2f}x")
+    lines.append("ms/step: wall clock of the slowest rank; cpu ms: process CPU time summed over "
+                 "ranks (less sensitive to other load on the machine); both medians")
     lines.append("phase columns: ms per forward+backward (median of the slowest rank); A2A B/tok: "
                  "bytes handed to the all-to-all per token (fwd+bwd, dispatch+combine), counted; "
                  "expected: the formula; off-rank: the part sent to other ranks")

@@ -31,6 +31,9 @@ def register_bench(bsub) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun on GPUs)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op CPU threads per rank (default: cores / ranks); 1 makes the "
+                        "CPU-time column robust on a shared machine")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(p, default_nproc=1)
     p.set_defaults(func=run_bigmac)
@@ -51,7 +54,7 @@ def run_bigmac(args: argparse.Namespace) -> int:
     cases = default_cases(args.num_experts, args.d_expert, args.top_k, args.downscale_factor,
                           structures, args.granularity)
     rows = run_on_ranks(bench_worker, args, cases, args.tokens, args.d_model, args.warmup,
-                        args.reps, args.device)
+                        args.reps, args.device, args.threads)
     if rows is not None:
         print(format_table(rows))
         if args.out:
