@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from moeflow.bench.layer import DEFAULT_CASES, bench_worker, format_table, write_json
-from moeflow.commands import bench_bigmac
+from moeflow.commands import bench_bigmac, bench_net
 from moeflow.commands.common import add_launch_args, run_on_ranks
 
 
@@ -25,6 +25,7 @@ def register(sub) -> None:
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
+    bench_net.register_bench(bsub)
 
 
 def run_layer(args: argparse.Namespace) -> int:

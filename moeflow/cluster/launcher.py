@@ -1,0 +1,162 @@
+"""``moeflow cluster run``: torchrun in every emulated node, output streamed, everything removed after.
+
+For node ``i`` of ``N`` the launcher starts, inside that node's namespace,
+``python -m torch.distributed.run --nnodes N --node-rank i --nproc-per-node M
+--master-addr <node 0's address> --master-port P --max-restarts 0 --no-python COMMAND...``
+(torchrun's static rendezvous, so node ``i`` holds global ranks ``i*M .. i*M+M-1``, the numbering
+:class:`~moeflow.topology.Topology` assumes) with ``GLOO_SOCKET_IFNAME`` set to the node's
+interface. Lines of every rank are printed as ``[n<node>r<rank>] ...``.
+
+The job's exit status is the first non-zero status of a node (0 when all succeed). When a node
+fails, the others are stopped at once (their ranks would otherwise wait for a collective
+timeout). SIGINT/SIGTERM stop every node; the namespaces, links and every process inside them
+are removed in all cases.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from moeflow.cluster.netns import ClusterError, EmulatedNetwork, kill_namespace_processes
+from moeflow.cluster.shaping import LinkShape
+
+MASTER_PORT = 29500          # free by construction: node 0's namespace is new
+
+
+@dataclass
+class ClusterSpec:
+    nodes: int
+    ranks_per_node: int
+    inter: LinkShape = field(default_factory=LinkShape)
+    intra: LinkShape = field(default_factory=LinkShape)
+    mtu: int = 1500
+
+    def __post_init__(self):
+        if self.nodes < 1:
+            raise ClusterError(f"--nodes {self.nodes} is invalid: need at least one node")
+        if self.ranks_per_node < 1:
+            raise ClusterError(f"--ranks-per-node {self.ranks_per_node} is invalid: need at "
+                               "least one rank per node")
+        if not 576 <= self.mtu <= 65535:
+            raise ClusterError(f"--mtu {self.mtu} is invalid: pick 576..65535 (1500 = Ethernet)")
+
+    def environment(self, node) -> dict[str, str]:
+        """What a rank in ``node`` gets in its environment on top of the caller's."""
+        env = {"GLOO_SOCKET_IFNAME": node.ifname, "MOEFLOW_CLUSTER_NODES": str(self.nodes)}
+        for name, shape in (("INTER", self.inter), ("INTRA", self.intra)):
+            if shape.rate_bps is not None:
+                env[f"MOEFLOW_CLUSTER_{name}_BW_BPS"] = f"{shape.rate_bps:.0f}"
+            if shape.latency_s:
+                env[f"MOEFLOW_CLUSTER_{name}_LATENCY_S"] = repr(shape.latency_s)
+        return env
+
+
+def torchrun_command(spec: ClusterSpec, node_rank: int, master: str,
+                     command: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(spec.nodes),
+            "--node-rank", str(node_rank), "--nproc-per-node", str(spec.ranks_per_node),
+            "--master-addr", master, "--master-port", str(MASTER_PORT), "--max-restarts", "0",
+            "--monitor-interval", "0.2", "--role", f"n{node_rank}r",
+            "--tee", "3", "--no-python", *command]
+
+
+def _pump(stream, node: int, ranks_per_node: int, out: TextIO, lock: threading.Lock) -> None:
+    """Copy ``stream`` to ``out`` line by line, torchrun's ``[n<i>r<local>]:`` made global."""
+    prefix_local = f"[n{node}r"
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        if line.startswith(prefix_local):           # "[n1r0]:..." -> "[n1r2] ..."
+            head, sep, rest = line.partition("]:")
+            local = head[len(prefix_local):]
+            if sep and local.isdigit():
+                line = f"[n{node}r{node * ranks_per_node + int(local)}] {rest}"
+            else:
+                line = f"[n{node}] {line}"
+        else:
+            line = f"[n{node}] {line}"
+        with lock:
+            out.write(line)
+            out.flush()
+    stream.close()
+
+
+def run_cluster(spec: ClusterSpec, command: list[str], out: TextIO | None = None,
+                grace_s: float = 5.0) -> int:
+    """Run ``command`` as a torchrun job over ``spec``'s emulated nodes; return its exit status."""
+    if not command:
+        raise ClusterError("no command to run: write it after `--`, e.g. "
+                           "`moeflow cluster run --nodes 2 -- python -m moeflow.cli bench links`")
+    out = out or sys.stdout
+    lock = threading.Lock()
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        stop.set()
+
+    in_main = threading.current_thread() is threading.main_thread()
+    old = {}
+    if in_main:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, on_signal)
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    net = EmulatedNetwork(spec.nodes, spec.inter, spec.intra, mtu=spec.mtu)
+    try:
+        net.create()
+        master = net.nodes[0].address
+        for node in net.nodes:
+            env = dict(os.environ, **spec.environment(node))
+            argv = ["ip", "netns", "exec", node.netns,
+                    *torchrun_command(spec, node.index, master, command)]
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+            procs.append(proc)
+            t = threading.Thread(target=_pump, args=(proc.stdout, node.index,
+                                                     spec.ranks_per_node, out, lock),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
+        status = 0
+        while not stop.is_set():
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                status = failed[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+        if received:
+            status = 128 + received[0]
+            with lock:
+                out.write(f"moeflow cluster: got signal {received[0]}, stopping every node\n")
+        elif status:
+            with lock:
+                out.write(f"moeflow cluster: a node exited with status {status}; "
+                          "stopping the others\n")
+        return status
+    finally:
+        for node, proc in zip(net.nodes, procs):
+            if proc.poll() is None:
+                kill_namespace_processes(node.netns, grace_s=grace_s)
+        for proc in procs:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for t in pumps:
+            t.join(timeout=grace_s)
+        net.destroy()
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -1,0 +1,109 @@
+"""``moeflow bench links`` and ``moeflow bench a2a``: link alpha-beta fits and all-to-all times.
+
+Both run on the ranks of the job they are started in (torchrun, ``moeflow cluster run``), or on
+``--nproc`` local ranks (one node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import sys
+
+from moeflow.bench import a2a, links
+from moeflow.bench.linkmodel import save_fits
+from moeflow.cluster.shaping import parse_rate
+from moeflow.commands.common import add_launch_args, run_on_ranks
+from moeflow.config import ConfigError
+
+
+def register_bench(bsub) -> None:
+    p = bsub.add_parser("links", help="alpha-beta fits of p2p and collectives per link class",
+                        description=links.__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=links.DEFAULT_SIZES,
+                   help=f"bytes per rank buffer (default {links.DEFAULT_SIZES})")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None, help="write the fits as JSON (moeflow.links/1) here")
+    add_launch_args(p, default_nproc=2)
+    p.set_defaults(func=run_links)
+
+    p = bsub.add_parser("a2a", help="all-to-all algorithms over small/medium/large messages "
+                                    "(ScheMoE Fig. 9)",
+                        description=a2a.__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=a2a.DEFAULT_SIZES,
+                   help=f"bytes per rank send buffer (default {a2a.DEFAULT_SIZES})")
+    p.add_argument("--algorithms", default=None,
+                   help="comma-separated registered names (default: every registered one)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--inter-bw", default=None, help="inter-node bandwidth for the bound (1gbit)")
+    p.add_argument("--intra-bw", default=None, help="intra-node bandwidth for the bound")
+    p.add_argument("--links", default=None, help="a `bench links --out` file for the bound")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    add_launch_args(p, default_nproc=2)
+    p.set_defaults(func=run_a2a)
+
+
+def _meta() -> dict:
+    link = {k[len("MOEFLOW_CLUSTER_"):].lower(): float(v) for k, v in os.environ.items()
+            if k.startswith("MOEFLOW_CLUSTER_") and k.endswith(("_BPS", "_S"))}
+    return {"command": "moeflow " + shlex.join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "host": platform.node(), "cpus": os.cpu_count(),
+            "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "link": link or None}
+
+
+def _check(args, *names) -> list[int]:
+    for name in names:
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            raise ConfigError(f"--{name} {getattr(args, name)} is invalid: must be >= "
+                              f"{0 if name == 'warmup' else 1}")
+    try:
+        return links.parse_sizes(args.sizes)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def run_links(args: argparse.Namespace) -> int:
+    sizes = _check(args, "warmup", "reps")
+    if len(sizes) < 2:
+        raise ConfigError(f"--sizes {args.sizes!r} is invalid: a fit needs at least 2 sizes")
+    res = run_on_ranks(links.links_worker, args, sizes, args.warmup, args.reps)
+    if res is not None:
+        print(links.format_table(res["fits"]))
+        if args.out:
+            save_fits(args.out, res["fits"], {**_meta(), "layout": res["layout"]})
+            print(f"wrote {args.out}")
+    return 0
+
+
+def run_a2a(args: argparse.Namespace) -> int:
+    sizes = _check(args, "warmup", "reps")
+    names = None
+    if args.algorithms:
+        names = [n.strip() for n in args.algorithms.split(",") if n.strip()]
+        unknown = [n for n in names if n not in a2a.ALLTOALLS]
+        if unknown:
+            raise ConfigError(f"--algorithms {unknown} unknown; registered: "
+                              f"{', '.join(sorted(a2a.ALLTOALLS))}")
+    bws = a2a.bandwidths(None if args.inter_bw is None else parse_rate(args.inter_bw, "--inter-bw"),
+                         None if args.intra_bw is None else parse_rate(args.intra_bw, "--intra-bw"),
+                         args.links)
+    res = run_on_ranks(a2a.a2a_worker, args, names, sizes, args.warmup, args.reps)
+    if res is not None:
+        a2a.add_bounds(res, bws)
+        res.update(_meta())
+        print(a2a.format_table(res))
+        if args.out:
+            a2a.write_json(res, args.out)
+            print(f"wrote {args.out}")
+        if args.plot:
+            a2a.plot(res, args.plot)
+            print(f"wrote {args.plot}")
+    return 0
