@@ -14,6 +14,7 @@ all-to-all dominates (BigMac Fig. 3-4: 1.5-3.1x), at the price of two small proj
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -155,7 +156,8 @@ def _sum(value: float, topo: Topology) -> float:
 
 
 def bench_worker(cases: list[StructureCase], tokens: int, d_model: int, warmup: int,
-                 reps: int, device: str = "cpu", threads: int | None = None) -> list[dict]:
+                 reps: int, device: str = "cpu", threads: int | None = None
+                 ) -> list[dict] | None:
     """Interleaved: each repetition runs every case once, so load drifts hit all alike.
     ``threads``: intra-op CPU threads per rank (None: as launched)."""
     if threads is not None:
@@ -166,7 +168,8 @@ def bench_worker(cases: list[StructureCase], tokens: int, d_model: int, warmup: 
     for i in range(warmup + reps):
         for r in runners:
             r.step(record=i >= warmup)
-    return [r.result() for r in runners]
+    rows = [r.result() for r in runners]
+    return rows if topo.rank == 0 else None          # one table per job, under torchrun too
 
 
 def _speedups(rows: list[dict]) -> dict[int, dict[str, float]]:
@@ -214,5 +217,8 @@ def format_table(rows: list[dict]) -> str:
 
 def write_json(rows: list[dict], path: str, command: str) -> None:
     with open(path, "w") as f:
-        json.dump({"command": command, "torch": torch.__version__, "results": rows,
+        json.dump({"command": command, "torch": torch.__version__,
+                   "cluster_links_bps": {k: v for k, v in os.environ.items()
+                                         if k.startswith("MOEFLOW_CLUSTER_")},
+                   "results": rows,
                    "speedup_fine_over_bigmac": _speedups(rows)}, f, indent=2)
