@@ -14,7 +14,8 @@ downscale factor, ``w = rM`` the communicated width (``M`` for vanilla / fine-gr
   dense FFN ``4 M d_ff``, LM head ``2MV``; training counts forward + backward as 3x forward;
 * all-to-all elements per token and MoE layer: dispatch + combine, forward + backward =
   ``4*k*w``; with a capacity factor ``f`` the padded buffer makes it about ``4*f*k*w``
-  (exactly ``4*E*ceil(f*k*T/E)*w/T`` for ``T`` local tokens). Of these, a fraction
+  (exactly ``4*E*ceil(f*k*T/E)*w/T`` for ``T`` local tokens, as
+  ``moeflow.bench.bigmac.expected_a2a_bytes`` computes). Of these, a fraction
   ``(p-1)/p`` leaves the rank under uniform routing over ``p`` expert-parallel ranks.
 
 With GPT3-XL (24 MoE layers, M 2048, 64 experts top-8, F 512, V 50257, S 2048, 2^19 tokens)
@@ -26,10 +27,9 @@ this gives 3.73B / 3.78B parameters, 3500 / 3658 TFLOPs and 1536 GiB / 384 GiB o
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from moeflow.config import ConfigError, ModelConfig, config_error
+from moeflow.config import DEFAULT_DOWNSCALE_FACTOR, ConfigError, ModelConfig, config_error
 
 
 @dataclass
@@ -53,8 +53,8 @@ class ModelCost:
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int, float]:
-    r = 1.0 if cfg.structure != "bigmac" else (0.25 if cfg.downscale_factor is None
-                                               else float(cfg.downscale_factor))
+    r = 1.0 if cfg.structure != "bigmac" else (
+        DEFAULT_DOWNSCALE_FACTOR if cfg.downscale_factor is None else float(cfg.downscale_factor))
     return round(r * cfg.d_model), round(cfg.d_expert / r), r
 
 
@@ -159,8 +159,3 @@ def format_costs(costs: list[ModelCost], tokens: int | None = None) -> str:
             for c in costs))
     return "\n".join(lines)
 
-
-def ceil_capacity_elems(tokens: int, cfg_k: int, num_experts: int, f: float, w: int) -> float:
-    """Exact fwd+bwd all-to-all elements per token for one layer in capacity mode."""
-    cap = math.ceil(f * cfg_k * tokens / num_experts)
-    return 4 * num_experts * cap * w / tokens
