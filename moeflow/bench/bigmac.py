@@ -2,9 +2,10 @@
 
 For every top-k and structure, one MoE layer's forward + backward is timed on every rank
 (warm-up, then repetitions aligned by a barrier and interleaved over the cases; a repetition's
-time is the slowest rank's; medians; the process CPU time summed over ranks is reported too,
-as it is far less sensitive to other jobs sharing the cores), split into phases (``project`` is BigMac's two projections), and the bytes the layer
-hands to the all-to-all in one step are counted by the ``counting`` algorithm
+time is the slowest rank's; medians and minima; the process CPU time summed over ranks is
+reported too, as with ``--threads 1`` it is less sensitive to other jobs sharing the cores),
+split into phases (``project`` is BigMac's two projections), and the bytes the layer hands to
+the all-to-all in one step are counted by the ``counting`` algorithm
 (:mod:`moeflow.bench.a2a_count`) and compared with the formula of
 :mod:`moeflow.models.cost` (``4 k w`` elements per token for dropless routing). The paper's
 claim under test: BigMac moves ``r`` times the fine-grained bytes, and is faster where the
