@@ -192,3 +192,39 @@ def test_counted_all_to_all_bytes_on_two_ranks(tmp_path, capsys):
         assert big["a2a_bytes_per_token"] == 0.25 * fine["a2a_bytes_per_token"]
         assert 0 < big["a2a_offrank_bytes_per_token"] < big["a2a_bytes_per_token"]
     assert by[("vanilla", 2)]["capacity_factor"] == 1.25                  # padded buffer
+
+
+def test_bigmac_initialisation_is_layout_independent():
+    cfg = ModelConfig(**{**SMALL.__dict__, "structure": "bigmac"})
+    full = dict(GPT(cfg).named_parameters())
+    half = GPT(cfg, mf.Topology(rank=1, world_size=2, local_size=2, ep_size=2))
+    for name, p in half.named_parameters():
+        expect = full[name][4:8] if ".experts." in name else full[name]
+        assert torch.equal(p, expect), name
+    other = GPT(ModelConfig(**{**cfg.__dict__, "seed": 1}))
+    assert not torch.equal(other.blocks[0].ffn.dcca.descend, full["blocks.0.ffn.dcca.descend"])
+
+
+def test_codecs_apply_unchanged_to_bigmac():
+    """A registered codec sees the narrow (r * d_model) payload and changes nothing else."""
+    seen = []
+
+    @mf.register_codec("test_structure_halfs")
+    class Halfs(mf.Codec):
+        lossless = False
+
+        def encode(self, x):
+            seen.append(x.shape[1])
+            return [x.half()]
+
+        def decode(self, payloads, dtype):
+            return payloads[0].to(dtype)
+
+        def wire_bytes(self, rows, cols, dtype):
+            return 2 * rows * cols
+
+    cfg = mf.MoEConfig(**BASE, structure="bigmac", downscale_factor=0.5)
+    exact, coded = mf.MoELayer(cfg), mf.MoELayer(cfg.replace(codec="test_structure_halfs"))
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(coded(x), exact(x), rtol=2e-2, atol=2e-3)
+    assert seen == [4, 4]                                  # dispatch and combine at r * M
