@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeflow.commands import bench, cluster, train
+from moeflow.commands import bench, cluster, model_info, train
 from moeflow.config import ConfigError
 
 
@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeflow", description="Mixture-of-Experts training across many devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train, bench, cluster):
+    for module in (train, bench, cluster, model_info):
         module.register(sub)
     return parser
 

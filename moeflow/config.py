@@ -30,6 +30,56 @@ def _positive_int(owner: str, name: str, value) -> None:
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu")
+# MoE structures (BigMac section "Analysis of Different MoE Structures"); see
+# moeflow/experts/structure.py for what each one computes.
+STRUCTURES = ("vanilla", "fine_grained", "bigmac")
+DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
+DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
+
+
+def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_model: int,
+                     d_expert: int):
+    """Validate the structure fields; return the resolved capacity factor.
+
+    ``capacity_factor="auto"`` resolves to 1.25 for ``vanilla`` and to None (dropless) for
+    ``fine_grained`` and ``bigmac`` (BigMac section "Enabling Dropless Token Routing").
+    """
+    _require(structure in STRUCTURES, o, "structure", structure,
+             f"choose one of {', '.join(STRUCTURES)}")
+    if capacity_factor == "auto":
+        capacity_factor = DEFAULT_CAPACITY_FACTOR if structure == "vanilla" else None
+    if structure != "bigmac":
+        _require(downscale_factor is None, o, "downscale_factor", downscale_factor,
+                 "only structure='bigmac' descends before the all-to-all; set "
+                 "structure='bigmac' or leave downscale_factor unset (None)")
+        return capacity_factor
+    r = DEFAULT_DOWNSCALE_FACTOR if downscale_factor is None else downscale_factor
+    _require(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r <= 1, o,
+             "downscale_factor", downscale_factor,
+             "must be in (0, 1] (the paper uses 0.25); the communicated width is "
+             "downscale_factor * d_model")
+    width = r * d_model
+    _require(abs(width - round(width)) < 1e-9 and round(width) >= 1, o, "downscale_factor",
+             downscale_factor, f"downscale_factor * d_model = {width:g} must be a positive "
+             f"integer (d_model={d_model}); pick r so that r * d_model is whole, e.g. "
+             f"{_nice_r(d_model)}")
+    hidden = d_expert / r
+    _require(abs(hidden - round(hidden)) < 1e-9, o, "d_expert", d_expert,
+             f"BigMac experts have hidden width d_expert / downscale_factor = {hidden:g}, which "
+             f"must be an integer; use a d_expert that is a multiple of {_numerator(r)} or "
+             f"another downscale_factor")
+    return capacity_factor
+
+
+def _nice_r(d_model: int) -> str:
+    good = [r for r in (0.125, 0.25, 0.5) if (r * d_model).is_integer()]
+    return f"{good[0]}" if good else f"1/{d_model} multiples"
+
+
+def _numerator(r: float) -> int:
+    """p of r = p/q in lowest terms: d_expert / r is an integer iff p divides d_expert."""
+    from fractions import Fraction
+    return Fraction(r).limit_denominator(10**6).numerator
 
 
 @dataclass
@@ -37,18 +87,27 @@ class MoEConfig:
     """One MoE layer.
 
     ``capacity_factor=None`` means dropless routing (every token reaches its experts, split
-    sizes vary and are exchanged first). ``d_expert`` is the hidden width of each expert FFN.
-    ``layer_id`` is the layer's global identity: with ``seed`` it fixes every initial weight,
-    independently of how many ranks share the experts.
+    sizes vary and are exchanged first); ``"auto"`` (the default) is 1.25 for the ``vanilla``
+    structure and dropless for ``fine_grained`` and ``bigmac``, and is resolved when the config
+    is built. ``d_expert`` is the hidden width of each expert FFN (for ``bigmac``, of the
+    fine-grained expert it replaces: BigMac experts are ``r*d_model -> d_expert/r ->
+    r*d_model``). ``layer_id`` is the layer's global identity: with ``seed`` it fixes every
+    initial weight, independently of how many ranks share the experts.
+
+    ``structure`` (BigMac, Fig. 2): ``vanilla`` few large experts, ``fine_grained`` many small
+    ones (both communicate at ``d_model``), ``bigmac`` descend to ``downscale_factor *
+    d_model`` before the all-to-all and ascend after it (default ``downscale_factor`` 0.25).
     """
 
     d_model: int
     d_expert: int
     num_experts: int
     top_k: int = 2
-    capacity_factor: float | None = 1.25
+    capacity_factor: float | None | str = "auto"
     router: str = "topk"
     activation: str = "gelu"
+    structure: str = "vanilla"
+    downscale_factor: float | None = None
     gate_noise: float = 0.0
     renormalize: bool | None = None
     aux_loss_coef: float = 0.01
@@ -77,12 +136,15 @@ class MoEConfig:
             _positive_int(o, name, getattr(self, name))
         _require(self.top_k <= self.num_experts, o, "top_k", self.top_k,
                  f"must be <= num_experts ({self.num_experts}); lower top_k or add experts")
+        self.capacity_factor = _check_structure(o, self.structure, self.capacity_factor,
+                                                self.downscale_factor, self.d_model,
+                                                self.d_expert)
         if self.capacity_factor is not None:
             _require(isinstance(self.capacity_factor, (int, float))
                      and not isinstance(self.capacity_factor, bool)
                      and self.capacity_factor > 0,
                      o, "capacity_factor", self.capacity_factor,
-                     "must be > 0 (e.g. 1.25), or None for dropless routing")
+                     "must be > 0 (e.g. 1.25), None for dropless routing, or 'auto'")
         _require(self.activation in ACTIVATIONS, o, "activation", self.activation,
                  f"choose one of {', '.join(ACTIVATIONS)}")
         _require(isinstance(self.gate_noise, (int, float)) and self.gate_noise >= 0, o,
@@ -134,6 +196,14 @@ class MoEConfig:
         return self.capacity_factor is None
 
     @property
+    def downscale(self) -> float:
+        """BigMac's r (1.0 for the structures that communicate at d_model)."""
+        if self.structure != "bigmac":
+            return 1.0
+        return DEFAULT_DOWNSCALE_FACTOR if self.downscale_factor is None else \
+            float(self.downscale_factor)
+
+    @property
     def renormalize_topk(self) -> bool:
         """Whether the k selected gate weights are rescaled to sum to one.
 
@@ -148,7 +218,11 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    """A small GPT whose FFN is an MoE layer every ``moe_every`` blocks (the others are dense)."""
+    """A small GPT whose FFN is an MoE layer every ``moe_every`` blocks (the others are dense).
+
+    The MoE fields mean what they mean in :class:`MoEConfig` (``structure``,
+    ``downscale_factor``, ``capacity_factor="auto"``, ...).
+    """
 
     vocab_size: int = 256
     seq_len: int = 128
@@ -160,9 +234,11 @@ class ModelConfig:
     num_experts: int = 8
     d_expert: int = 256
     top_k: int = 2
-    capacity_factor: float | None = 1.25
+    capacity_factor: float | None | str = "auto"
     router: str = "topk"
     activation: str = "gelu"
+    structure: str = "vanilla"
+    downscale_factor: float | None = None
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     bilevel_nodes: int | None = None
@@ -185,6 +261,9 @@ class ModelConfig:
         _require(self.d_model % self.n_heads == 0, o, "n_heads", self.n_heads,
                  f"must divide d_model ({self.d_model})")
         _require(0.0 <= self.dropout < 1.0, o, "dropout", self.dropout, "must be in [0, 1)")
+        self.capacity_factor = _check_structure(o, self.structure, self.capacity_factor,
+                                                self.downscale_factor, self.d_model,
+                                                self.d_expert)
         # Validates the MoE fields (names, ranges) at construction.
         if self.num_moe_layers:
             self.moe_config(self.moe_layer_ids()[0])
@@ -201,16 +280,11 @@ class ModelConfig:
         return len(self.moe_layer_ids())
 
     def moe_config(self, block: int) -> MoEConfig:
-        return MoEConfig(d_model=self.d_model, d_expert=self.d_expert,
-                         num_experts=self.num_experts, top_k=self.top_k,
-                         capacity_factor=self.capacity_factor, router=self.router,
-                         activation=self.activation, aux_loss_coef=self.aux_loss_coef,
-                         z_loss_coef=self.z_loss_coef, bilevel_nodes=self.bilevel_nodes,
-                         node_top_k=self.node_top_k, local_top_k=self.local_top_k,
-                         local_loss_coef=self.local_loss_coef, codec=self.codec,
-                         codec_backward=self.codec_backward, a2a=self.a2a,
-                         schedule=self.schedule, pipeline_degree=self.pipeline_degree,
-                         seed=self.seed, layer_id=block)
+        # every MoEConfig field this config also has (sizes, routing, structure, codec,
+        # algorithm, schedule, seed); the rest keep MoEConfig's defaults
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEConfig)
+                  if f.name != "layer_id" and hasattr(self, f.name)}
+        return MoEConfig(**shared, layer_id=block)
 
 
 PRESETS: dict[str, dict] = {

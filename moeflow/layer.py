@@ -14,6 +14,7 @@ from moeflow.comm.codecs import CODECS
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.dispatch import capacity, combine, make_plan, permute
 from moeflow.experts import ExpertFFN
+from moeflow.experts.structure import build_projections, comm_width, expert_hidden
 from moeflow.phases import NULL_TIMER, PhaseTimer
 from moeflow.routing import ROUTERS
 from moeflow.schedule import SCHEDULERS
@@ -23,7 +24,8 @@ from moeflow.topology import Topology
 
 
 class MoELayer(nn.Module):
-    """A Mixture-of-Experts FFN: ``y = sum_j g_j(x) E_{e_j(x)}(x)`` over the top-k experts.
+    """A Mixture-of-Experts FFN: ``y = sum_j g_j(x) E_{e_j(x)}(x)`` over the top-k experts
+    (BigMac: ``y = (sum_j g_j(x) E_{e_j(x)}(x W_d)) W_u``, see ``experts/structure.py``).
 
     ``x: (..., d_model) -> (..., d_model)``. After each forward, ``aux_loss`` holds the router's
     scaled auxiliary loss (add it to the training loss) and ``stats`` the unscaled terms and the
@@ -43,8 +45,10 @@ class MoELayer(nn.Module):
         self.num_local = cfg.num_experts // topo.ep_size
         ROUTERS[cfg.router].check_topology(cfg, topo)
         self.router = ROUTERS[cfg.router](cfg)
-        self.experts = ExpertFFN(cfg.d_model, cfg.d_expert, topo.ep_rank * self.num_local,
-                                 self.num_local, cfg.activation, cfg.seed, cfg.layer_id)
+        self.dcca = build_projections(cfg)      # BigMac's W_d / W_u; None for other structures
+        self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
+                                 topo.ep_rank * self.num_local, self.num_local, cfg.activation,
+                                 cfg.seed, cfg.layer_id)
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
@@ -63,7 +67,8 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return (f"experts={c.num_experts} (local {self.num_local}), top_k={c.top_k}, "
+        return (f"structure={c.structure}, experts={c.num_experts} (local {self.num_local}), "
+                f"top_k={c.top_k}, "
                 f"capacity_factor={c.capacity_factor}, router={c.router}, codec={c.codec}, "
                 f"a2a={c.a2a}, schedule={c.schedule}, r={c.pipeline_degree}")
 
@@ -82,7 +87,10 @@ class MoELayer(nn.Module):
                               "the local token count; lower pipeline_degree or send larger "
                               "batches")
         with t.phase("route", h):
-            routing = self.router(t.mark(h, "route"))
+            routing = self.router(t.mark(h, "route"))     # the router reads x (pre-descend)
+        if self.dcca is not None:                          # BigMac: descend before dispatch
+            with t.phase("project", h):
+                h = self.dcca.down(t.mark(h, "project"))
         cap = (None if cfg.dropless else
                capacity(h.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor))
         with t.phase("permute", h):
@@ -94,6 +102,9 @@ class MoELayer(nn.Module):
         back = scheduled_experts(t.mark(send, None), plan, runner)
         with t.phase("combine", h):
             y = combine(t.mark(back, "combine"), plan, routing.weights)
+        if self.dcca is not None:                          # BigMac: ascend after combine
+            with t.phase("project", y):
+                y = self.dcca.up(t.mark(y, "project"))
         self.aux_loss = routing.aux_loss
         n_choices = max(1, routing.experts.numel())
         self.stats = {"balance_loss": float(routing.balance_loss),

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from moeflow.bench.layer import DEFAULT_CASES, bench_worker, format_table, write_json
-from moeflow.commands import bench_net
+from moeflow.commands import bench_bigmac, bench_net
 from moeflow.commands.common import add_launch_args, run_on_ranks
 
 
@@ -24,6 +24,7 @@ def register(sub) -> None:
     layer.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
+    bench_bigmac.register_bench(bsub)
     bench_net.register_bench(bsub)
 
     sched = bsub.add_parser("schedule", help="ScheMoE ablation (codec, Pipe-A2A, OptSche) and "

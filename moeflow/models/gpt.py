@@ -72,9 +72,10 @@ class GPT(nn.Module):
     def _init_dense(self) -> None:
         """GPT-2 init from (seed, parameter name); residual projections scaled by 1/sqrt(2L)."""
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        moe_params = {id(p) for m in self.moe_layers() for p in m.parameters()}
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if ".ffn.experts." in name or ".ffn.router." in name:
+                if id(p) in moe_params:
                     continue                     # the MoE layer initialises its own
                 if name.endswith(".bias"):
                     p.zero_()
