@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.bench import a2a_count  # noqa: F401  (registers "counting")
-from moeflow.bench.layer import _slowest
+from moeflow.bench.timing import slowest
 from moeflow.config import MoEConfig
 from moeflow.dispatch import capacity
 from moeflow.experts.structure import comm_width
@@ -108,7 +108,7 @@ class _Runner:
         if x.is_cuda:
             torch.cuda.synchronize()
         cpu = time.process_time() - c0
-        elapsed = _slowest(time.perf_counter() - t0, topo)
+        elapsed = slowest(time.perf_counter() - t0, topo)
         if self.counted is None:
             self.counted = (layer.algo.payload_bytes, layer.algo.offrank_bytes,
                             layer.algo.count_bytes)
@@ -118,7 +118,7 @@ class _Runner:
             self.totals.append(elapsed)
             self.cpu.append(_sum(cpu, topo))
             for p in PHASES:
-                self.phases[p].append(_slowest(timer.forward.get(p, 0.0)
+                self.phases[p].append(slowest(timer.forward.get(p, 0.0)
                                                + timer.backward.get(p, 0.0), topo))
 
     def result(self) -> dict:
