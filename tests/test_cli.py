@@ -12,6 +12,13 @@ from moeflow.cli import main
 from moeflow.commands.common import parse_overrides
 
 
+def test_overrides_none_depends_on_the_field():
+    from moeflow.config import ModelConfig
+
+    assert parse_overrides(["codec=none", "capacity_factor=none"], ModelConfig) == {
+        "codec": "none", "capacity_factor": None}
+
+
 def test_overrides_parse_types():
     assert parse_overrides(["top_k=1", "capacity_factor=none", "lr=0.5", "router=topk"]) == {
         "top_k": 1, "capacity_factor": None, "lr": 0.5, "router": "topk"}

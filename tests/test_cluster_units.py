@@ -68,7 +68,7 @@ def test_spec_validation_and_torchrun_command():
     joined = " ".join(cmd)
     for part in ("--nnodes 3", "--nproc-per-node 2", "--rdzv-backend c10d",
                  "--rdzv-endpoint 10.1.2.100:29400", "--rdzv-conf is_host=false",
-                 "--local-addr 10.1.2.101", "--max-restarts 0", "--no-python python train.py"):
+                 "--local-addr 10.1.2.101", "--max-restarts 0", "--no-python -- python train.py"):
         assert part in joined
     env = spec.environment(node)
     assert env["GLOO_SOCKET_IFNAME"] == "mfabcdefn1"

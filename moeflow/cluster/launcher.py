@@ -74,7 +74,9 @@ def torchrun_command(spec: ClusterSpec, node, master: str, run_id: str,
             "--rdzv-endpoint", f"{master}:{STORE_PORT}", "--rdzv-id", f"moeflow-{run_id}",
             "--rdzv-conf", "is_host=false", "--local-addr", node.address,
             "--max-restarts", "0", "--monitor-interval", "0.2", "--role", f"n{node.index}r",
-            "--tee", "3", "--no-python", *command]
+            # "--": torchrun's argparse must not read the command's own options
+            # (prefix matching would take e.g. "--r" for one of its options)
+            "--tee", "3", "--no-python", "--", *command]
 
 
 def _pump(stream, node: int, ranks_per_node: int, out: TextIO, lock: threading.Lock) -> None:

@@ -10,24 +10,31 @@ from moeflow.config import ConfigError
 from moeflow.launch import init_from_env, launch_local, under_torchrun
 
 
-def parse_value(text: str) -> Any:
-    """``none``/``null`` -> None, JSON numbers/booleans as such, anything else a string."""
+def parse_value(text: str, nullable: bool = True) -> Any:
+    """JSON numbers/booleans as such; ``none``/``null`` -> None where the field accepts None
+    (``capacity_factor=none``: dropless), else the string (``codec=none``: the no-op codec);
+    anything else a string."""
     if text.lower() in ("none", "null"):
-        return None
+        return None if nullable else text
     try:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_overrides(items: list[str], target: type | None = None) -> dict[str, Any]:
+    """``FIELD=VALUE`` strings -> a dict; ``target`` (a dataclass) tells which fields take None."""
+    import dataclasses
+
+    types = {f.name: str(f.type) for f in dataclasses.fields(target)} if target else {}
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r} is invalid: write FIELD=VALUE, e.g. "
                               "--set num_experts=16 or --set capacity_factor=none")
-        out[key.strip()] = parse_value(value.strip())
+        key = key.strip()
+        out[key] = parse_value(value.strip(), "None" in types.get(key, "None"))
     return out
 
 

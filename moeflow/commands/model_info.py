@@ -15,7 +15,7 @@ import shlex
 import sys
 
 from moeflow.commands.common import parse_overrides
-from moeflow.config import PRESETS, model_preset
+from moeflow.config import ModelConfig, PRESETS, model_preset
 from moeflow.models.cost import format_costs, model_cost, structure_variants
 
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"moeflow model-info: --{name.replace('_', '-')} "
                              f"{getattr(args, name)} must be >= 1")
-    cfg = model_preset(args.preset, **parse_overrides(args.overrides))
+    cfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
     variants = structure_variants(cfg, args.granularity, args.downscale_factor)
     costs = [model_cost(v, args.bytes_per_element, args.ep) for v in variants]
     print(format_costs(costs, args.tokens))

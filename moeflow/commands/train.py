@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from moeflow.commands.common import add_launch_args, parse_overrides, run_on_ranks
-from moeflow.config import PRESETS, TrainConfig, model_preset
+from moeflow.config import ModelConfig, PRESETS, TrainConfig, model_preset
 from moeflow.train import train_worker
 
 
@@ -40,7 +40,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    mcfg = model_preset(args.preset, **parse_overrides(args.overrides))
+    mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name != "collective_timeout_s"},
                        collective_timeout_s=args.timeout)
