@@ -60,6 +60,7 @@ def register(sub) -> None:
     smile.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(smile, default_nproc=1)
     smile.set_defaults(func=run_smile)
+    register_codecs_bench(bsub)
 
 
 def run_layer(args: argparse.Namespace) -> int:
@@ -122,4 +123,57 @@ def run_smile(args: argparse.Namespace) -> int:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=2)
             print(f"wrote {args.out}")
+    return 0
+
+
+def register_codecs_bench(bsub) -> None:
+    p = bsub.add_parser("codecs", help="codec throughput vs copy bandwidth, bits/value, error")
+    p.add_argument("--codecs", default=None,
+                   help="comma-separated codec names (default: fp16,bf16,int8,fp8,fp8-row,zfp,"
+                        "zfpy)")
+    p.add_argument("--sizes", default=None,
+                   help="ROWSxCOLS,... (default: 2048x128,8192x512 on CPU; "
+                        "8192x1024,65536x1024,65536x4096 on CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: zfpy is single-threaded, and on a shared "
+                        "machine more threads contend)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="train the tiny GPT this many steps before taking its activations")
+    p.add_argument("--error-rows", type=int, default=2048,
+                   help="rows (of 512 values) of the Gaussian and smooth error data (2048)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run_codecs)
+
+
+def run_codecs(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.bench import codecs as bc
+    from moeflow.comm.codecs import CODECS
+
+    names = bc.DEFAULT_CODECS if args.codecs is None else args.codecs.split(",")
+    for n in names:
+        if n not in CODECS:
+            raise SystemExit(f"moeflow bench codecs: unknown codec {n!r}; registered: "
+                             f"{', '.join(sorted(CODECS))}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("moeflow bench codecs: --device cuda but no CUDA device is visible")
+    if args.reps < 1 or args.threads < 1 or args.error_rows < 1:
+        raise SystemExit("moeflow bench codecs: --reps, --threads and --error-rows must be >= 1")
+    try:
+        sizes = (bc.parse_sizes(args.sizes) if args.sizes else
+                 bc.DEFAULT_SIZES_CUDA if args.device.startswith("cuda") else
+                 bc.DEFAULT_SIZES_CPU)
+    except ValueError as err:
+        raise SystemExit(f"moeflow bench codecs: {err}")
+    torch.set_num_threads(args.threads)
+    res = bc.run(names, sizes, args.device, args.warmup, args.reps, args.train_steps,
+                 args.error_rows)
+    print(bc.format_table(res))
+    if args.out:
+        bc.write_json(res, args.out, "moeflow " + shlex.join(sys.argv[1:]))
+        print(f"wrote {args.out}")
     return 0

@@ -19,6 +19,25 @@ class Codec(ABC):
 
     name: str = "?"
     lossless: bool = False
+    #: Plain-language error bound of a lossy codec (shown by ``moeflow bench codecs``).
+    error_bound: str = "exact"
+    #: Floating dtypes ``encode`` accepts; ``check_input`` rejects others with a clear error.
+    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+    def supports(self, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Whether ``encode`` accepts a tensor of this dtype on this device."""
+        return dtype in self.dtypes
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming the problem if ``x`` is not a 2-D tensor this codec takes."""
+        if x.dim() != 2:
+            raise ValueError(f"codec {self.name!r}: encode expects a (rows, cols) tensor, got "
+                             f"shape {tuple(x.shape)}; reshape it to 2-D first")
+        if not self.supports(x.dtype, x.device):
+            ok = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+            raise ValueError(f"codec {self.name!r} does not take {x.dtype} tensors on "
+                             f"{x.device.type}; it takes {ok}; cast the payload or pick another "
+                             f"codec (MoEConfig.codec)")
 
     @abstractmethod
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]: ...

@@ -1,0 +1,97 @@
+"""ZFP fixed-rate compression of float arrays on any torch device: our implementation of LLNL
+zfp's fixed-rate mode (Lindstrom 2014, "Fixed-rate compressed floating-point arrays"), the
+compressor ScheMoE (section 3.1, Table 6) applies to all-to-all payloads.
+
+``compress(a, rate, dims)`` returns, for each ``dims``-dimensional slice of ``a`` (zfp's x is
+the last axis; leading axes are a batch of independent arrays), exactly the bytes
+``zfpy.compress_numpy(slice, rate=rate, write_header=False)`` returns; ``decompress`` returns
+exactly what zfpy decodes from them. Modules: :mod:`.transform` (block-floating-point, lifting,
+reordering, negabinary), :mod:`.bitplane` (the embedded coder, any d), :mod:`.fast1d` (table
+coder for 1-D blocks), :mod:`.torch_backend` (the pipeline, any device), :mod:`.triton_backend`
+(CUDA kernels for the 1-D codec path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow.comm.codecs.zfp import torch_backend
+from moeflow.comm.codecs.zfp.transform import maxbits_for
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _as_float32(a, what: str) -> torch.Tensor:
+    a = torch.as_tensor(a)
+    if a.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"zfp.{what}: dtype {a.dtype} is not supported; ZFP here codes float32 "
+                         "(float16/bfloat16/float64 are converted to float32); cast the array")
+    return a.to(torch.float32).contiguous()
+
+
+def _dims(a: torch.Tensor, dims: int | None, what: str) -> int:
+    d = a.dim() if dims is None else dims
+    if d not in (1, 2, 3):
+        raise ValueError(f"zfp.{what}: dims={d!r} is invalid: ZFP blocks are 1-, 2- or "
+                         "3-dimensional; pass dims=1, 2 or 3")
+    if a.dim() < d:
+        raise ValueError(f"zfp.{what}: a {a.dim()}-D array cannot be coded with dims={d}; "
+                         "use dims <= a.dim()")
+    if any(s == 0 for s in a.shape):
+        raise ValueError(f"zfp.{what}: empty array of shape {tuple(a.shape)}")
+    return d
+
+
+def compress(a, rate: float = 8.0, dims: int | None = None) -> torch.Tensor:
+    """Fixed-rate ZFP stream(s) of ``a``: uint8 ``(*lead, nbytes)`` on ``a``'s device.
+
+    ``dims`` (default ``a.dim()``) trailing axes form each array; ``rate`` bits per value
+    (``maxbits = floor(4^dims * rate + 0.5)`` bits per block, at least 9).
+    """
+    a = _as_float32(a, "compress")
+    d = _dims(a, dims, "compress")
+    mb = maxbits_for(rate, d)
+    if d == 1:
+        return torch_backend.compress_1d(a, mb)
+    return torch_backend.compress(a, d, mb)
+
+
+def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`compress`: the decoded array of ``shape`` (as zfpy decodes it)."""
+    shape = tuple(int(s) for s in shape)
+    d = len(shape) if dims is None else dims
+    if d not in (1, 2, 3) or len(shape) < d:
+        raise ValueError(f"zfp.decompress: dims={d!r} is invalid for shape {shape}; "
+                         "use 1, 2 or 3 and at most len(shape)")
+    mb = maxbits_for(rate, d)
+    per = 1
+    for n in shape[len(shape) - d:]:
+        per *= -(-n // 4)
+    need = torch_backend.stream_bytes(per, mb)
+    data = torch.as_tensor(data)
+    if data.dtype != torch.uint8 or data.shape[-1] != need:
+        raise ValueError(f"zfp.decompress: expected uint8 streams of {need} bytes (last dim) "
+                         f"for shape {shape}, rate {rate}, dims {d}; got {data.dtype} "
+                         f"{tuple(data.shape)}")
+    if d == 1:
+        out = torch_backend.decompress_1d(data, shape, mb)
+    else:
+        out = torch_backend.decompress(data, shape, d, mb)
+    return out.to(dtype)
+
+
+def compressed_bytes(shape, rate: float = 8.0, dims: int | None = None) -> int:
+    """Total bytes :func:`compress` returns for an array of ``shape``."""
+    shape = tuple(shape)
+    d = len(shape) if dims is None else dims
+    mb = maxbits_for(rate, d)
+    per, lead = 1, 1
+    for n in shape[len(shape) - d:]:
+        per *= -(-n // 4)
+    for n in shape[: len(shape) - d]:
+        lead *= n
+    return lead * torch_backend.stream_bytes(per, mb)
+
+
+__all__ = ["compress", "decompress", "compressed_bytes", "maxbits_for"]

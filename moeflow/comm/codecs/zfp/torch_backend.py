@@ -1,0 +1,157 @@
+"""ZFP fixed-rate compression in vectorized torch (CPU, or any device torch runs on).
+
+Pipeline per block (Lindstrom 2014; LLNL zfp's fixed-rate mode): one bit "block is nonzero",
+the biased common exponent ``emax + 127`` in 8 bits, then the bit-plane code of the transformed
+coefficients, ``maxbits`` bits in all (``maxbits = 4^d * rate``). Blocks follow each other with
+no padding; the stream is a sequence of 64-bit little-endian words written LSB first, padded to a
+whole word at the end, exactly as ``zfpy.compress_numpy(..., write_header=False)`` writes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow.comm.codecs.zfp import bitplane, fast1d, transform as T
+
+
+
+def _bit_weights(device) -> torch.Tensor:
+    return (1 << torch.arange(8, device=device, dtype=torch.int64)).to(torch.int64)
+
+
+def encode_blocks(blocks: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
+    """float32 ``(B, 4^d)`` blocks -> ``(B, maxbits)`` uint8 stream bits of each block."""
+    B = blocks.shape[0]
+    emax = T.block_emax(blocks)
+    e = emax + T.EBIAS                                            # 0 <=> all-zero block
+    nonzero = e != 0
+    u = T.fwd_order(T.fwd_xform(T.fwd_cast(blocks, emax), d), d)
+    u = torch.where(nonzero.unsqueeze(1), u, torch.zeros_like(u))
+    head = ((2 * e.to(torch.int64) + 1) * nonzero.long()).unsqueeze(1)
+    hbits = ((head >> torch.arange(1 + T.EBITS, device=blocks.device)) & 1).to(torch.uint8)
+    budget = maxbits - 1 - T.EBITS
+    body = bitplane.encode_planes(u, budget) if budget > 0 else hbits[:, :0]
+    return torch.cat([hbits, body], dim=1).reshape(B, maxbits)
+
+
+def decode_blocks(bits: torch.Tensor, d: int) -> torch.Tensor:
+    """Inverse of :func:`encode_blocks`: ``(B, maxbits)`` uint8 -> float32 ``(B, 4^d)``."""
+    S = 4 ** d
+    b64 = bits[:, : 1 + T.EBITS].to(torch.int64)
+    nonzero = b64[:, 0].bool()
+    e = (b64[:, 1:] << torch.arange(T.EBITS, device=bits.device)).sum(1)
+    emax = (e - T.EBIAS).to(torch.int32)
+    if bits.shape[1] > 1 + T.EBITS:
+        u = bitplane.decode_planes(bits[:, 1 + T.EBITS:], S)
+    else:
+        u = torch.zeros(bits.shape[0], S, dtype=torch.int64, device=bits.device)
+    f = T.inv_cast(T.inv_xform(T.inv_order(u, d), d), emax)
+    return torch.where(nonzero.unsqueeze(1), f, torch.zeros_like(f))
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``(..., nbits)`` uint8 bits -> ``(..., 8 * ceil(nbits / 64))`` uint8 bytes (LSB first,
+    padded to whole 64-bit words like zfp's bit stream)."""
+    nbits = bits.shape[-1]
+    pad = (-nbits) % 64
+    if pad:
+        bits = torch.nn.functional.pad(bits, (0, pad))
+    g = bits.reshape(*bits.shape[:-1], -1, 8).to(torch.int64)
+    return (g * _bit_weights(bits.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``(..., nbytes)`` uint8 -> ``(..., nbits)`` uint8 bits."""
+    b = (data.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=data.device)) & 1
+    return b.reshape(*data.shape[:-1], -1)[..., :nbits].to(torch.uint8)
+
+
+def stream_bytes(nblocks: int, maxbits: int) -> int:
+    """Size of a zfp fixed-rate stream of ``nblocks`` blocks, padded to 64-bit words."""
+    return 8 * (-(-nblocks * maxbits // 64))
+
+
+def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
+    """float32 array whose last ``d`` dims form one zfp array per leading index ->
+    uint8 ``(*lead, stream_bytes)``: each slice's own zfp stream."""
+    lead = a.shape[: a.dim() - d]
+    blocks = T.to_blocks(a, d)
+    bits = encode_blocks(blocks, d, maxbits)
+    nslices = 1
+    for s in lead:
+        nslices *= s
+    per = blocks.shape[0] // max(nslices, 1)
+    return pack_bits(bits.reshape(nslices, per * maxbits)).reshape(*lead, -1)
+
+
+def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int) -> torch.Tensor:
+    """Inverse of :func:`compress` (``shape`` is the original array's shape)."""
+    lead, dims = shape[: len(shape) - d], shape[len(shape) - d:]
+    per = 1
+    for n in dims:
+        per *= -(-n // 4)
+    nslices = 1
+    for s in lead:
+        nslices *= s
+    bits = unpack_bits(data.reshape(nslices, -1), per * maxbits).reshape(nslices * per, maxbits)
+    return T.from_blocks(decode_blocks(bits, d), tuple(shape), d)
+
+
+# ------------------------------------------------------------- 1-D fast path (table coder)
+
+
+def _starts(nslices: int, per: int, maxbits: int, slice_words32: int, device) -> torch.Tensor:
+    j = torch.arange(per, device=device, dtype=torch.int64) * maxbits
+    s = torch.arange(nslices, device=device, dtype=torch.int64) * (32 * slice_words32)
+    return (s.unsqueeze(1) + j).reshape(-1)
+
+
+CHUNK = 1 << 17          # blocks per step of the 1-D path: keeps its temporaries in cache
+
+
+def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
+    """Like ``compress(a, 1, maxbits)`` (each row of ``a`` its own stream), by the table coder."""
+    lead = a.shape[:-1]
+    blocks = T.to_blocks(a, 1)
+    per = -(-a.shape[-1] // 4)
+    nslices = blocks.shape[0] // per
+    nbytes = stream_bytes(per, maxbits)
+    starts = _starts(nslices, per, maxbits, nbytes // 4, a.device)
+    nwords = nslices * nbytes // 4
+    if maxbits > 64:
+        words = fast1d.encode(blocks, starts, maxbits, nwords)
+    else:
+        acc = torch.cat([fast1d.encode_words(blocks[i:i + CHUNK], maxbits)
+                         for i in range(0, blocks.shape[0], CHUNK)])
+        if maxbits == 32 and nbytes * 8 == per * maxbits:
+            words = acc                                   # one block per 32-bit word
+        else:
+            words = torch.zeros(nwords + 3, dtype=torch.int64, device=a.device)
+            fast1d._write(words, starts, acc & 0xFFFFFFFF)
+            if maxbits > 32:
+                fast1d._write(words, starts + 32, (acc >> 32) & 0xFFFFFFFF)
+            words = words[:nwords]
+    return words.to(torch.int32).view(torch.uint8).reshape(*lead, nbytes)
+
+
+def decompress_1d(data: torch.Tensor, shape: tuple[int, ...], maxbits: int) -> torch.Tensor:
+    """Inverse of :func:`compress_1d`."""
+    n = shape[-1]
+    per = -(-n // 4)
+    nbytes = data.shape[-1]
+    nslices = data.numel() // max(nbytes, 1)
+    words = data.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    starts = _starts(nslices, per, maxbits, nbytes // 4, data.device)
+    if maxbits > 64:
+        blocks = fast1d.decode(words, starts, maxbits)
+    else:
+        if maxbits == 32 and nbytes * 8 == per * maxbits:
+            acc = words
+        else:
+            w = torch.cat([words, torch.zeros(3, dtype=torch.int64, device=words.device)])
+            acc = fast1d._read(w, starts, min(32, maxbits))
+            if maxbits > 32:
+                acc = acc | (fast1d._read(w, starts + 32, maxbits - 32) << 32)
+        blocks = torch.cat([fast1d.decode_words(acc[i:i + CHUNK], maxbits)
+                            for i in range(0, acc.shape[0], CHUNK)])
+    return T.from_blocks(blocks, tuple(shape), 1)

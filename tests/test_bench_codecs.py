@@ -1,0 +1,21 @@
+"""``moeflow bench codecs`` runs end to end and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+
+from moeflow.cli import main
+
+
+def test_bench_codecs_cli(tmp_path, capsys):
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--codecs", "fp16,int8,zfp", "--sizes", "64x32",
+                 "--reps", "1", "--error-rows", "16", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "zfp" in text and "activations" in text
+    res = json.loads(out.read_text())
+    assert {r["codec"] for r in res["throughput"]} == {"fp16", "int8", "zfp"}
+    zfp_err = [e for e in res["errors"] if e["codec"] == "zfp"]
+    assert {e["data"] for e in zfp_err} == {"gaussian", "smooth", "activations"}
+    assert all(e["rel_error"] == e["zfpy_rel_error"] for e in zfp_err)
+    assert all(r["bits_per_value"] > 0 and r["encode_gbs"] > 0 for r in res["throughput"])
