@@ -80,6 +80,41 @@ def test_bounds_and_size_classes():
     assert data["results"][0]["ratio"] is None and "n/a" in a2a.format_table(data)
 
 
+def test_eq18_bound_and_pipe_summary(tmp_path):
+    # ScheMoE Eq. 18: equal intra and inter work overlaps fully (2x); one side dominating -> ~1
+    assert a2a.eq18_speedup(2, 4, 1.0, 1.0) == pytest.approx(2.0)
+    assert a2a.eq18_speedup(2, 8, 1.0, 1.0) == pytest.approx(8 / 6)
+    assert a2a.eq18_speedup(2, 4, 0.1, 1.0) == pytest.approx(2.2 / 2.0)
+    with pytest.raises(ValueError, match="0 < m < p"):
+        a2a.eq18_speedup(4, 4, 1.0, 1.0)
+    data = {"layout": {"nodes": 2, "ranks_per_node": 2, "world": 4}, "skipped": {},
+            "results": [{"algorithm": "pairwise", "class": "medium", "bytes": 4_000_000,
+                         "median_s": 0.3},
+                        {"algorithm": "pipe", "class": "medium", "bytes": 4_000_000,
+                         "median_s": 0.2}]}
+    # rates: block 1 MB, t1 = 1 ms at 8 Gbit/s, t2 = 8 ms at 1 Gbit/s -> (2 + 16) / 16
+    bws = {"inter": (1e9, "x"), "intra": (8e9, "y")}
+    a2a.add_bounds(data, bws)
+    a2a.add_pipe_summary(data, bws)
+    row = data["pipe_vs_pairwise"]["rows"][0]
+    assert row["speedup"] == pytest.approx(1.5)
+    assert row["t1_s"] == pytest.approx(1e-3) and row["t2_s"] == pytest.approx(8e-3)
+    assert row["eq18_bound"] == pytest.approx(18 / 16)
+    assert "Eq. 18" in a2a.format_table(data)
+    # a links file's p2p fits take precedence over the rates
+    recs = [fit_record("intra", "p2p", 2, 2, [(1e5, 1e-4), (1e6, 1e-3)]),
+            fit_record("inter", "p2p", 2, 2, [(1e5, 1e-4), (1e6, 1e-3)])]
+    path = tmp_path / "links.json"
+    save_fits(str(path), recs, {"layout": data["layout"]})
+    a2a.add_pipe_summary(data, bws, str(path))
+    assert data["pipe_vs_pairwise"]["rows"][0]["eq18_bound"] == pytest.approx(2.0)
+    # one node: no summary
+    data = {**data, "layout": {"nodes": 1, "ranks_per_node": 4, "world": 4}}
+    data.pop("pipe_vs_pairwise")
+    a2a.add_pipe_summary(data, bws)
+    assert "pipe_vs_pairwise" not in data
+
+
 @pytest.mark.multirank
 def test_links_and_a2a_benches_on_two_local_ranks(tmp_path):
     sizes = [4096, 65536]

@@ -17,6 +17,12 @@ The bandwidths come from ``--inter-bw``/``--intra-bw``, else from the emulated c
 settings (``MOEFLOW_CLUSTER_*_BW_BPS``, set by ``moeflow cluster run``), else from a ``--links``
 fit (``p2p`` of that class, ``1/beta``); without any, the ratio is not reported. The emulator's
 ``tbf`` counts Ethernet/IP/TCP headers, so about 1.05 is the best ratio reachable on it.
+
+With several nodes, a summary per size sets Pipe-A2A's measured speedup over ``pairwise`` next
+to the bound of ScheMoE Eq. 18, ``S_max = (M t1 + (P-M) t2) / max(M t1, (P-M) t2)`` (Eq. 16 over
+Eq. 17), where ``t1`` / ``t2`` are the times of one intra- / inter-node send-recv of one block
+(``bytes / P``): predicted by the ``--links`` ``p2p`` fit of that class when given, else from the
+class's bandwidth above (``block / bw``).
 """
 
 from __future__ import annotations
@@ -125,6 +131,49 @@ def add_bounds(data: dict, bws: dict[str, tuple[float | None, str]]) -> None:
         r["ratio"] = None if bw is None else r["median_s"] / r["bound_s"]
 
 
+def eq18_speedup(m: int, p: int, t1: float, t2: float) -> float:
+    """ScheMoE Eq. 18: the largest speedup of Pipe-A2A over a sequential all-to-all on ``p``
+    ranks, ``m`` per node, when one intra-node send-recv takes ``t1`` and an inter-node one ``t2``."""
+    if not (0 < m < p) or t1 < 0 or t2 < 0 or (t1 == 0 and t2 == 0):
+        raise ValueError(f"eq18_speedup needs 0 < m < p and non-negative times, not both 0; got "
+                         f"m={m}, p={p}, t1={t1}, t2={t2}")
+    intra, inter = m * t1, (p - m) * t2
+    return (intra + inter) / max(intra, inter)
+
+
+def add_pipe_summary(data: dict, bws: dict[str, tuple[float | None, str]],
+                     links: str | None = None) -> None:
+    """Add ``data["pipe_vs_pairwise"]``: per size, the measured speedup of ``pipe`` over
+    ``pairwise`` next to :func:`eq18_speedup` (several nodes and both algorithms measured)."""
+    n, m = data["layout"]["nodes"], data["layout"]["ranks_per_node"]
+    p = n * m
+    by = {(r["algorithm"], r["bytes"]): r["median_s"] for r in data["results"]}
+    if n < 2 or not any(a == "pipe" for a, _ in by) or not any(a == "pairwise" for a, _ in by):
+        return
+    fits = {}
+    if links:
+        from moeflow.bench.linkmodel import load_fits
+        fits = load_fits(links)
+
+    def one_block(cls: str, block: float) -> tuple[float | None, str]:
+        fit = fits.get((cls, "p2p"))
+        if fit is not None:
+            return fit.predict(block), f"{links} ({cls} p2p fit)"
+        bw, source = bws[cls]
+        return (None, "unknown") if bw is None else (block / (bw / 8), source)
+
+    rows, src1, src2 = [], "unknown", "unknown"
+    for s in sorted({b for a, b in by if a == "pipe" and ("pairwise", b) in by}):
+        block = s / p
+        (t1, src1), (t2, src2) = one_block("intra", block), one_block("inter", block)
+        bound = None if t1 is None or t2 is None else eq18_speedup(m, p, t1, t2)
+        rows.append({"bytes": s, "pairwise_s": by[("pairwise", s)], "pipe_s": by[("pipe", s)],
+                     "speedup": by[("pairwise", s)] / by[("pipe", s)], "t1_s": t1, "t2_s": t2,
+                     "eq18_bound": bound})
+    data["pipe_vs_pairwise"] = {"formula": "S_max = (M t1 + (P-M) t2) / max(M t1, (P-M) t2)",
+                                "t1_source": src1, "t2_source": src2, "rows": rows}
+
+
 def format_table(data: dict) -> str:
     b = data["bound"]
     bw = "?" if b["bw_bps"] is None else f"{b['bw_bps'] / 1e9:g} Gbit/s"
@@ -141,6 +190,18 @@ def format_table(data: dict) -> str:
                      f"{bound:>9} {ratio:>8}")
     for name, why in data["skipped"].items():
         lines.append(f"skipped {name}: {why}")
+    pipe = data.get("pipe_vs_pairwise")
+    if pipe:
+        lines += ["", f"Pipe-A2A speedup over pairwise vs ScheMoE Eq. 18 ({pipe['formula']}; "
+                  f"t1 from {pipe['t1_source']}, t2 from {pipe['t2_source']})",
+                  f"{'bytes/rank':>11} {'pairwise ms':>12} {'pipe ms':>9} {'speedup':>8} "
+                  f"{'t1 us':>9} {'t2 us':>9} {'Eq.18':>6}"]
+        for r in pipe["rows"]:
+            t1 = "n/a" if r["t1_s"] is None else f"{r['t1_s'] * 1e6:.1f}"
+            t2 = "n/a" if r["t2_s"] is None else f"{r['t2_s'] * 1e6:.1f}"
+            b = "n/a" if r["eq18_bound"] is None else f"{r['eq18_bound']:.2f}"
+            lines.append(f"{r['bytes']:>11} {r['pairwise_s'] * 1e3:>12.3f} "
+                         f"{r['pipe_s'] * 1e3:>9.3f} {r['speedup']:>8.2f} {t1:>9} {t2:>9} {b:>6}")
     return "\n".join(lines)
 
 

@@ -98,6 +98,7 @@ def run_a2a(args: argparse.Namespace) -> int:
     res = run_on_ranks(a2a.a2a_worker, args, names, sizes, args.warmup, args.reps)
     if res is not None:
         a2a.add_bounds(res, bws)
+        a2a.add_pipe_summary(res, bws, args.links)
         res.update(_meta())
         print(a2a.format_table(res))
         if args.out:
