@@ -45,20 +45,20 @@ class DispatchPlan:
 
 def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
               algo: AllToAll) -> DispatchPlan:
-    """Build the plan for ``experts: (T, k)``; collective when dropless (exchanges counts)."""
+    """Build the plan for ``experts: (T, k)``; collective (exchanges the row counts)."""
     T, k = experts.shape
     ep = algo.topo.ep_size
     e_local = num_experts // ep
     flat = experts.t().reshape(-1)                       # priority order: choice-major
     counts = torch.bincount(flat, minlength=num_experts)
     order = torch.argsort(flat, stable=True)             # expert-major, priority kept inside
-    starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     if capacity is None:
         kept, slot = order, torch.arange(flat.numel(), device=flat.device)
         per_expert = counts
         send_rows, dropped = flat.numel(), 0
     else:
+        starts = torch.cumsum(counts, 0) - counts          # slot of each choice in its expert
+        position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
         keep = position < capacity
         kept = order[keep]
         slot = flat[kept] * capacity + position[keep]

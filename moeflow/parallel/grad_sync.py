@@ -52,11 +52,15 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
 def _sum_then_scale(grads: list[torch.Tensor], group, scale: float) -> None:
     """All-reduce (sum) ``grads`` over ``group`` in flat buckets per dtype/device, then scale."""
     buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    filled: dict[tuple, int] = {}                       # bytes in each key's last bucket
     for g in grads:
-        lists = buckets.setdefault((g.dtype, g.device), [[]])
-        if lists[-1] and sum(t.numel() * t.element_size() for t in lists[-1]) > _BUCKET_BYTES:
+        key = (g.dtype, g.device)
+        lists = buckets.setdefault(key, [[]])
+        if lists[-1] and filled.get(key, 0) > _BUCKET_BYTES:
             lists.append([])
+            filled[key] = 0
         lists[-1].append(g)
+        filled[key] = filled.get(key, 0) + g.numel() * g.element_size()
     for lists in buckets.values():
         for bucket in lists:
             flat = _flatten_dense_tensors(bucket)
