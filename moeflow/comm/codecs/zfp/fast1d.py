@@ -362,8 +362,9 @@ def _enc_mul_tables(G: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
                         torch.zeros_like(ln)).to(device))
 
 
-def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
-    """Inverse of :func:`encode_words`."""
+def decode_words_by_plane(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
+    """Inverse of :func:`encode_words`, one table lookup per bit plane (the reference for, and
+    the fallback of, :func:`moeflow.comm.codecs.zfp.window_decode.decode_words`)."""
     nonzero = (acc & 1).bool()
     emax = (((acc >> 1) & 0xFF) - T.EBIAS).to(torch.int32)
     budget = maxbits - 1 - T.EBITS

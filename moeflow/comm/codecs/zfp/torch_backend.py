@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.comm.codecs.zfp import bitplane, fast1d, transform as T
+from moeflow.comm.codecs.zfp import bitplane, fast1d, group_encode, transform as T, window_decode
 
 
 
@@ -121,7 +121,7 @@ def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
     if maxbits > 64:
         words = fast1d.encode(blocks, starts, maxbits, nwords)
     else:
-        acc = torch.cat([fast1d.encode_words(blocks[i:i + CHUNK], maxbits)
+        acc = torch.cat([group_encode.encode_words(blocks[i:i + CHUNK], maxbits)
                          for i in range(0, blocks.shape[0], CHUNK)])
         if maxbits == 32 and nbytes * 8 == per * maxbits:
             words = acc                                   # one block per 32-bit word
@@ -152,6 +152,6 @@ def decompress_1d(data: torch.Tensor, shape: tuple[int, ...], maxbits: int) -> t
             acc = fast1d._read(w, starts, min(32, maxbits))
             if maxbits > 32:
                 acc = acc | (fast1d._read(w, starts + 32, maxbits - 32) << 32)
-        blocks = torch.cat([fast1d.decode_words(acc[i:i + CHUNK], maxbits)
+        blocks = torch.cat([window_decode.decode_words(acc[i:i + CHUNK], maxbits)
                             for i in range(0, acc.shape[0], CHUNK)])
     return T.from_blocks(blocks, tuple(shape), 1)

@@ -1,0 +1,133 @@
+"""Group-table encoder for 1-D ZFP blocks whose whole code fits one int64 (``maxbits <= 64``,
+rates up to 16): the CPU encode path of the ``zfp`` codec (Lindstrom 2014 sections 3.1-3.4:
+block-floating-point cast, lifting transform, negabinary, and zfp's fixed-rate
+``encode_ints`` for a 4-value block), vectorized over blocks.
+
+Bit planes are coded four at a time: the four coefficients' bits of planes ``k+3..k`` (16 bits)
+and the number ``n`` of coefficients already significant index a table holding those planes'
+code, its length and the new ``n`` (:func:`moeflow.comm.codecs.zfp.fast1d._enc_table`). Codes
+are shifted into place at the block's running bit position; bits past ``maxbits`` are masked
+off at the end, which is exactly zfp's truncation of the last plane. At rate 8 almost every
+block has spent its 23-bit budget after two or three groups (planes 31..20); the blocks still
+going are carried on alone once they are fewer than half.
+
+The coefficients are laid out "transposed", the 16 high (or low) bits of coefficient ``i`` at
+bits ``16 i`` of one int64, built by writing int16 halves into an ``(B, 4)`` int16 buffer that
+is then viewed as int64; the low halves are only built for blocks that reach plane 15.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from moeflow.comm.codecs.zfp import fast1d, transform as T
+
+S = 4
+NB32 = fast1d.NB32
+_FIELDS = 0xF * fast1d._M1                       # a nibble in each 16-bit field
+_MULT = sum(1 << (48 - 12 * i) for i in range(S))   # gathers the 4 nibbles into bits 48..63
+_LITTLE = sys.byteorder == "little"
+
+
+@functools.lru_cache(maxsize=None)
+def _table(device: str) -> torch.Tensor:
+    """``code | len << 32 | (n' << 16) << 40`` for index ``n << 16 | planes`` (4 planes)."""
+    t = fast1d._enc_table(4)
+    code = t & 0xFFFFFFFFFF
+    ln = (t >> 40) & 0xFF
+    nn = (t >> 48) & 0xFF
+    if int(code.max()) >> 32:                    # 4 planes code in at most 28 bits
+        raise AssertionError("zfp group table: a 4-plane code longer than 32 bits")
+    return (code | (ln << 32) | ((nn << 16) << 40)).to(device)
+
+
+def block_exponents(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(emax, nonzero, be)`` of float32 ``(B, 4)`` blocks as zfp computes them (see
+    :func:`transform.block_emax`), from the bit patterns: the largest ``|x|`` (NaNs skipped)
+    is the largest pattern with the sign bit cleared. ``emax`` is 0 for all-zero blocks."""
+    bits = blocks.view(torch.int32) & 0x7FFFFFFF
+    m = bits.amax(1)
+    if bool((m > 0x7F800000).any()):             # a NaN: zfp's max skips it
+        m = torch.where(bits > 0x7F800000, 0, bits).amax(1)
+    be = m >> 23
+    emax = torch.where(be == 0xFF, 0, (be - 126).clamp_(min=-126))
+    nonzero = m != 0
+    return torch.where(nonzero, emax, 0), nonzero, be
+
+
+def _halves(cols: list[torch.Tensor], high: bool) -> torch.Tensor:
+    """The 16 high (or low) bits of four int32 columns as one int64 per row, field i = col i."""
+    h = torch.empty(cols[0].shape[0], S, dtype=torch.int16, device=cols[0].device)
+    for i, c in enumerate(cols):
+        if _LITTLE:
+            h[:, i] = c.view(torch.int16)[int(high)::2]
+        else:                                    # pragma: no cover
+            h[:, i] = (c >> 16).to(torch.int16) if high else c.to(torch.int16)
+    return h.view(torch.int64).squeeze(1)
+
+
+def encode_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
+    """float32 ``(B, 4)`` -> int64 ``(B,)``: each block's whole ``maxbits``-bit zfp code
+    (header and body, first stream bit lowest), for ``9 <= maxbits <= 64``."""
+    if not 1 + T.EBITS <= maxbits <= 64:
+        raise ValueError(f"group_encode.encode_words: maxbits={maxbits} must be in [9, 64]")
+    blocks = blocks.contiguous()
+    emax, nonzero, be = block_exponents(blocks)
+    keep = -nonzero.long()                       # all ones for a nonzero block
+    acc = ((2 * (emax.long() + T.EBIAS) + 1) & keep)
+    if maxbits == 1 + T.EBITS or blocks.shape[0] == 0:
+        return acc
+    # block-floating-point cast (section 3.1): trunc(x * 2^(30 - emax)); the product is below
+    # 2^30 unless the scale or x is not finite (denormal blocks, inf, NaN): only then is the
+    # out-of-range case (INT_MIN, as x86's cvttss2si gives it) needed.
+    s = T._pow2_f32(30 - emax)
+    guard = bool(((emax < -97) | (be == 0xFF)).any())
+    cols = []
+    for i in range(S):
+        y = blocks[:, i] * s
+        if guard:
+            y = torch.where(y.abs() < 2.0 ** 31, y, -(2.0 ** 31))
+        cols.append(y.to(torch.int32))
+    cols = [(c + NB32) ^ NB32 for c in T._fwd_lift(*cols)]   # section 3.2-3.3, wrapping
+    table = _table(str(blocks.device))
+    v = _halves(cols, high=True)
+    ACC, rows = acc, None                        # full-size result, live subset
+    pos = noff = None
+    for k in range(28, -1, -4):                  # planes k+3..k, top first (section 3.4)
+        if k == 12:                              # the low halves, for the blocks still going
+            v = _halves([c if rows is None else c.index_select(0, rows) for c in cols], False)
+        p = (v >> (k % 16)) & _FIELDS
+        key = ((p * _MULT) >> 48) & 0xFFFF
+        ent = table.index_select(0, key if noff is None else noff + key)
+        if pos is None:
+            acc = acc | ((ent & 0xFFFFFFFF) << (1 + T.EBITS))
+            pos = (ent >> 32) & 0xFF
+            pos += 1 + T.EBITS
+        else:
+            acc |= (ent & 0xFFFFFFFF) << pos
+            pos += (ent >> 32) & 0xFF
+        noff = ent >> 40
+        if k == 28 or k == 0:
+            continue
+        live = pos < maxbits
+        nlive = int(live.sum())
+        if nlive == 0:
+            break
+        if nlive * 2 < pos.shape[0]:             # go on with the live blocks only
+            if rows is None:
+                ACC = acc.clone()
+                rows = torch.arange(pos.shape[0], device=acc.device)
+            else:
+                ACC.index_copy_(0, rows, acc)
+            sel = live.nonzero().squeeze(1)
+            rows, acc, pos, noff, v = rows[sel], acc[sel], pos[sel], noff[sel], v[sel]
+    if rows is not None:
+        ACC.index_copy_(0, rows, acc)
+        acc = ACC
+    acc &= keep                                  # an all-zero block codes as a single 0 bit
+    if maxbits < 64:
+        acc &= (1 << maxbits) - 1
+    return acc
