@@ -1,18 +1,18 @@
-"""Table-driven ZFP coder for 1-D blocks (4 values), vectorized over blocks: the fast path of
-the torch back end, and the layout the all-to-all codec uses (each row its own 1-D stream).
+"""Table-driven ZFP coder for 1-D blocks (4 values), vectorized over blocks: the plane coder's
+reference tables, the bit I/O, and the general 1-D path for rates above 16.
 
 Same code as :mod:`bitplane` (Lindstrom 2014 section 3.4, zfp's fixed-rate mode), organised so
 each step is a few whole-tensor ops: the 4 coefficients of a block are held "transposed" in two
 int64 words (the low / high 16 bits of coefficient i at bits ``16 i``), so that ``G`` bit planes
 of all four coefficients are pulled out with one shift, one mask and one multiply; a
-precomputed table maps (number of significant coefficients ``n``, those ``4 G`` bits) to the
-planes' code, its length and the new ``n``. Decoding reads 8 stream bits at a time and uses a
-table indexed by ``n``, the bits left in the block's budget (0..8) and those 8 bits, which
-reproduces zfp's decoder exactly, including at the end of the budget. For ``maxbits <= 64``
-(rates up to 16) a block's whole code lives in one int64 (:func:`encode_words`,
-:func:`decode_words`), and blocks that have spent their budget leave the lockstep once they are
-the majority; above that, codes are added into a flat stream of 32-bit words at disjoint bit
-ranges (:func:`encode`, :func:`decode`).
+precomputed table (:func:`_enc_table`) maps (number of significant coefficients ``n``, those
+``4 G`` bits) to the planes' code, its length and the new ``n``. Decoding reads 8 stream bits
+per plane through a table indexed by ``n``, the bits left in the block's budget (0..8) and those
+8 bits (:func:`_dec_table`), which reproduces zfp's decoder exactly, including at the end of
+the budget. Above ``maxbits = 64`` (:func:`encode`, :func:`decode`) codes are added into a flat
+stream of 32-bit words at disjoint bit ranges. Up to 64 bits a block's whole code lives in one
+int64: :mod:`.group_encode` and :mod:`.window_decode` are the fast paths there, and
+:func:`decode_words_by_plane` is their reference. The Triton kernels use the same tables.
 """
 
 from __future__ import annotations
@@ -152,32 +152,9 @@ def _write(words: torch.Tensor, start: torch.Tensor, code: torch.Tensor) -> None
 NB32 = -0x55555556                      # 0xaaaaaaaa as an int32
 
 
-def _prologue(blocks: torch.Tensor, emax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``(B, 4)`` -> the transposed negabinary coefficients (see :func:`_transpose`),
-    computed column by column in int32 (the same wrapping arithmetic as
-    ``transform.fwd_cast/fwd_xform/fwd_order`` for d = 1, whose permutation is the identity).
-    All-zero blocks give garbage here (0 * inf); the caller zeroes them."""
-    s = T._pow2_f32(30 - emax)
-    lim = 2.0 ** 31
-    cols = []
-    for i in range(S):
-        y = blocks[:, i] * s
-        cols.append(torch.where(y.abs() < lim, y, -lim).to(torch.int32))
-    cols = T._fwd_lift(*cols)
-    vlo = vhi = None
-    for i, c in enumerate(cols):
-        c = (c + NB32) ^ NB32                         # negabinary, wrapping in 32 bits
-        lo = (c & 0xFFFF).to(torch.int64)
-        hi = ((c >> 16) & 0xFFFF).to(torch.int64)
-        if i:
-            lo, hi = lo << (16 * i), hi << (16 * i)
-        vlo = lo if vlo is None else vlo | lo
-        vhi = hi if vhi is None else vhi | hi
-    return vlo, vhi
-
-
 def _epilogue(ulo: torch.Tensor, uhi: torch.Tensor, emax: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_prologue` followed by the inverse cast: float32 ``(B, 4)``."""
+    """Transposed negabinary coefficients (see :func:`_transpose`) -> float32 ``(B, 4)``:
+    from negabinary, the inverse lifting transform and the inverse cast, column by column."""
     cols = []
     for i in range(S):
         c = ((ulo >> (16 * i)) & 0xFFFF) | (((uhi >> (16 * i)) & 0xFFFF) << 16)
@@ -293,78 +270,10 @@ def decode(words: torch.Tensor, starts: torch.Tensor, maxbits: int) -> torch.Ten
 # ------------------------------------------------- single-word blocks (maxbits <= 64)
 
 
-def encode_words(blocks: torch.Tensor, maxbits: int, G: int = 4) -> torch.Tensor:
-    """float32 ``(B, 4)`` -> int64 ``(B,)``: each block's whole ``maxbits``-bit code (header
-    and body) in one word, for ``maxbits <= 64``.
-
-    Codes are appended by multiplying with ``P = 2^(9 + pos)`` (kept as a running product of
-    the table's ``2^len``) instead of variable shifts; bits that land past ``maxbits`` are
-    masked off at the end (or overflow out of the word), which is exactly zfp's truncation."""
-    emax = T.block_emax(blocks)
-    e = (emax + T.EBIAS).to(torch.int64)
-    nonzero = e != 0
-    acc = (2 * e + 1) * nonzero.long()
-    budget = maxbits - 1 - T.EBITS
-    if budget <= 0:
-        return acc
-    vlo, vhi = _prologue(blocks, emax)
-    nz = nonzero.long()
-    vlo, vhi = vlo * nz, vhi * nz
-    code_t, p2_t = _enc_mul_tables(G, str(blocks.device))
-    mult = sum(1 << (48 - 12 * i) for i in range(S))
-    P = torch.full_like(acc, 1 << (1 + T.EBITS))
-    noff = torch.zeros_like(acc)                          # n * 2^(4G)
-    ACC, rows = acc, None                                 # full-size result, live subset
-    cpu = blocks.device.type == "cpu"
-    for k in range(32 - G, -1, -G):
-        p = ((vhi >> (k - 16)) if k >= 16 else (vlo >> k)) & (((1 << G) - 1) * _M1)
-        if G == 4:
-            key = ((p * mult) >> 48) & 0xFFFF
-        else:
-            key = (p | (p >> (16 - G)) | (p >> (32 - 2 * G)) | (p >> (48 - 3 * G))) & \
-                ((1 << (S * G)) - 1)
-        idx = noff + key
-        ent = code_t.index_select(0, idx)
-        acc += (ent & 0xFFFFFFFF) * P                      # disjoint bits: + is |
-        P = P * p2_t.index_select(0, idx)
-        noff = ent >> 32
-        if cpu and k:
-            live = (P != 0) if maxbits >= 63 else ((P > 0) & (P < (1 << maxbits)))
-            nlive = int(live.sum())
-            if nlive == 0:
-                break
-            if nlive * 2 < P.shape[0]:                     # go on with the live blocks only
-                if rows is None:
-                    ACC = acc.clone()
-                    rows = torch.arange(P.shape[0], device=acc.device)
-                else:
-                    ACC.index_copy_(0, rows, acc)
-                sel = live.nonzero().squeeze(1)
-                rows, acc, P, noff = rows[sel], acc[sel], P[sel], noff[sel]
-                vlo, vhi = vlo[sel], vhi[sel]
-    if rows is not None:
-        ACC.index_copy_(0, rows, acc)
-        acc = ACC
-    if maxbits < 64:
-        acc &= (1 << maxbits) - 1
-    return acc
-
-
-@functools.lru_cache(maxsize=None)
-def _enc_mul_tables(G: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(code | n' * 2^(4G) << 32, 2^len) per (n, planes) entry, for :func:`encode_words`."""
-    t = _enc_table(G)
-    code = t & 0xFFFFFFFFFF
-    ln = (t >> 40) & 0xFF
-    nn = (t >> 48) & 0xFF
-    return ((code | ((nn << (S * G)) << 32)).to(device),
-            torch.where(ln < 63, torch.ones_like(ln) << ln.clamp(max=62),
-                        torch.zeros_like(ln)).to(device))
-
-
 def decode_words_by_plane(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
-    """Inverse of :func:`encode_words`, one table lookup per bit plane (the reference for, and
-    the fallback of, :func:`moeflow.comm.codecs.zfp.window_decode.decode_words`)."""
+    """int64 ``(B,)`` block codes (:func:`moeflow.comm.codecs.zfp.group_encode.encode_words`)
+    -> float32 ``(B, 4)``, one table lookup per bit plane: the reference for, and the fallback
+    of, :func:`moeflow.comm.codecs.zfp.window_decode.decode_words`."""
     nonzero = (acc & 1).bool()
     emax = (((acc >> 1) & 0xFF) - T.EBIAS).to(torch.int32)
     budget = maxbits - 1 - T.EBITS

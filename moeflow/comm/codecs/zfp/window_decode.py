@@ -18,8 +18,9 @@ of them) in :func:`moeflow.comm.codecs.zfp.fast1d.decode_words_by_plane`. The de
 are put straight into place in two words per block (coefficients 0, 1 and 2, 3 as the low and
 high 32 bits), whose halves are the four int32 coefficients. The number of steps is fixed by
 the budget (no host synchronisation per step). zfp stops after plane 0
-(32 planes) even when budget is left, which only very small (denormal) blocks reach at the
-higher rates; those blocks are found afterwards and decoded by the plane-by-plane decoder.
+(32 planes) even when budget is left. No code the encoder writes got there in our tests at
+these sizes, but an arbitrary one can (a nonzero block with an all-zero body at 64 bits):
+such blocks are found afterwards and decoded by the plane-by-plane decoder.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
     out = torch.empty(B, S, dtype=torch.float32, device=acc.device)
     for i, c in enumerate(cols):
         torch.mul(c.to(torch.float32), scale, out=out[:, i])
-    over = s < 0                                        # ran past plane 0: zfp stops there
+    over = (s < 0) & (flag == 1)                        # ran past plane 0: zfp stops there
     if bool(over.any()):
         rows = over.nonzero().squeeze(1)
         out.index_copy_(0, rows, fast1d.decode_words_by_plane(acc.index_select(0, rows),

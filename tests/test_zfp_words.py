@@ -1,0 +1,125 @@
+"""The 1-D single-word ZFP coder (``group_encode``, ``window_decode``; every rate up to 16)
+against the general bit-plane coder, the plane-by-plane decoder and LLNL's zfpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeflow.comm.codecs import zfp
+from moeflow.comm.codecs.zfp import fast1d, group_encode, torch_backend, window_decode
+
+MAXBITS = range(9, 65)                          # every single-word block size
+
+
+def _kinds(nblocks: int = 400) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(3)
+    shape = (nblocks, 4)
+    nonfinite = rng.standard_normal(shape)
+    nonfinite[::7, 1] = np.nan
+    nonfinite[::11] = np.nan
+    nonfinite[::13, 2] = np.inf
+    nonfinite[::17, 0] = -np.inf
+    kinds = {
+        "gaussian": rng.standard_normal(shape),
+        "smooth": np.sin(np.arange(4 * nblocks).reshape(shape) / 9.0),
+        "zeros": np.zeros(shape),
+        "neg_zero": -np.zeros(shape),
+        "denormal": rng.standard_normal(shape) * 1e-40,
+        "smallest_denormals": rng.integers(-3, 4, shape) * 1.4e-45,
+        "huge_range": rng.standard_normal(shape) * 10.0 ** rng.integers(-38, 38, shape),
+        "near_max": rng.uniform(-3.4e38, 3.4e38, shape),
+        "mixed_zero_blocks": np.where(rng.random(shape) < 0.3, 0.0, rng.standard_normal(shape)),
+        "one_hot": np.eye(4)[rng.integers(0, 4, nblocks)] * rng.standard_normal((nblocks, 1)),
+        "nonfinite": nonfinite,
+    }
+    return {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in kinds.items()}
+
+
+def _general_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
+    """The same codes from the general (any d) bit-plane coder, as one int64 per block."""
+    bits = torch_backend.encode_blocks(blocks, 1, maxbits).to(torch.int64)
+    return (bits << torch.arange(maxbits)).sum(1)
+
+
+def test_encoder_equals_general_bitplane_coder_at_every_size():
+    for kind, blocks in _kinds().items():
+        for mb in MAXBITS:
+            got = group_encode.encode_words(blocks, mb)
+            assert torch.equal(got, _general_words(blocks, mb)), f"{kind}, maxbits {mb}"
+
+
+def test_decoder_equals_plane_by_plane_and_general_decoders_at_every_size():
+    for kind, blocks in _kinds().items():
+        for mb in MAXBITS:
+            acc = group_encode.encode_words(blocks, mb)
+            got = window_decode.decode_words(acc, mb).view(torch.int32)
+            ref = fast1d.decode_words_by_plane(acc, mb).view(torch.int32)
+            assert torch.equal(got, ref), f"{kind}, maxbits {mb}"
+            bits = ((acc.unsqueeze(1) >> torch.arange(mb)) & 1).to(torch.uint8)
+            gen = torch_backend.decode_blocks(bits, 1).view(torch.int32)
+            assert torch.equal(got, gen), f"{kind}, maxbits {mb} (general decoder)"
+
+
+def test_decoder_of_arbitrary_codes_equals_reference():
+    """Any 64-bit pattern, not only what the encoder writes (zfp decodes whatever it reads)."""
+    g = torch.Generator().manual_seed(5)
+    for mb in MAXBITS:
+        acc = torch.randint(-(1 << 62), 1 << 62, (3000,), generator=g) * 2 + 1
+        if mb < 64:
+            acc &= (1 << mb) - 1
+        got = window_decode.decode_words(acc, mb).view(torch.int32)
+        ref = fast1d.decode_words_by_plane(acc, mb).view(torch.int32)
+        assert torch.equal(got, ref), f"maxbits {mb}"
+
+
+def test_codes_that_run_past_plane_zero_take_the_plane_by_plane_path(monkeypatch):
+    """zfp stops after 32 planes with budget left. Codes the encoder writes do not get there
+    at these sizes, but a nonzero block with an all-zero body at 64 bits does."""
+    calls = []
+    ref = fast1d.decode_words_by_plane
+
+    def spy(acc, mb):
+        calls.append(acc.shape[0])
+        return ref(acc, mb)
+
+    acc = group_encode.encode_words(_kinds()["gaussian"], 64)
+    acc[::10] = (2 * 140 + 1)                   # flag 1, emax 13, no bit plane set
+    want = ref(acc, 64)
+    monkeypatch.setattr(fast1d, "decode_words_by_plane", spy)
+    got = window_decode.decode_words(acc, 64)
+    assert calls == [40]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_steps_cover_every_budget():
+    """A full-window lookup consumes at least 10 bits (a plane codes in at most 7), which
+    bounds the number of lookups per block."""
+    _, _, meta = window_decode._tables_np()
+    idx = (np.arange(5)[:, None] * window_decode._ROW + (1 << 16)
+           + np.arange(1 << 16)[None, :])
+    assert int((meta[idx] & 31).min()) == 10
+    assert [window_decode._steps(b) for b in (1, 15, 16, 23, 25, 26, 55)] == [1, 1, 2, 2, 2, 3, 5]
+
+
+def test_every_rate_matches_zfpy_on_long_rows():
+    zfpy = pytest.importorskip("zfpy")
+    rng = np.random.default_rng(9)
+    a = np.concatenate([rng.standard_normal(2000), np.sin(np.arange(2000) / 17.0),
+                        rng.standard_normal(1001) * 1e-39]).astype(np.float32)
+    for mb in MAXBITS:
+        rate = mb / 4
+        ours = zfp.compress(torch.from_numpy(a), rate, dims=1)
+        z = zfpy.compress_numpy(a, rate=rate, write_header=False)
+        assert bytes(ours.numpy().tobytes()) == z, f"maxbits {mb}"
+        ref = zfpy._decompress(z, zfpy.type_float, [a.size], rate=rate)
+        dec = zfp.decompress(ours, a.shape, rate, dims=1).numpy()
+        np.testing.assert_array_equal(dec.view(np.int32), ref.view(np.int32), f"maxbits {mb}")
+
+
+def test_bad_sizes_fail_clearly():
+    with pytest.raises(ValueError, match="maxbits=65"):
+        group_encode.encode_words(torch.zeros(1, 4), 65)
+    with pytest.raises(ValueError, match="maxbits=8"):
+        window_decode.decode_words(torch.zeros(1, dtype=torch.int64), 8)
