@@ -19,3 +19,18 @@ def test_bench_codecs_cli(tmp_path, capsys):
     assert {e["data"] for e in zfp_err} == {"gaussian", "smooth", "activations"}
     assert all(e["rel_error"] == e["zfpy_rel_error"] for e in zfp_err)
     assert all(r["bits_per_value"] > 0 and r["encode_gbs"] > 0 for r in res["throughput"])
+
+
+def test_bench_codecs_zfp_rate(tmp_path, capsys):
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--codecs", "zfp", "--sizes", "64x32", "--reps", "1",
+                 "--error-rows", "16", "--zfp-rate", "12", "--out", str(out)]) == 0
+    assert "zfp rate 12" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["zfp_rate"] == 12 and res["throughput"][0]["bits_per_value"] == 12
+
+
+def test_bench_codecs_rejects_a_rate_below_one_block_header():
+    import pytest
+    with pytest.raises(SystemExit, match="--zfp-rate 2"):
+        main(["bench", "codecs", "--codecs", "zfp", "--zfp-rate", "2"])

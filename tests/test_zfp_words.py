@@ -1,5 +1,5 @@
-"""The 1-D single-word ZFP coder (``group_encode``, ``window_decode``; every rate up to 16)
-against the general bit-plane coder, the plane-by-plane decoder and LLNL's zfpy."""
+"""The 1-D table coder of the CPU path (``group_encode``, ``window_decode``) against the
+general bit-plane coder (``bitplane``, any d) and LLNL's zfpy, at every block size."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from moeflow.comm.codecs import zfp
-from moeflow.comm.codecs.zfp import fast1d, group_encode, torch_backend, window_decode
+from moeflow.comm.codecs.zfp import group_encode, torch_backend, window_decode
 
-MAXBITS = range(9, 65)                          # every single-word block size
+# every size up to 72 bits (rate 18), then sizes around word and budget boundaries
+MAXBITS = list(range(9, 73)) + [79, 96, 100, 119, 127, 128, 129, 143, 192, 255, 256, 300]
 
 
 def _kinds(nblocks: int = 400) -> dict[str, torch.Tensor]:
@@ -37,60 +38,49 @@ def _kinds(nblocks: int = 400) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in kinds.items()}
 
 
-def _general_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
-    """The same codes from the general (any d) bit-plane coder, as one int64 per block."""
+def _general_codes(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
+    """The same codes from the general (any d) bit-plane coder, as int64 words per block."""
     bits = torch_backend.encode_blocks(blocks, 1, maxbits).to(torch.int64)
-    return (bits << torch.arange(maxbits)).sum(1)
+    bits = torch.nn.functional.pad(bits, (0, (-maxbits) % 64)).reshape(len(blocks), -1, 64)
+    return (bits << torch.arange(64)).sum(2)
+
+
+def _general_decode(codes: torch.Tensor, maxbits: int) -> torch.Tensor:
+    bits = ((codes.unsqueeze(2) >> torch.arange(64)) & 1).reshape(len(codes), -1)[:, :maxbits]
+    return torch_backend.decode_blocks(bits.to(torch.uint8), 1)
 
 
 def test_encoder_equals_general_bitplane_coder_at_every_size():
     for kind, blocks in _kinds().items():
         for mb in MAXBITS:
             got = group_encode.encode_words(blocks, mb)
-            assert torch.equal(got, _general_words(blocks, mb)), f"{kind}, maxbits {mb}"
+            assert torch.equal(got, _general_codes(blocks, mb)), f"{kind}, maxbits {mb}"
 
 
-def test_decoder_equals_plane_by_plane_and_general_decoders_at_every_size():
+def test_decoder_equals_general_decoder_at_every_size():
     for kind, blocks in _kinds().items():
         for mb in MAXBITS:
-            acc = group_encode.encode_words(blocks, mb)
-            got = window_decode.decode_words(acc, mb).view(torch.int32)
-            ref = fast1d.decode_words_by_plane(acc, mb).view(torch.int32)
+            codes = group_encode.encode_words(blocks, mb)
+            got = window_decode.decode_words(codes, mb).view(torch.int32)
+            ref = _general_decode(codes, mb).view(torch.int32)
             assert torch.equal(got, ref), f"{kind}, maxbits {mb}"
-            bits = ((acc.unsqueeze(1) >> torch.arange(mb)) & 1).to(torch.uint8)
-            gen = torch_backend.decode_blocks(bits, 1).view(torch.int32)
-            assert torch.equal(got, gen), f"{kind}, maxbits {mb} (general decoder)"
 
 
-def test_decoder_of_arbitrary_codes_equals_reference():
-    """Any 64-bit pattern, not only what the encoder writes (zfp decodes whatever it reads)."""
+def test_decoder_of_arbitrary_codes_equals_general_decoder():
+    """Any bit pattern, not only what the encoder writes (zfp decodes whatever it reads),
+    including a nonzero block with an all-zero body, which runs past plane 0 (zfp stops there
+    with budget left) at more than 32 bits of budget."""
     g = torch.Generator().manual_seed(5)
     for mb in MAXBITS:
-        acc = torch.randint(-(1 << 62), 1 << 62, (3000,), generator=g) * 2 + 1
-        if mb < 64:
-            acc &= (1 << mb) - 1
-        got = window_decode.decode_words(acc, mb).view(torch.int32)
-        ref = fast1d.decode_words_by_plane(acc, mb).view(torch.int32)
+        nw = -(-mb // 64)
+        codes = torch.randint(-(1 << 62), 1 << 62, (1000, nw), generator=g) * 2 + 1
+        codes[::10] = 0
+        codes[::10, 0] = 2 * 140 + 1                    # flag 1, emax 13, no plane set
+        if mb % 64:
+            codes[:, -1] &= (1 << (mb % 64)) - 1
+        got = window_decode.decode_words(codes, mb).view(torch.int32)
+        ref = _general_decode(codes, mb).view(torch.int32)
         assert torch.equal(got, ref), f"maxbits {mb}"
-
-
-def test_codes_that_run_past_plane_zero_take_the_plane_by_plane_path(monkeypatch):
-    """zfp stops after 32 planes with budget left. Codes the encoder writes do not get there
-    at these sizes, but a nonzero block with an all-zero body at 64 bits does."""
-    calls = []
-    ref = fast1d.decode_words_by_plane
-
-    def spy(acc, mb):
-        calls.append(acc.shape[0])
-        return ref(acc, mb)
-
-    acc = group_encode.encode_words(_kinds()["gaussian"], 64)
-    acc[::10] = (2 * 140 + 1)                   # flag 1, emax 13, no bit plane set
-    want = ref(acc, 64)
-    monkeypatch.setattr(fast1d, "decode_words_by_plane", spy)
-    got = window_decode.decode_words(acc, 64)
-    assert calls == [40]
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_steps_cover_every_budget():
@@ -108,7 +98,7 @@ def test_every_rate_matches_zfpy_on_long_rows():
     rng = np.random.default_rng(9)
     a = np.concatenate([rng.standard_normal(2000), np.sin(np.arange(2000) / 17.0),
                         rng.standard_normal(1001) * 1e-39]).astype(np.float32)
-    for mb in MAXBITS:
+    for mb in MAXBITS[::2]:
         rate = mb / 4
         ours = zfp.compress(torch.from_numpy(a), rate, dims=1)
         z = zfpy.compress_numpy(a, rate=rate, write_header=False)
@@ -119,7 +109,7 @@ def test_every_rate_matches_zfpy_on_long_rows():
 
 
 def test_bad_sizes_fail_clearly():
-    with pytest.raises(ValueError, match="maxbits=65"):
-        group_encode.encode_words(torch.zeros(1, 4), 65)
     with pytest.raises(ValueError, match="maxbits=8"):
-        window_decode.decode_words(torch.zeros(1, dtype=torch.int64), 8)
+        group_encode.encode_words(torch.zeros(1, 4), 8)
+    with pytest.raises(ValueError, match="maxbits=65; expected maxbits >= 9 and shape"):
+        window_decode.decode_words(torch.zeros(1, 1, dtype=torch.int64), 65)

@@ -28,6 +28,7 @@ import torch
 from moeflow.comm.codecs import CODECS
 
 DEFAULT_CODECS = ["fp16", "bf16", "int8", "fp8", "fp8-row", "zfp", "zfpy"]
+ZFP_CODECS = ("zfp", "zfpy")
 DEFAULT_SIZES_CPU = [(2048, 128), (8192, 512)]
 DEFAULT_SIZES_CUDA = [(8192, 1024), (65536, 1024), (65536, 4096)]
 
@@ -121,8 +122,14 @@ def _zfpy_errors(x: torch.Tensor, rate: float) -> dict | None:
     return _errors(xc, codec.decode(codec.encode(xc), torch.float32))
 
 
+def _make(name: str, zfp_rate: float):
+    """A fresh codec; the ZFP ones at ``zfp_rate`` bits per value."""
+    return CODECS[name](rate=zfp_rate) if name in ZFP_CODECS else CODECS[name]()
+
+
 def run(codecs: list[str], sizes: list[tuple[int, int]], device: str = "cpu", warmup: int = 1,
-        reps: int = 5, train_steps: int = 0, error_rows: int = 2048) -> dict:
+        reps: int = 5, train_steps: int = 0, error_rows: int = 2048,
+        zfp_rate: float = 8.0) -> dict:
     dev = torch.device(device)
     data = {"gaussian": gaussian(error_rows, 512), "smooth": smooth(error_rows, 512),
             "activations": activations(train_steps=train_steps)}
@@ -133,7 +140,7 @@ def run(codecs: list[str], sizes: list[tuple[int, int]], device: str = "cpu", wa
         nbytes = x.numel() * 4
         live, payloads = [], {}
         for name in codecs:
-            codec = CODECS[name]()
+            codec = _make(name, zfp_rate)
             if not codec.supports(torch.float32, dev):
                 results.append({"codec": name, "rows": rows, "cols": cols, "device": str(dev),
                                 "skipped": f"{name} does not run on {dev.type}"})
@@ -168,20 +175,21 @@ def run(codecs: list[str], sizes: list[tuple[int, int]], device: str = "cpu", wa
                 "roundtrip_vs_copy": 2 * moved / (te + td) / 1e9 / copy_gbs})
     errors = []
     for name in codecs:
-        codec = CODECS[name]()
+        codec = _make(name, zfp_rate)
         if not codec.supports(torch.float32, dev):
             continue
         for kind, d in data.items():
             xd = d.to(dev)
             e = {"codec": name, "data": kind, "rows": d.shape[0], "cols": d.shape[1],
                  **_errors(xd, codec.decode(codec.encode(xd), torch.float32))}
-            if name in ("zfp", "zfpy"):
+            if name in ZFP_CODECS:
                 ref = _zfpy_errors(d, codec.rate)
                 if ref is not None:
                     e["zfpy_rel_error"] = ref["rel_error"]
             errors.append(e)
     return {"device": str(dev), "device_name": _device_name(dev), "threads":
-            torch.get_num_threads(), "warmup": warmup, "reps": reps, "throughput": results,
+            torch.get_num_threads(), "warmup": warmup, "reps": reps, "zfp_rate": zfp_rate,
+            "throughput": results,
             "errors": errors}
 
 
@@ -194,7 +202,8 @@ def _device_name(dev: torch.device) -> str:
 def format_table(res: dict) -> str:
     head = (f"{'codec':<8} {'size':>12} {'bits/val':>8} {'enc GB/s':>9} {'dec GB/s':>9} "
             f"{'enc/copy':>8} {'dec/copy':>8} {'rt/copy':>8}")
-    lines = [f"device: {res['device_name']}", head, "-" * len(head)]
+    lines = [f"device: {res['device_name']}, zfp rate {res.get('zfp_rate', 8.0):g}", head,
+             "-" * len(head)]
     for r in res["throughput"]:
         size = f"{r['rows']}x{r['cols']}"
         if "skipped" in r:

@@ -137,6 +137,8 @@ def register_codecs_bench(bsub) -> None:
                    help="train the tiny GPT this many steps before taking its activations")
     p.add_argument("--error-rows", type=int, default=2048,
                    help="rows (of 512 values) of the Gaussian and smooth error data (2048)")
+    p.add_argument("--zfp-rate", type=float, default=8.0,
+                   help="bits per value of the zfp and zfpy codecs (8)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.set_defaults(func=run_codecs)
 
@@ -156,6 +158,9 @@ def run_codecs(args: argparse.Namespace) -> int:
         raise SystemExit("moeflow bench codecs: --device cuda but no CUDA device is visible")
     if args.reps < 1 or args.threads < 1 or args.error_rows < 1:
         raise SystemExit("moeflow bench codecs: --reps, --threads and --error-rows must be >= 1")
+    if not args.zfp_rate >= 2.25:
+        raise SystemExit(f"moeflow bench codecs: --zfp-rate {args.zfp_rate} is invalid; use a "
+                         "rate of at least 2.25 bits per value (9 bits per block of 4)")
     try:
         sizes = (bc.parse_sizes(args.sizes) if args.sizes else
                  bc.DEFAULT_SIZES_CUDA if args.device.startswith("cuda") else
@@ -164,7 +169,7 @@ def run_codecs(args: argparse.Namespace) -> int:
         raise SystemExit(f"moeflow bench codecs: {err}")
     torch.set_num_threads(args.threads)
     res = bc.run(names, sizes, args.device, args.warmup, args.reps, args.train_steps,
-                 args.error_rows)
+                 args.error_rows, args.zfp_rate)
     print(bc.format_table(res))
     if args.out:
         bc.write_json(res, args.out, "moeflow " + shlex.join(sys.argv[1:]))

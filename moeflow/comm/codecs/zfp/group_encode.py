@@ -70,16 +70,20 @@ def _halves(cols: list[torch.Tensor], high: bool) -> torch.Tensor:
 
 
 def encode_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
-    """float32 ``(B, 4)`` -> int64 ``(B,)``: each block's whole ``maxbits``-bit zfp code
-    (header and body, first stream bit lowest), for ``9 <= maxbits <= 64``."""
-    if not 1 + T.EBITS <= maxbits <= 64:
-        raise ValueError(f"group_encode.encode_words: maxbits={maxbits} must be in [9, 64]")
+    """float32 ``(B, 4)`` -> int64 ``(B, ceil(maxbits / 64))``: each block's whole ``maxbits``-bit
+    zfp code (header and body; word j holds code bits 64 j..64 j + 63, the first stream bit
+    lowest), for any ``maxbits >= 9``."""
+    if maxbits < 1 + T.EBITS:
+        raise ValueError(f"group_encode.encode_words: maxbits={maxbits} must be >= 9")
+    nw = -(-maxbits // 64)
     blocks = blocks.contiguous()
+    B = blocks.shape[0]
     emax, nonzero, be = block_exponents(blocks)
     keep = -nonzero.long()                       # all ones for a nonzero block
-    acc = ((2 * (emax.long() + T.EBIAS) + 1) & keep)
-    if maxbits == 1 + T.EBITS or blocks.shape[0] == 0:
-        return acc
+    words = [((2 * (emax.long() + T.EBIAS) + 1) & keep)]
+    words += [torch.zeros_like(words[0]) for _ in range(nw - 1)]
+    if maxbits == 1 + T.EBITS or B == 0:
+        return torch.stack(words, 1)
     # block-floating-point cast (section 3.1): trunc(x * 2^(30 - emax)); the product is below
     # 2^30 unless the scale or x is not finite (denormal blocks, inf, NaN): only then is the
     # out-of-range case (INT_MIN, as x86's cvttss2si gives it) needed.
@@ -94,7 +98,7 @@ def encode_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
     cols = [(c + NB32) ^ NB32 for c in T._fwd_lift(*cols)]   # section 3.2-3.3, wrapping
     table = _table(str(blocks.device))
     v = _halves(cols, high=True)
-    ACC, rows = acc, None                        # full-size result, live subset
+    full, rows = words, None                     # full-size result, live subset
     pos = noff = None
     for k in range(28, -1, -4):                  # planes k+3..k, top first (section 3.4)
         if k == 12:                              # the low halves, for the blocks still going
@@ -102,13 +106,14 @@ def encode_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
         p = (v >> (k % 16)) & _FIELDS
         key = ((p * _MULT) >> 48) & 0xFFFF
         ent = table.index_select(0, key if noff is None else noff + key)
+        code = ent & 0xFFFFFFFF
         if pos is None:
-            acc = acc | ((ent & 0xFFFFFFFF) << (1 + T.EBITS))
-            pos = (ent >> 32) & 0xFF
-            pos += 1 + T.EBITS
-        else:
-            acc |= (ent & 0xFFFFFFFF) << pos
-            pos += (ent >> 32) & 0xFF
+            pos = torch.full_like(code, 1 + T.EBITS)
+        words[0] = words[0] | (code << pos)      # past bit 63 the shift gives 0
+        for j in range(1, nw):                   # the part of the code in word j
+            sh = pos - 64 * j
+            words[j] = words[j] | ((code << sh.clamp(min=0)) >> (-sh).clamp(min=0))
+        pos = pos + ((ent >> 32) & 0xFF)
         noff = ent >> 40
         if k == 28 or k == 0:
             continue
@@ -118,16 +123,19 @@ def encode_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
             break
         if nlive * 2 < pos.shape[0]:             # go on with the live blocks only
             if rows is None:
-                ACC = acc.clone()
-                rows = torch.arange(pos.shape[0], device=acc.device)
+                full = list(words)
+                rows = torch.arange(B, device=blocks.device)
             else:
-                ACC.index_copy_(0, rows, acc)
+                for j in range(nw):
+                    full[j].index_copy_(0, rows, words[j])
             sel = live.nonzero().squeeze(1)
-            rows, acc, pos, noff, v = rows[sel], acc[sel], pos[sel], noff[sel], v[sel]
+            rows, pos, noff, v = rows[sel], pos[sel], noff[sel], v[sel]
+            words = [w[sel] for w in words]
     if rows is not None:
-        ACC.index_copy_(0, rows, acc)
-        acc = ACC
-    acc &= keep                                  # an all-zero block codes as a single 0 bit
-    if maxbits < 64:
-        acc &= (1 << maxbits) - 1
-    return acc
+        for j in range(nw):
+            full[j].index_copy_(0, rows, words[j])
+        words = full
+    out = torch.stack(words, 1) & keep.unsqueeze(1)   # an all-zero block codes as one 0 bit
+    if maxbits % 64:
+        out[:, -1] &= (1 << (maxbits % 64)) - 1
+    return out

@@ -116,21 +116,18 @@ def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
     per = -(-a.shape[-1] // 4)
     nslices = blocks.shape[0] // per
     nbytes = stream_bytes(per, maxbits)
-    starts = _starts(nslices, per, maxbits, nbytes // 4, a.device)
     nwords = nslices * nbytes // 4
-    if maxbits > 64:
-        words = fast1d.encode(blocks, starts, maxbits, nwords)
+    codes = torch.cat([group_encode.encode_words(blocks[i:i + CHUNK], maxbits)
+                       for i in range(0, blocks.shape[0], CHUNK)])
+    if maxbits == 32 and nbytes * 8 == per * maxbits:
+        words = codes[:, 0]                               # one block per 32-bit word
     else:
-        acc = torch.cat([group_encode.encode_words(blocks[i:i + CHUNK], maxbits)
-                         for i in range(0, blocks.shape[0], CHUNK)])
-        if maxbits == 32 and nbytes * 8 == per * maxbits:
-            words = acc                                   # one block per 32-bit word
-        else:
-            words = torch.zeros(nwords + 3, dtype=torch.int64, device=a.device)
-            fast1d._write(words, starts, acc & 0xFFFFFFFF)
-            if maxbits > 32:
-                fast1d._write(words, starts + 32, (acc >> 32) & 0xFFFFFFFF)
-            words = words[:nwords]
+        starts = _starts(nslices, per, maxbits, nbytes // 4, a.device)
+        words = torch.zeros(nwords + 3, dtype=torch.int64, device=a.device)
+        for o in range(0, maxbits, 32):                   # 32 code bits at a time
+            half = codes[:, o // 64] >> (o % 64)
+            fast1d._write(words, starts + o, half & 0xFFFFFFFF)
+        words = words[:nwords]
     return words.to(torch.int32).view(torch.uint8).reshape(*lead, nbytes)
 
 
@@ -141,17 +138,18 @@ def decompress_1d(data: torch.Tensor, shape: tuple[int, ...], maxbits: int) -> t
     nbytes = data.shape[-1]
     nslices = data.numel() // max(nbytes, 1)
     words = data.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    starts = _starts(nslices, per, maxbits, nbytes // 4, data.device)
-    if maxbits > 64:
-        blocks = fast1d.decode(words, starts, maxbits)
+    if maxbits == 32 and nbytes * 8 == per * maxbits:
+        codes = words.unsqueeze(1)
     else:
-        if maxbits == 32 and nbytes * 8 == per * maxbits:
-            acc = words
-        else:
-            w = torch.cat([words, torch.zeros(3, dtype=torch.int64, device=words.device)])
-            acc = fast1d._read(w, starts, min(32, maxbits))
-            if maxbits > 32:
-                acc = acc | (fast1d._read(w, starts + 32, maxbits - 32) << 32)
-        blocks = torch.cat([window_decode.decode_words(acc[i:i + CHUNK], maxbits)
-                            for i in range(0, acc.shape[0], CHUNK)])
+        starts = _starts(nslices, per, maxbits, nbytes // 4, data.device)
+        w = torch.cat([words, torch.zeros(3, dtype=torch.int64, device=words.device)])
+        cols = []
+        for o in range(0, maxbits, 64):                   # one 64-bit code word at a time
+            c = fast1d._read(w, starts + o, min(32, maxbits - o))
+            if maxbits - o > 32:
+                c = c | (fast1d._read(w, starts + o + 32, min(32, maxbits - o - 32)) << 32)
+            cols.append(c)
+        codes = torch.stack(cols, 1)
+    blocks = torch.cat([window_decode.decode_words(codes[i:i + CHUNK], maxbits)
+                        for i in range(0, codes.shape[0], CHUNK)])
     return T.from_blocks(blocks, tuple(shape), 1)

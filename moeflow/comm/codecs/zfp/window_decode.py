@@ -16,8 +16,9 @@ bits) gives the bit planes those bits decode to, how many bits and planes that i
 At rate 8 (a 23-bit body) a block takes two steps, against one lookup per bit plane (8 to 16
 of them) in :func:`moeflow.comm.codecs.zfp.fast1d.decode_words_by_plane`. The decoded planes
 are put straight into place in two words per block (coefficients 0, 1 and 2, 3 as the low and
-high 32 bits), whose halves are the four int32 coefficients. The number of steps is fixed by
-the budget (no host synchronisation per step). zfp stops after plane 0
+high 32 bits), whose halves are the four int32 coefficients. The number of steps is bounded by
+the budget (at rate 8: two, with no host synchronisation); above that the decoder stops early
+once every block is done. zfp stops after plane 0
 (32 planes) even when budget is left. No code the encoder writes got there in our tests at
 these sizes, but an arbitrary one can (a nonzero block with an all-zero body at 64 bits):
 such blocks are found afterwards and decoded by the plane-by-plane decoder.
@@ -118,21 +119,65 @@ def _steps(budget: int) -> int:
     return -(-max(budget - (W - 1), 0) // least) + 1
 
 
-def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
-    """int64 ``(B,)`` block codes (as :func:`fast1d.encode_words` makes them, ``maxbits <= 64``)
-    -> float32 ``(B, 4)``, exactly as zfp decodes them."""
-    if not 1 + T.EBITS <= maxbits <= 64:
-        raise ValueError(f"window_decode.decode_words: maxbits={maxbits} must be in [9, 64]")
-    B = acc.shape[0]
+_JUNK = torch.tensor([~(((1 << k) - 1) << (32 - k)) for k in range(33)], dtype=torch.int64)
+
+
+def _body_windows(codes: torch.Tensor, budget: int):
+    """A function ``pos -> the 16 body bits from pos`` (zeros past the budget) over the int64
+    code words ``(B, nw)`` (word j = code bits 64 j..64 j + 63; the body starts at bit 9)."""
+    B, nw = codes.shape
+    if nw == 1:
+        body = (codes[:, 0] >> (1 + T.EBITS)) & ((1 << budget) - 1)
+        return lambda pos: (body >> pos) & ((1 << W) - 1)
+    # longer codes: the body as overlapping 63-bit words at a 32-bit stride, so that any
+    # 16-bit window lies inside word pos >> 5
+    def bits_at(o: int, k: int) -> torch.Tensor:        # code bits o..o+k-1, k <= 32
+        q, r = divmod(o, 64)
+        if q >= nw or k <= 0:
+            return torch.zeros(B, dtype=torch.int64, device=codes.device)
+        v = ((codes[:, q] >> r) & ((1 << (64 - r)) - 1)) if r else codes[:, q]
+        if r + k > 64 and q + 1 < nw:
+            v = v | (codes[:, q + 1] << (64 - r))
+        return v & ((1 << k) - 1)
+
+    words = []
+    for j in range(budget // 32 + 1):
+        o = 1 + T.EBITS + 32 * j
+        left = budget - 32 * j                          # body bits from 32 j on
+        lo = bits_at(o, min(32, left))
+        words.append(lo | (bits_at(o + 32, min(31, left - 32)) << 32))
+    flat = torch.stack(words, 1).reshape(-1)
+    base = torch.arange(B, device=codes.device) * len(words)
+    return lambda pos: (flat.index_select(0, base + (pos >> 5)) >> (pos & 31)) & ((1 << W) - 1)
+
+
+def decode_words(codes: torch.Tensor, maxbits: int) -> torch.Tensor:
+    """int64 block codes ``(B, ceil(maxbits / 64))`` (as :func:`group_encode.encode_words` makes
+    them: word j holds code bits 64 j..64 j + 63, the first stream bit lowest) -> float32
+    ``(B, 4)``, exactly as zfp decodes them. Any ``maxbits >= 9``."""
+    nw = -(-maxbits // 64)
+    if maxbits < 1 + T.EBITS or codes.dim() != 2 or codes.shape[1] != nw:
+        raise ValueError(f"window_decode.decode_words: codes of shape {tuple(codes.shape)} and "
+                         f"maxbits={maxbits}; expected maxbits >= 9 and shape (B, {nw})")
+    B = codes.shape[0]
+    dev = codes.device
     budget = maxbits - 1 - T.EBITS
     if budget == 0 or B == 0:
-        return torch.zeros(B, S, dtype=torch.float32, device=acc.device)
-    flag = acc & 1
-    emax = (((acc >> 1) & 0xFF) - T.EBIAS).to(torch.int32).clamp_(min=-126)
-    body = (acc >> (1 + T.EBITS)) & ((1 << budget) - 1) & -flag   # an all-zero block: no body
-    ta, tb, tm = _tables(str(acc.device))
+        return torch.zeros(B, S, dtype=torch.float32, device=dev)
+    head = codes[:, 0]
+    flag = head & 1
+    emax = (((head >> 1) & 0xFF) - T.EBIAS).to(torch.int32).clamp_(min=-126)
+    codes = codes & -flag.unsqueeze(1)                  # an all-zero block: no body
+    window = _body_windows(codes, budget)
+    ta, tb, tm = _tables(str(dev))
+    # zfp stops after plane 0 (32 planes) even with budget left; a block can only get there
+    # with more than 32 bits of budget. Then planes decoded past plane 0 (s < 0) are dropped:
+    # shifted out to the right, with the bits of coefficient 1 (3) that slide into the field
+    # of coefficient 0 (2) masked off.
+    past_zero = budget > 32
+    junk = _JUNK.to(dev) if past_zero else None
     if budget >= W:                                     # first step: n = 0, pos = 0, L = 16
-        idx = (body & ((1 << W) - 1)) | (1 << W)
+        idx = window(torch.zeros(B, dtype=torch.int64, device=dev)) | (1 << W)
         meta = tm.index_select(0, idx)
         s = 32 - ((meta >> 8) & 31)                     # where this step's last plane lands
         A = ta.index_select(0, idx) << s
@@ -140,18 +185,29 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
         pos = meta & 31
         noff = meta >> 40
     else:
-        s = torch.full_like(acc, 32)
-        A = torch.zeros_like(acc)
-        Bw = torch.zeros_like(acc)
-        pos = torch.zeros_like(acc)
-        noff = torch.zeros_like(acc)
-    for _ in range(_steps(budget) - (budget >= W)):  # a fixed count: no host sync per step
+        s = torch.full((B,), 32, dtype=torch.int64, device=dev)
+        A = torch.zeros(B, dtype=torch.int64, device=dev)
+        Bw = torch.zeros_like(A)
+        pos = torch.zeros_like(A)
+        noff = torch.zeros_like(A)
+    steps = _steps(budget) - (budget >= W)             # enough for any block
+    for i in range(steps):
+        if 0 < i < steps - 1 and not bool((pos < budget).any()):
+            break                                       # every block is done early
         L = (budget - pos).clamp_(max=W)
-        idx = noff | (1 << L) | ((body >> pos) & ((1 << W) - 1))
+        idx = noff | (1 << L) | window(pos)
         meta = tm.index_select(0, idx)
         s -= (meta >> 8) & 31
-        A |= ta.index_select(0, idx) << s
-        Bw |= tb.index_select(0, idx) << s
+        a, b = ta.index_select(0, idx), tb.index_select(0, idx)
+        if past_zero:
+            s0 = s.clamp(min=0)
+            k = s0 - s
+            keep = junk.index_select(0, k.clamp(max=32))
+            A |= ((a << s0) >> k) & keep
+            Bw |= ((b << s0) >> k) & keep
+        else:
+            A |= a << s
+            Bw |= b << s
         pos += meta & 31
         noff = meta >> 40
     # the coefficients as int32 columns (the low / high halves of A and Bw), from negabinary
@@ -159,12 +215,7 @@ def decode_words(acc: torch.Tensor, maxbits: int) -> torch.Tensor:
     cols = [c.to(torch.int32) for c in (A, A >> 32, Bw, Bw >> 32)]
     cols = T._inv_lift(*[(c ^ NB32) - NB32 for c in cols])
     scale = T._pow2_f32(emax - 30)
-    out = torch.empty(B, S, dtype=torch.float32, device=acc.device)
+    out = torch.empty(B, S, dtype=torch.float32, device=dev)
     for i, c in enumerate(cols):
         torch.mul(c.to(torch.float32), scale, out=out[:, i])
-    over = (s < 0) & (flag == 1)                        # ran past plane 0: zfp stops there
-    if bool(over.any()):
-        rows = over.nonzero().squeeze(1)
-        out.index_copy_(0, rows, fast1d.decode_words_by_plane(acc.index_select(0, rows),
-                                                              maxbits))
     return out
