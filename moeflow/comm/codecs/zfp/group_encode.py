@@ -44,18 +44,26 @@ def _table(device: str) -> torch.Tensor:
     return (code | (ln << 32) | ((nn << 16) << 40)).to(device)
 
 
-def block_exponents(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(emax, nonzero, be)`` of float32 ``(B, 4)`` blocks as zfp computes them (see
+def block_exponents(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(emax, keep, special)`` of float32 ``(B, 4)`` blocks as zfp computes ``emax`` (see
     :func:`transform.block_emax`), from the bit patterns: the largest ``|x|`` (NaNs skipped)
-    is the largest pattern with the sign bit cleared. ``emax`` is 0 for all-zero blocks."""
+    is the largest pattern with the sign bit cleared. ``emax`` is 0 for all-zero blocks, ``keep``
+    is -1 (all bits set) for a nonzero block and 0 for an all-zero one, and ``special`` says
+    whether any block holds inf or NaN or is so small (``emax < -97``) that zfp's scale
+    ``2^(30 - emax)`` overflows float32."""
     bits = blocks.view(torch.int32) & 0x7FFFFFFF
-    m = bits.amax(1)
-    if bool((m > 0x7F800000).any()):             # a NaN: zfp's max skips it
+    m = torch.maximum(torch.maximum(bits[:, 0], bits[:, 1]), torch.maximum(bits[:, 2], bits[:, 3]))
+    top = int(m.max()) if m.numel() else 0
+    if top > 0x7F800000:                         # a NaN: zfp's max skips it
         m = torch.where(bits > 0x7F800000, 0, bits).amax(1)
     be = m >> 23
-    emax = torch.where(be == 0xFF, 0, (be - 126).clamp_(min=-126))
-    nonzero = m != 0
-    return torch.where(nonzero, emax, 0), nonzero, be
+    emax = (be - 126).clamp_(min=-126)
+    if top >= 0x7F800000:                        # inf (or NaN): glibc's frexp gives 0
+        emax = torch.where(be == 0xFF, 0, emax)
+    keep = ~((m - 1) >> 31)                      # m == 0 <=> m - 1 < 0
+    emax &= keep
+    low = int(emax.min()) < -97 if emax.numel() else False
+    return emax, keep, top >= 0x7F800000 or low
 
 
 def _halves(cols: list[torch.Tensor], high: bool) -> torch.Tensor:
@@ -78,21 +86,23 @@ def encode_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
     nw = -(-maxbits // 64)
     blocks = blocks.contiguous()
     B = blocks.shape[0]
-    emax, nonzero, be = block_exponents(blocks)
-    keep = -nonzero.long()                       # all ones for a nonzero block
+    emax, keep, special = block_exponents(blocks)
+    keep = keep.long()
     words = [((2 * (emax.long() + T.EBIAS) + 1) & keep)]
     words += [torch.zeros_like(words[0]) for _ in range(nw - 1)]
     if maxbits == 1 + T.EBITS or B == 0:
         return torch.stack(words, 1)
     # block-floating-point cast (section 3.1): trunc(x * 2^(30 - emax)); the product is below
-    # 2^30 unless the scale or x is not finite (denormal blocks, inf, NaN): only then is the
+    # 2^30 unless the scale or x is not finite (tiny blocks, inf, NaN): only then is the
     # out-of-range case (INT_MIN, as x86's cvttss2si gives it) needed.
-    s = T._pow2_f32(30 - emax)
-    guard = bool(((emax < -97) | (be == 0xFF)).any())
+    if special:
+        s = T._pow2_f32(30 - emax)
+    else:                                        # 2^(30 - emax) is a normal float32
+        s = ((157 - emax) << 23).view(torch.float32)
     cols = []
     for i in range(S):
         y = blocks[:, i] * s
-        if guard:
+        if special:
             y = torch.where(y.abs() < 2.0 ** 31, y, -(2.0 ** 31))
         cols.append(y.to(torch.int32))
     cols = [(c + NB32) ^ NB32 for c in T._fwd_lift(*cols)]   # section 3.2-3.3, wrapping
@@ -109,14 +119,15 @@ def encode_words(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
         code = ent & 0xFFFFFFFF
         if pos is None:
             pos = torch.full_like(code, 1 + T.EBITS)
-        words[0] = words[0] | (code << pos)      # past bit 63 the shift gives 0
+        # torch defines a shift by a negative amount or by 64 or more as 0 (for these
+        # non-negative codes), so of the two shifts below exactly the right one is nonzero
+        words[0] |= code << pos
         for j in range(1, nw):                   # the part of the code in word j
-            sh = pos - 64 * j
-            words[j] = words[j] | ((code << sh.clamp(min=0)) >> (-sh).clamp(min=0))
+            words[j] |= (code << (pos - 64 * j)) | (code >> (64 * j - pos))
         pos = pos + ((ent >> 32) & 0xFF)
         noff = ent >> 40
-        if k == 28 or k == 0:
-            continue
+        if k == 0:
+            break
         live = pos < maxbits
         nlive = int(live.sum())
         if nlive == 0:
