@@ -199,7 +199,7 @@ def decode_words(codes: torch.Tensor, maxbits: int) -> torch.Tensor:
         meta = tm.index_select(0, idx)
         s -= (meta >> 8) & 31
         a, b = ta.index_select(0, idx), tb.index_select(0, idx)
-        if past_zero:
+        if past_zero and i + (budget >= W) >= 2:     # 2 steps decode at most 32 planes
             s0 = s.clamp(min=0)
             k = s0 - s
             keep = junk.index_select(0, k.clamp(max=32))
