@@ -192,7 +192,7 @@ def decode_words(codes: torch.Tensor, maxbits: int) -> torch.Tensor:
         noff = torch.zeros_like(A)
     steps = _steps(budget) - (budget >= W)             # enough for any block
     for i in range(steps):
-        if 0 < i < steps - 1 and not bool((pos < budget).any()):
+        if i and not bool((pos < budget).any()):
             break                                       # every block is done early
         L = (budget - pos).clamp_(max=W)
         idx = noff | (1 << L) | window(pos)
