@@ -9,9 +9,11 @@ whole word at the end, exactly as ``zfpy.compress_numpy(..., write_header=False)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from moeflow.comm.codecs.zfp import bitplane, fast1d, group_encode, transform as T, window_decode
+from moeflow.comm.codecs.zfp import bitplane, group_encode, transform as T, window_decode
 
 
 
@@ -100,13 +102,62 @@ def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int)
 # ------------------------------------------------------------- 1-D fast path (table coder)
 
 
-def _starts(nslices: int, per: int, maxbits: int, slice_words32: int, device) -> torch.Tensor:
-    j = torch.arange(per, device=device, dtype=torch.int64) * maxbits
-    s = torch.arange(nslices, device=device, dtype=torch.int64) * (32 * slice_words32)
-    return (s.unsqueeze(1) + j).reshape(-1)
-
-
 CHUNK = 1 << 17          # blocks per step of the 1-D path: keeps its temporaries in cache
+
+
+def _mask(nbits: int) -> int:
+    """The low ``nbits`` bits set, as an int64 constant (-1 for all 64)."""
+    return -1 if nbits >= 64 else (1 << nbits) - 1
+
+
+def _groups(per: int, maxbits: int) -> tuple[int, int, int]:
+    """(blocks per group, 64-bit words per group, groups per slice): ``g`` blocks of ``maxbits``
+    bits fill a whole number of stream words, so within a group every code starts at a fixed
+    word and bit."""
+    g = 64 // math.gcd(maxbits, 64)
+    return g, g * maxbits // 64, -(-per // g)
+
+
+def pack_codes(codes: torch.Tensor, nslices: int, per: int, maxbits: int) -> torch.Tensor:
+    """int64 block codes ``(nslices * per, nw)`` (word q = code bits 64 q..) -> each slice's
+    stream as int64 words ``(nslices, ceil(per * maxbits / 64))``: codes back to back, LSB
+    first, zero padded (zfp's stream)."""
+    nw = codes.shape[1]
+    g, gw, ng = _groups(per, maxbits)
+    c = codes.reshape(nslices, per, nw)
+    if ng * g != per:                                    # a last, partial group: zero codes
+        c = torch.nn.functional.pad(c, (0, 0, 0, ng * g - per))
+    c = c.reshape(nslices, ng, g, nw)
+    out = torch.zeros(nslices, ng, gw, dtype=torch.int64, device=codes.device)
+    for j in range(g):
+        for q in range(nw):
+            nb = min(64, maxbits - 64 * q)               # bits in this code word
+            w, sh = divmod(j * maxbits + 64 * q, 64)
+            v = c[:, :, j, q]
+            out[:, :, w] |= v << sh
+            if sh + nb > 64:                             # the rest spills into the next word
+                out[:, :, w + 1] |= (v >> (64 - sh)) & _mask(sh + nb - 64)
+    return out.reshape(nslices, ng * gw)[:, : -(-per * maxbits // 64)]
+
+
+def unpack_codes(words: torch.Tensor, per: int, maxbits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``(nslices, nwords)`` -> ``(nslices * per, nw)``."""
+    nslices = words.shape[0]
+    nw = -(-maxbits // 64)
+    g, gw, ng = _groups(per, maxbits)
+    if ng * gw != words.shape[1]:
+        words = torch.nn.functional.pad(words, (0, ng * gw - words.shape[1]))
+    W = words.reshape(nslices, ng, gw)
+    codes = torch.empty(nslices, ng, g, nw, dtype=torch.int64, device=words.device)
+    for j in range(g):
+        for q in range(nw):
+            nb = min(64, maxbits - 64 * q)
+            w, sh = divmod(j * maxbits + 64 * q, 64)
+            v = ((W[:, :, w] >> sh) & _mask(64 - sh)) if sh else W[:, :, w]
+            if sh + nb > 64:
+                v = v | ((W[:, :, w + 1] & _mask(sh + nb - 64)) << (64 - sh))
+            codes[:, :, j, q] = v & _mask(nb)
+    return codes.reshape(nslices, ng * g, nw)[:, :per].reshape(-1, nw)
 
 
 def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
@@ -116,40 +167,21 @@ def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
     per = -(-a.shape[-1] // 4)
     nslices = blocks.shape[0] // per
     nbytes = stream_bytes(per, maxbits)
-    nwords = nslices * nbytes // 4
     codes = torch.cat([group_encode.encode_words(blocks[i:i + CHUNK], maxbits)
                        for i in range(0, blocks.shape[0], CHUNK)])
-    if maxbits == 32 and nbytes * 8 == per * maxbits:
-        words = codes[:, 0]                               # one block per 32-bit word
-    else:
-        starts = _starts(nslices, per, maxbits, nbytes // 4, a.device)
-        words = torch.zeros(nwords + 3, dtype=torch.int64, device=a.device)
-        for o in range(0, maxbits, 32):                   # 32 code bits at a time
-            half = codes[:, o // 64] >> (o % 64)
-            fast1d._write(words, starts + o, half & 0xFFFFFFFF)
-        words = words[:nwords]
-    return words.to(torch.int32).view(torch.uint8).reshape(*lead, nbytes)
+    words = pack_codes(codes, nslices, per, maxbits)
+    return words.reshape(-1).view(torch.uint8).reshape(*lead, nbytes)
 
 
 def decompress_1d(data: torch.Tensor, shape: tuple[int, ...], maxbits: int) -> torch.Tensor:
     """Inverse of :func:`compress_1d`."""
-    n = shape[-1]
-    per = -(-n // 4)
+    per = -(-shape[-1] // 4)
     nbytes = data.shape[-1]
-    nslices = data.numel() // max(nbytes, 1)
-    words = data.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    if maxbits == 32 and nbytes * 8 == per * maxbits:
-        codes = words.unsqueeze(1)
-    else:
-        starts = _starts(nslices, per, maxbits, nbytes // 4, data.device)
-        w = torch.cat([words, torch.zeros(3, dtype=torch.int64, device=words.device)])
-        cols = []
-        for o in range(0, maxbits, 64):                   # one 64-bit code word at a time
-            c = fast1d._read(w, starts + o, min(32, maxbits - o))
-            if maxbits - o > 32:
-                c = c | (fast1d._read(w, starts + o + 32, min(32, maxbits - o - 32)) << 32)
-            cols.append(c)
-        codes = torch.stack(cols, 1)
+    rows = data.reshape(-1, nbytes).contiguous()
+    if rows.storage_offset() % 8:                        # int64 view needs 8-byte alignment
+        rows = rows.clone()
+    words = rows.view(torch.int64)
+    codes = unpack_codes(words, per, maxbits)
     blocks = torch.cat([window_decode.decode_words(codes[i:i + CHUNK], maxbits)
                         for i in range(0, codes.shape[0], CHUNK)])
     return T.from_blocks(blocks, tuple(shape), 1)
