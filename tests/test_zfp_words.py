@@ -124,3 +124,14 @@ def test_bad_sizes_fail_clearly():
         group_encode.encode_words(torch.zeros(1, 4), 8)
     with pytest.raises(ValueError, match="maxbits=65; expected maxbits >= 9 and shape"):
         window_decode.decode_words(torch.zeros(1, 1, dtype=torch.int64), 65)
+
+
+def test_rows_shorter_than_a_group_of_words():
+    """A 1-block row at 24 bits is one stream word out of a 3-word group."""
+    zfpy = pytest.importorskip("zfpy")
+    x = np.random.default_rng(2).standard_normal((4, 4)).astype(np.float32)
+    ours = zfp.compress(torch.from_numpy(x), 6, dims=1)
+    assert ours.shape == (4, 8)
+    for r in range(4):
+        assert bytes(ours[r].numpy().tobytes()) == zfpy.compress_numpy(x[r], rate=6,
+                                                                        write_header=False)

@@ -170,7 +170,7 @@ def compress_1d(a: torch.Tensor, maxbits: int) -> torch.Tensor:
     codes = torch.cat([group_encode.encode_words(blocks[i:i + CHUNK], maxbits)
                        for i in range(0, blocks.shape[0], CHUNK)])
     words = pack_codes(codes, nslices, per, maxbits)
-    return words.reshape(-1).view(torch.uint8).reshape(*lead, nbytes)
+    return words.contiguous().view(torch.uint8).reshape(*lead, nbytes)
 
 
 def decompress_1d(data: torch.Tensor, shape: tuple[int, ...], maxbits: int) -> torch.Tensor:
