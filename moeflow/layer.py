@@ -28,8 +28,10 @@ class MoELayer(nn.Module):
     (BigMac: ``y = (sum_j g_j(x) E_{e_j(x)}(x W_d)) W_u``, see ``experts/structure.py``).
 
     ``x: (..., d_model) -> (..., d_model)``. After each forward, ``aux_loss`` holds the router's
-    scaled auxiliary loss (add it to the training loss) and ``stats`` the unscaled terms and the
-    fraction of routing choices dropped by capacity.
+    scaled auxiliary loss (add it to the training loss), and ``stats`` / ``stat_tensors`` the
+    unscaled terms and the fraction of routing choices dropped by capacity (``stat_tensors``
+    keeps the losses as detached tensors, so that the forward does not wait for the device;
+    ``stats`` converts them to floats, which on a GPU waits for the layer's work).
     """
 
     def __init__(self, cfg: MoEConfig, topo: Topology | None = None):
@@ -57,7 +59,7 @@ class MoELayer(nn.Module):
         self.timer: PhaseTimer | None = None
         self.timeline: Timeline | None = None     # set to a Timeline to record every task
         self.aux_loss: torch.Tensor | None = None
-        self.stats: dict[str, float] = {}
+        self._stats: dict[str, torch.Tensor | float] = {}
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the last forward's aux_loss (it belongs to that graph)."""
@@ -71,6 +73,16 @@ class MoELayer(nn.Module):
                 f"top_k={c.top_k}, "
                 f"capacity_factor={c.capacity_factor}, router={c.router}, codec={c.codec}, "
                 f"a2a={c.a2a}, schedule={c.schedule}, r={c.pipeline_degree}")
+
+    @property
+    def stat_tensors(self) -> dict[str, torch.Tensor | float]:
+        """The last forward's statistics, losses as detached tensors (no device sync)."""
+        return dict(self._stats)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The last forward's statistics as floats (a device sync on GPU: read when logging)."""
+        return {k: float(v) for k, v in self._stats.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, t = self.cfg, self.timer or NULL_TIMER
@@ -107,7 +119,7 @@ class MoELayer(nn.Module):
                 y = self.dcca.up(t.mark(y, "project"))
         self.aux_loss = routing.aux_loss
         n_choices = max(1, routing.experts.numel())
-        self.stats = {"balance_loss": float(routing.balance_loss),
-                      "z_loss": float(routing.z_loss),
-                      "dropped_fraction": plan.dropped / n_choices}
+        self._stats = {"balance_loss": routing.balance_loss.detach(),
+                       "z_loss": routing.z_loss.detach(),
+                       "dropped_fraction": plan.dropped / n_choices}
         return t.mark(y, None).reshape(shape)

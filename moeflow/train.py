@@ -131,8 +131,8 @@ class Trainer:
         clip_gradients(self.model, topo, cfg.grad_clip)
         self.opt.step()
         self.step += 1
-        balance = sum(m.stats["balance_loss"] for m in self.model.moe_layers())
-        return ce.item(), aux.item(), balance
+        balance = sum(m.stat_tensors["balance_loss"] for m in self.model.moe_layers())
+        return ce.item(), aux.item(), float(balance)
 
     def run(self, resume: bool = False) -> dict:
         cfg, topo = self.cfg, self.topo

@@ -108,3 +108,15 @@ def test_dropless_keeps_everything_and_all_to_one_expert():
     e = layer.experts
     expect = torch.nn.functional.gelu(x @ e.w1[2]) @ e.w2[2] * w
     torch.testing.assert_close(y, expect)
+
+
+def test_layer_stats_stay_tensors_until_read():
+    layer = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, top_k=2,
+                                     z_loss_coef=1e-3))
+    layer(torch.randn(32, 8))
+    t = layer.stat_tensors
+    assert isinstance(t["balance_loss"], torch.Tensor) and not t["balance_loss"].requires_grad
+    assert isinstance(t["z_loss"], torch.Tensor) and t["z_loss"].dim() == 0
+    s = layer.stats
+    assert s["balance_loss"] == float(t["balance_loss"]) > 0
+    assert s["z_loss"] == float(t["z_loss"]) > 0 and 0 <= s["dropped_fraction"] < 1

@@ -42,7 +42,7 @@ def chunk_rows(counts: torch.Tensor, r: int) -> list[torch.Tensor]:
 
 @dataclass
 class ChunkPlan:
-    rows: list[torch.Tensor]             # send-buffer rows of chunk i
+    rows: list[torch.Tensor] | None      # send-buffer rows of chunk i (None at r = 1: all)
     send_splits: list[list[int]]
     recv_splits: list[list[int]]
     recv_counts: list[torch.Tensor]      # (ep, E_local) per chunk
@@ -52,7 +52,8 @@ class ChunkPlan:
         ep, e_local = plan.recv_counts.shape
         recv = chunk_bounds(plan.recv_counts.reshape(-1), r)
         send = chunk_bounds(plan.send_counts, r)
-        return cls(rows=[x.to(device) for x in chunk_rows(plan.send_counts, r)],
+        rows = None if r == 1 else [x.to(device) for x in chunk_rows(plan.send_counts, r)]
+        return cls(rows=rows,
                    send_splits=[s.view(ep, e_local).sum(1).tolist() for s in send],
                    recv_splits=[c.view(ep, e_local).sum(1).tolist() for c in recv],
                    recv_counts=[c.view(ep, e_local) for c in recv])
@@ -82,7 +83,7 @@ class ScheduledExperts:
             return source if self.r == 1 else source.index_select(0, cp.rows[i])
 
         stage = Stage({
-            "C1": lambda i, _: (codec.encode(rows(i)), cp.rows[i].numel() * width),
+            "C1": lambda i, _: (lambda x: (codec.encode(x), x.numel()))(rows(i)),
             "A1": lambda i, p: self._exchange(p, cp.send_splits[i], cp.recv_splits[i]),
             "D1": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * width),
             "E": expert,
