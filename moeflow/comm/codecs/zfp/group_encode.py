@@ -1,15 +1,15 @@
-"""Group-table encoder for 1-D ZFP blocks whose whole code fits one int64 (``maxbits <= 64``,
-rates up to 16): the CPU encode path of the ``zfp`` codec (Lindstrom 2014 sections 3.1-3.4:
-block-floating-point cast, lifting transform, negabinary, and zfp's fixed-rate
-``encode_ints`` for a 4-value block), vectorized over blocks.
+"""Group-table encoder for 1-D ZFP blocks, any rate: the CPU encode path of the ``zfp`` codec
+(Lindstrom 2014 sections 3.1-3.4: block-floating-point cast, lifting transform, negabinary,
+and zfp's fixed-rate ``encode_ints`` for a 4-value block), vectorized over blocks.
 
 Bit planes are coded four at a time: the four coefficients' bits of planes ``k+3..k`` (16 bits)
 and the number ``n`` of coefficients already significant index a table holding those planes'
 code, its length and the new ``n`` (:func:`moeflow.comm.codecs.zfp.fast1d._enc_table`). Codes
-are shifted into place at the block's running bit position; bits past ``maxbits`` are masked
-off at the end, which is exactly zfp's truncation of the last plane. At rate 8 almost every
-block has spent its 23-bit budget after two or three groups (planes 31..20); the blocks still
-going are carried on alone once they are fewer than half.
+are shifted into place at the block's running bit position in its int64 code words (one word
+up to rate 16); bits past ``maxbits`` are masked off at the end, which is exactly zfp's
+truncation of the last plane. At rate 8 almost every block has spent its 23-bit budget after
+two or three groups (planes 31..20); the blocks still going are carried on alone once they are
+fewer than half.
 
 The coefficients are laid out "transposed", the 16 high (or low) bits of coefficient ``i`` at
 bits ``16 i`` of one int64, built by writing int16 halves into an ``(B, 4)`` int16 buffer that

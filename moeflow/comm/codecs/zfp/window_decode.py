@@ -1,6 +1,6 @@
-"""Windowed table decoder for 1-D ZFP blocks whose whole code fits one int64 (``maxbits <= 64``,
-rates up to 16): the CPU decode path of the ``zfp`` codec (Lindstrom 2014 section 3.4, zfp's
-fixed-rate ``decode_ints`` for a 4-value block), vectorized over blocks.
+"""Windowed table decoder for 1-D ZFP blocks, any rate: the CPU decode path of the ``zfp``
+codec (Lindstrom 2014 section 3.4, zfp's fixed-rate ``decode_ints`` for a 4-value block, and
+the inverse transform of sections 3.1-3.3), vectorized over blocks.
 
 Each step looks up 16 stream bits at once. A table indexed by (``n``, the number of
 significant coefficients; ``L = min(bits left in the block's budget, 16)``; the next ``L``
@@ -8,20 +8,20 @@ bits) gives the bit planes those bits decode to, how many bits and planes that i
 ``n``:
 
 * ``L = 16`` (at least 16 bits of budget left): every plane that ends inside the window, up to
-  16 planes (a plane codes in at most 8 bits, so a step consumes at least 9);
+  16 planes (a plane codes in at most 7 bits, so a step consumes at least 10);
 * ``L < 16`` (the end of the budget is inside the window): zfp's decoder run to the end of the
   budget, including what it does when the budget runs out inside a plane (it sets the bit of
   the coefficient being scanned), so the result is exactly zfp's.
 
 At rate 8 (a 23-bit body) a block takes two steps, against one lookup per bit plane (8 to 16
-of them) in :func:`moeflow.comm.codecs.zfp.fast1d.decode_words_by_plane`. The decoded planes
-are put straight into place in two words per block (coefficients 0, 1 and 2, 3 as the low and
-high 32 bits), whose halves are the four int32 coefficients. The number of steps is bounded by
-the budget (at rate 8: two, with no host synchronisation); above that the decoder stops early
-once every block is done. zfp stops after plane 0
-(32 planes) even when budget is left. No code the encoder writes got there in our tests at
-these sizes, but an arbitrary one can (a nonzero block with an all-zero body at 64 bits):
-such blocks are found afterwards and decoded by the plane-by-plane decoder.
+of them) for a plane-at-a-time decoder. The decoded planes are put straight into place in two
+words per block (coefficients 0, 1 and 2, 3 as the low and high 32 bits), whose halves are the
+four int32 coefficients. The number of steps is bounded by the budget (at rate 8: two, with no
+host synchronisation); above that the decoder stops early once every block is done. Codes
+longer than 64 bits are read through overlapping 63-bit words at a 32-bit stride, so that any
+window lies in one word. zfp stops after plane 0 (32 planes) even when budget is left, which
+a block can reach only with more than 32 bits of budget; planes decoded beyond it are shifted
+out and masked off.
 """
 
 from __future__ import annotations
