@@ -7,15 +7,18 @@ the last axis; leading axes are a batch of independent arrays), exactly the byte
 ``zfpy.compress_numpy(slice, rate=rate, write_header=False)`` returns; ``decompress`` returns
 exactly what zfpy decodes from them. Modules: :mod:`.transform` (block-floating-point, lifting,
 reordering, negabinary), :mod:`.bitplane` (the embedded coder, any d), :mod:`.fast1d` (table
-coder for 1-D blocks), :mod:`.torch_backend` (the pipeline, any device), :mod:`.triton_backend`
-(CUDA kernels for the 1-D codec path).
+coder for 1-D blocks), :mod:`.plane_encode` / :mod:`.plane_decode` with :mod:`.bitops` (the
+2-D and 3-D coder: bit-plane transposition, closed-form plane codes, table-driven decoding),
+:mod:`.torch_backend` (the general reference pipeline, any device, and stream packing),
+:mod:`.triton_backend` (CUDA kernels for the 1-D codec path), :mod:`.triton_nd` (CUDA kernels
+for 2-D and 3-D blocks, used here for CUDA tensors when triton is installed).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moeflow.comm.codecs.zfp import torch_backend
+from moeflow.comm.codecs.zfp import plane_decode, plane_encode, torch_backend
 from moeflow.comm.codecs.zfp.transform import maxbits_for
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -53,7 +56,11 @@ def compress(a, rate: float = 8.0, dims: int | None = None) -> torch.Tensor:
     mb = maxbits_for(rate, d)
     if d == 1:
         return torch_backend.compress_1d(a, mb)
-    return torch_backend.compress(a, d, mb)
+    if a.is_cuda:
+        from moeflow.comm.codecs.zfp import triton_nd
+        if triton_nd.available():
+            return triton_nd.compress(a, d, mb)
+    return plane_encode.compress(a, d, mb)
 
 
 def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = None,
@@ -77,7 +84,13 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
     if d == 1:
         out = torch_backend.decompress_1d(data, shape, mb)
     else:
-        out = torch_backend.decompress(data, shape, d, mb)
+        out = None
+        if data.is_cuda:
+            from moeflow.comm.codecs.zfp import triton_nd
+            if triton_nd.available():
+                out = triton_nd.decompress(data, shape, d, mb)
+        if out is None:
+            out = plane_decode.decompress(data, shape, d, mb)
     return out.to(dtype)
 
 
