@@ -34,3 +34,20 @@ def test_bench_codecs_rejects_a_rate_below_one_block_header():
     import pytest
     with pytest.raises(SystemExit, match="--zfp-rate 2"):
         main(["bench", "codecs", "--codecs", "zfp", "--zfp-rate", "2"])
+
+
+def test_bench_zfp_arrays_cli(tmp_path, capsys):
+    out = tmp_path / "arrays.json"
+    assert main(["bench", "zfp-arrays", "--shapes", "37,9x11,5x6x7", "--reps", "1",
+                 "--warmup", "0", "--out", str(out)]) == 0
+    assert "bytes+values" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [r["dims"] for r in res["results"]] == [1, 1, 2, 2, 3, 3]
+    assert all(r["same_bytes"] and r["same_values"] for r in res["results"])
+    assert all(r["encode_mbs"] > 0 and r["zfpy_decode_mbs"] > 0 for r in res["results"])
+
+
+def test_bench_zfp_arrays_rejects_bad_shapes():
+    import pytest
+    with pytest.raises(SystemExit, match="--shapes item '4x4x4x4'"):
+        main(["bench", "zfp-arrays", "--shapes", "4x4x4x4"])

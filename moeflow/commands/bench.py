@@ -62,6 +62,7 @@ def register(sub) -> None:
     add_launch_args(smile, default_nproc=1)
     smile.set_defaults(func=run_smile)
     register_codecs_bench(bsub)
+    register_zfp_arrays_bench(bsub)
 
 
 def run_layer(args: argparse.Namespace) -> int:
@@ -173,5 +174,53 @@ def run_codecs(args: argparse.Namespace) -> int:
     print(bc.format_table(res))
     if args.out:
         bc.write_json(res, args.out, "moeflow " + shlex.join(sys.argv[1:]))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def register_zfp_arrays_bench(bsub) -> None:
+    p = bsub.add_parser("zfp-arrays", help="our ZFP vs zfpy on 1-, 2- and 3-D arrays: speed, "
+                                           "same bytes")
+    p.add_argument("--shapes", default="1048576,1024x1024,64x128x128",
+                   help="array shapes, 1 to 3 axes each (dims = axes), comma-separated "
+                        "(1048576,1024x1024,64x128x128)")
+    p.add_argument("--rate", type=float, default=8.0, help="bits per value (8)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (ours; zfpy runs on CPU)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1, as zfpy)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run_zfp_arrays)
+
+
+def run_zfp_arrays(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.bench import zfp_arrays as za
+    from moeflow.comm.codecs.zfp import maxbits_for
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("moeflow bench zfp-arrays: --device cuda but no CUDA device is visible")
+    if args.reps < 1 or args.threads < 1 or args.warmup < 0:
+        raise SystemExit("moeflow bench zfp-arrays: --reps and --threads must be >= 1, "
+                         "--warmup >= 0")
+    try:
+        shapes = za.parse_shapes(args.shapes)
+        for s in shapes:
+            maxbits_for(args.rate, len(s))
+    except ValueError as err:
+        raise SystemExit(f"moeflow bench zfp-arrays: {err}")
+    if args.rate * 4 < 9:
+        raise SystemExit(f"moeflow bench zfp-arrays: --rate {args.rate} is invalid: zfpy needs "
+                         "at least 9 bits per block of 4 values in 1-D (rate >= 2.25)")
+    torch.set_num_threads(args.threads)
+    try:
+        res = za.run(shapes, args.rate, args.device, args.warmup, args.reps)
+    except RuntimeError as err:
+        raise SystemExit(f"moeflow bench zfp-arrays: {err}")
+    print(za.format_table(res))
+    if args.out:
+        za.write_json(res, args.out, "moeflow " + shlex.join(sys.argv[1:]))
         print(f"wrote {args.out}")
     return 0
