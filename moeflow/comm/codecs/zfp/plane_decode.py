@@ -132,6 +132,7 @@ def _decode_planes(codes: torch.Tensor, planes: torch.Tensor, S: int, budget: in
     string = planes.view(torch.int64)                   # the planes as one bit string
     idx = torch.arange(R, device=dev)
     cw = codes
+    wp = planes                                         # the working blocks' planes
     zeros = torch.zeros(R, dtype=torch.int64, device=dev)
     pos, n, j, x = zeros, zeros, zeros, zeros
     mode = torch.zeros_like(zeros)                      # 0: plane start, 1/2 as in the table
@@ -145,6 +146,8 @@ def _decode_planes(codes: torch.Tensor, planes: torch.Tensor, S: int, budget: in
         work = ~(fin | tail)
         nwork = int(work.sum())
         if nwork * 2 < work.numel() or nwork == 0:
+            if wp is not planes:
+                planes.index_copy_(0, idx, wp)
             t = tail.nonzero().squeeze(1)
             if t.numel():
                 tails.append((idx[t], pos[t], j[t], cw.index_select(0, t)))
@@ -153,39 +156,34 @@ def _decode_planes(codes: torch.Tensor, planes: torch.Tensor, S: int, budget: in
                 break
             idx, cw, pos, n, j, x, mode = (idx[k], cw.index_select(0, k), pos[k], n[k], j[k],
                                            x[k], mode[k])
+            wp = planes.index_select(0, idx)
             start = mode == 0
-        # verbatim part of a plane start
-        m = torch.where(start, torch.minimum(n, budget - pos), 0)
+        # verbatim part of a plane start (elsewhere m = 0: nothing read); x is 0 there
+        st = start.long()
+        m = st * torch.minimum(n, budget - pos)
         r = bitops.read64(cw, base + pos)
-        x = torch.where(start, r & bitops.low_mask(m), x)
+        x = x | (r & ((1 << m) - 1))
         pos = pos + m
-        mode = torch.where(start, 1, mode)
+        mode = mode + st
         # one window of group tests / scans
-        L = (budget - pos).clamp(0, W)
+        L = (budget - pos).clamp_(0, W)
         if S == 16:                                     # the window follows in the same read
-            win = (r >> m) & bitops.low_mask(L)
+            win = (r >> m) & ((1 << L) - 1)
         else:
-            win = bitops.read64(cw, base + pos) & bitops.low_mask(L)
-        dist = (S - n).clamp(max=_DD - 1)
+            win = bitops.read64(cw, base + pos) & ((1 << L) - 1)
+        dist = (S - n).clamp_(max=_DD - 1)
         ent = table.index_select(0, ((((mode - 1) * _DD + dist) << (W + 1)) | (1 << L) | win))
         x = x | ((ent & 0xFFFFF) << n)
         n = n + ((ent >> 20) & 63)
         pos = pos + ((ent >> 26) & 63)
-        done = (ent >> 34) & 1
-        mode = torch.where(done == 1, 0, (ent >> 32) & 3)
         # a finished plane goes to its column (adding zero elsewhere; a block past plane 0
         # that is still in the working set adds nothing)
-        done = done * (j < 32)
-        col = j.clamp(max=31).unsqueeze(1)
-        val = (x * done).to(planes.dtype).unsqueeze(1)
-        if idx.numel() == R:
-            planes.scatter_add_(1, col, val)
-        else:
-            sub = planes.index_select(0, idx)
-            sub.scatter_add_(1, col, val)
-            planes.index_copy_(0, idx, sub)
-        j = j + done
-        x = x * (1 - done)
+        ended = (ent >> 34) & 1
+        done = ended * (j < 32)
+        mode = ((ent >> 32) & 3) * (1 - ended)
+        wp.scatter_add_(1, j.clamp(max=31).unsqueeze(1), (x * done).to(wp.dtype).unsqueeze(1))
+        j = j + ended
+        x = x * (1 - ended)
     for ti, tp, tj, tc in tails:
         dst = string.index_select(0, ti)
         length = torch.minimum(budget - tp, S * (32 - tj))
