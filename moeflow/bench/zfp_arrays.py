@@ -13,7 +13,6 @@ with ``--device cuda`` ours runs on the GPU and zfpy on a CPU copy.
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import statistics
@@ -124,8 +123,3 @@ def format_table(res: dict) -> str:
                      f"{r['encode_vs_zfpy']:>9.2f} {r['decode_mbs']:>9.1f} "
                      f"{r['zfpy_decode_mbs']:>8.1f} {r['decode_vs_zfpy']:>9.2f}  {same}")
     return "\n".join(lines)
-
-
-def write_json(res: dict, path: str, command: str) -> None:
-    with open(path, "w") as f:
-        json.dump({"command": command, "torch": torch.__version__, **res}, f, indent=2)

@@ -198,6 +198,7 @@ def run_zfp_arrays(args: argparse.Namespace) -> int:
     import torch
 
     from moeflow.bench import zfp_arrays as za
+    from moeflow.bench.codecs import write_json as write_json_codecs
     from moeflow.comm.codecs.zfp import maxbits_for
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -221,6 +222,6 @@ def run_zfp_arrays(args: argparse.Namespace) -> int:
         raise SystemExit(f"moeflow bench zfp-arrays: {err}")
     print(za.format_table(res))
     if args.out:
-        za.write_json(res, args.out, "moeflow " + shlex.join(sys.argv[1:]))
+        write_json_codecs(res, args.out, "moeflow " + shlex.join(sys.argv[1:]))
         print(f"wrote {args.out}")
     return 0

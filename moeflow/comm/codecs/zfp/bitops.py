@@ -31,6 +31,13 @@ if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("moeflow's ZFP bit-plane coder assumes a little-endian machine")
 
 
+def _swap(a: torch.Tensor, b: torch.Tensor, shift: int, mask: int):
+    """Delta swap between two words: the bits ``mask << shift`` of ``a`` trade places with
+    the bits ``mask`` of ``b``."""
+    t = ((a >> shift) ^ b) & mask
+    return a ^ (t << shift), b ^ t
+
+
 def _transpose16(w: torch.Tensor) -> torch.Tensor:
     """16 x 16 bit matrices, rows ``4 j .. 4 j + 3`` as the 16-bit fields of word ``j`` of
     ``w: (..., 4)`` int64 (row ``r`` bit ``c`` = entry (r, c)) -> their transposes, same
@@ -38,19 +45,11 @@ def _transpose16(w: torch.Tensor) -> torch.Tensor:
     off)."""
     w0, w1, w2, w3 = w.unbind(-1)
     # 8x8 quadrants: rows r < 8 (words 0, 1) trade their high bytes for the low bytes of r + 8
-    t = ((w0 >> 8) ^ w2) & _M8
-    w2 = w2 ^ t
-    w0 = w0 ^ (t << 8)
-    t = ((w1 >> 8) ^ w3) & _M8
-    w3 = w3 ^ t
-    w1 = w1 ^ (t << 8)
+    w0, w2 = _swap(w0, w2, 8, _M8)
+    w1, w3 = _swap(w1, w3, 8, _M8)
     # 4x4: rows r and r + 4 (words 0|1 and 2|3), high nibble of each byte for the low
-    t = ((w0 >> 4) ^ w1) & _M4
-    w1 = w1 ^ t
-    w0 = w0 ^ (t << 4)
-    t = ((w2 >> 4) ^ w3) & _M4
-    w3 = w3 ^ t
-    w2 = w2 ^ (t << 4)
+    w0, w1 = _swap(w0, w1, 4, _M4)
+    w2, w3 = _swap(w2, w3, 4, _M4)
     out = torch.stack([w0, w1, w2, w3], -1)
     # 2x2 (rows r, r + 2: fields f, f + 2 of one word, 30 bits apart) and 1x1 (15 bits apart)
     t = ((out >> 30) ^ out) & _M2

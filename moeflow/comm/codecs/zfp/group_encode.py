@@ -45,14 +45,20 @@ def _table(device: str) -> torch.Tensor:
 
 
 def block_exponents(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(emax, keep, special)`` of float32 ``(B, 4)`` blocks as zfp computes ``emax`` (see
-    :func:`transform.block_emax`), from the bit patterns: the largest ``|x|`` (NaNs skipped)
+    """``(emax, keep, special)`` of float32 ``(B, 4)`` blocks: see :func:`exponents_of`."""
+    bits = blocks.view(torch.int32) & 0x7FFFFFFF
+    m = torch.maximum(torch.maximum(bits[:, 0], bits[:, 1]), torch.maximum(bits[:, 2], bits[:, 3]))
+    return exponents_of(bits, m)
+
+
+def exponents_of(bits: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(emax, keep, special)`` of blocks as zfp computes ``emax`` (see
+    :func:`transform.block_emax`), from the bit patterns ``bits = x.view(int32) & 0x7FFFFFFF``
+    of the blocks ``(B, S)`` and their row maxima ``m``: the largest ``|x|`` (NaNs skipped)
     is the largest pattern with the sign bit cleared. ``emax`` is 0 for all-zero blocks, ``keep``
     is -1 (all bits set) for a nonzero block and 0 for an all-zero one, and ``special`` says
     whether any block holds inf or NaN or is so small (``emax < -97``) that zfp's scale
     ``2^(30 - emax)`` overflows float32."""
-    bits = blocks.view(torch.int32) & 0x7FFFFFFF
-    m = torch.maximum(torch.maximum(bits[:, 0], bits[:, 1]), torch.maximum(bits[:, 2], bits[:, 3]))
     top = int(m.max()) if m.numel() else 0
     if top > 0x7F800000:                         # a NaN: zfp's max skips it
         m = torch.where(bits > 0x7F800000, 0, bits).amax(1)

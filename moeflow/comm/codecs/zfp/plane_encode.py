@@ -32,7 +32,7 @@ import functools
 import numpy as np
 import torch
 
-from moeflow.comm.codecs.zfp import bitops, torch_backend, transform as T
+from moeflow.comm.codecs.zfp import bitops, group_encode, torch_backend, transform as T
 
 NB32 = -0x55555556                    # 0xaaaaaaaa as an int32: the negabinary mask
 _CHUNK = 16                           # positions per table lookup
@@ -101,27 +101,6 @@ def _table(name: str, device: str) -> torch.Tensor:
     return torch.from_numpy(t).to(device)
 
 
-def block_exponents(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(emax, nonzero, special)`` of float32 ``(B, S)`` blocks, as zfp computes ``emax``
-    (:func:`transform.block_emax`) but from the bit patterns: the largest ``|x|`` (NaNs
-    skipped) is the largest pattern with the sign bit cleared. ``emax`` is 0 for all-zero
-    blocks; ``special`` says whether any block holds inf or NaN or is so small (``emax <
-    -97``) that the scale ``2^(30 - emax)`` is not a normal float32."""
-    bits = blocks.view(torch.int32) & 0x7FFFFFFF
-    m = bits.amax(1)
-    top = int(m.max()) if m.numel() else 0
-    if top > 0x7F800000:                                  # a NaN: zfp's max skips it
-        m = torch.where(bits > 0x7F800000, 0, bits).amax(1)
-    be = m >> 23
-    emax = (be - 126).clamp_(min=-126)
-    if top >= 0x7F800000:                                 # inf (or NaN): glibc's frexp gives 0
-        emax = torch.where(be == 0xFF, 0, emax)
-    nonzero = m != 0
-    emax = torch.where(nonzero, emax, 0)
-    low = bool((emax < -97).any()) if emax.numel() else False
-    return emax, nonzero, top >= 0x7F800000 or low
-
-
 def coefficients(blocks: torch.Tensor, d: int, emax: torch.Tensor, special: bool) -> torch.Tensor:
     """Sections 3.1-3.3: float32 ``(B, 4^d)`` blocks -> int32 negabinary coefficients in
     sequency order (wrapping 32-bit arithmetic, as zfp's)."""
@@ -160,7 +139,9 @@ def encode_words(blocks: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
     dev = blocks.device
     blocks = blocks.contiguous()
     B = blocks.shape[0]
-    emax, nonzero, special = block_exponents(blocks)
+    bits = blocks.view(torch.int32) & 0x7FFFFFFF
+    emax, keep, special = group_encode.exponents_of(bits, bits.amax(1))
+    nonzero = keep != 0
     words = torch.zeros(B, nw, dtype=torch.int64, device=dev)
     words[:, 0] = torch.where(nonzero, 2 * (emax.long() + T.EBIAS) + 1, 0)
     budget = maxbits - 1 - T.EBITS
