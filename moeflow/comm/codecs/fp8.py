@@ -5,7 +5,9 @@ ScheMoE section 3.1 mentions 8-bit floating-point payloads; this is the format c
 (``fp8``: 128 values; ``fp8-row``: the whole row) is scaled so its largest magnitude maps to 448,
 e4m3's largest finite value, then rounded to e4m3 (round to nearest even). The float8 payload
 travels as ``uint8`` (same bits; every backend can move bytes) with the float32 scales as a
-second payload of shape ``(rows, blocks)``. The cast is plain torch on every device.
+second payload of shape ``(rows, blocks)``. CUDA tensors go through fused Triton kernels
+(:mod:`.triton_quant`, same bits) when triton is installed; the torch code below runs everywhere
+else.
 """
 
 from __future__ import annotations
@@ -35,15 +37,22 @@ class _Fp8Base(Codec):
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         self.check_input(x)
+        if x.is_cuda:
+            from moeflow.comm.codecs import triton_quant
+            if triton_quant.available():
+                return triton_quant.fp8_encode(x, self.block)
         rows, cols = x.shape
         nb = self._nblocks(cols)
+        if cols == 0:                                   # nothing to send but the (zero) scales
+            return [torch.empty(rows, 0, dtype=torch.uint8, device=x.device),
+                    torch.zeros(rows, nb, device=x.device)]
         bs = cols if self.block is None else self.block
         xf = x.float()
         pad = nb * bs - cols
         if pad:
             xf = torch.nn.functional.pad(xf, (0, pad))
-        xb = xf.view(rows, nb, max(bs, 1)) if cols else xf.view(rows, nb, 0)
-        amax = xb.abs().amax(dim=2) if cols else torch.zeros(rows, nb, device=x.device)
+        xb = xf.view(rows, nb, bs)
+        amax = xb.abs().amax(dim=2)
         scale = amax / E4M3_MAX
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = (xb * inv.unsqueeze(2)).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -51,14 +60,20 @@ class _Fp8Base(Codec):
 
     def decode(self, payloads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         q, scale = payloads
+        if q.is_cuda:
+            from moeflow.comm.codecs import triton_quant
+            if triton_quant.available():
+                return triton_quant.fp8_decode(q, scale, self.block, dtype)
         rows, cols = q.shape
+        if cols == 0:
+            return torch.empty(rows, 0, dtype=dtype, device=q.device)
         nb = scale.shape[1]
         bs = cols if self.block is None else self.block
         v = q.view(torch.float8_e4m3fn).float()
         pad = nb * bs - cols
         if pad:
             v = torch.nn.functional.pad(v, (0, pad))
-        out = v.view(rows, nb, max(bs, 1)) * scale.unsqueeze(2) if cols else v
+        out = v.view(rows, nb, bs) * scale.unsqueeze(2)
         return out.reshape(rows, nb * bs)[:, :cols].to(dtype)
 
     def wire_bytes(self, rows: int, cols: int, dtype: torch.dtype) -> int:

@@ -3,7 +3,10 @@
 ScheMoE section 3.1 lists 8-bit payloads; Table 6 ("MoE w/INT8") shows its accuracy cost. Each
 row ``r`` is sent as ``q = round((x - lo_r) / s_r)`` in ``uint8`` with ``s_r = (hi_r - lo_r)/255``
 and ``(s_r, lo_r)`` as two extra float32 payloads of shape ``(rows, 1)``, so every payload keeps
-``rows`` as its first dimension. Everything runs on the tensor's own device.
+``rows`` as its first dimension. Decoding is ``q * s_r + lo_r`` with two roundings (not
+``torch.addcmul``, whose fused or unfused rounding depends on ATen's CPU capability). CUDA tensors
+go through fused Triton kernels (:mod:`.triton_quant`, same bits) when triton is installed; the
+torch code below runs everywhere else.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ class Int8Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         self.check_input(x)
+        if x.is_cuda:
+            from moeflow.comm.codecs import triton_quant
+            if triton_quant.available():
+                return triton_quant.int8_encode(x)
         xf = x.float()
         if xf.shape[1] == 0:
             lo = hi = torch.zeros(xf.shape[0], 1, device=x.device)
@@ -39,7 +46,11 @@ class Int8Codec(Codec):
 
     def decode(self, payloads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         q, scale, lo = payloads
-        return torch.addcmul(lo, q.float(), scale).to(dtype)
+        if q.is_cuda:
+            from moeflow.comm.codecs import triton_quant
+            if triton_quant.available():
+                return triton_quant.int8_decode(q, scale, lo, dtype)
+        return (q.float() * scale + lo).to(dtype)
 
     def wire_bytes(self, rows: int, cols: int, dtype: torch.dtype) -> int:
         return rows * cols + 8 * rows
