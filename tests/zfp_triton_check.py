@@ -26,7 +26,30 @@ def main() -> None:
             y = tb.decompress_rows(ref, cols, rate)
             r = zfp.decompress(ref, (rows, cols), rate, dims=1)
             assert torch.equal(y.view(torch.int32), r.view(torch.int32)), (rows, cols, rate)
+    _check_dispatch(g)
     print("triton kernels match")
+
+
+def _check_dispatch(g) -> None:
+    """``zfp.compress`` / ``decompress`` send CUDA tensors to the kernels; here (CPU tensors
+    under the interpreter) the CUDA test is forced true, so their reshaping of leading axes
+    and 1-D rows is checked against the CPU path."""
+    cases = [((2, 3, 37), 1, 8), ((5,), 1, 3), ((2, 9, 10), 2, 8), ((6, 5, 7), 3, 4)]
+    want = {}
+    for shape, d, rate in cases:
+        x = torch.randn(*shape, generator=g)
+        c = zfp.compress(x, rate, dims=d)
+        want[shape] = (x, c, zfp.decompress(c, shape, rate, dims=d))
+    real = zfp._triton_for
+    zfp._triton_for = lambda t: True
+    try:
+        for shape, d, rate in cases:
+            x, c, y = want[shape]
+            assert torch.equal(zfp.compress(x, rate, dims=d), c), (shape, "dispatch encode")
+            got = zfp.decompress(c, shape, rate, dims=d)
+            assert torch.equal(got.view(torch.int32), y.view(torch.int32)), (shape, "dispatch")
+    finally:
+        zfp._triton_for = real
 
 
 def compile_sm90() -> None:

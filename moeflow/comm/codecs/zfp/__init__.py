@@ -54,13 +54,23 @@ def compress(a, rate: float = 8.0, dims: int | None = None) -> torch.Tensor:
     a = _as_float32(a, "compress")
     d = _dims(a, dims, "compress")
     mb = maxbits_for(rate, d)
+    if _triton_for(a):                                   # CUDA: the Triton kernels
+        from moeflow.comm.codecs.zfp import triton_backend, triton_nd
+        if d == 1:
+            rows = triton_backend.compress_rows(a.reshape(-1, a.shape[-1]), rate)
+            return rows.reshape(*a.shape[:-1], rows.shape[-1])
+        return triton_nd.compress(a, d, mb)
     if d == 1:
         return torch_backend.compress_1d(a, mb)
-    if a.is_cuda:
-        from moeflow.comm.codecs.zfp import triton_nd
-        if triton_nd.available():
-            return triton_nd.compress(a, d, mb)
     return plane_encode.compress(a, d, mb)
+
+
+def _triton_for(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the Triton kernels: a CUDA tensor, with triton installed."""
+    if not t.is_cuda:
+        return False
+    from moeflow.comm.codecs.zfp import triton_nd
+    return triton_nd.available()
 
 
 def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = None,
@@ -81,16 +91,17 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
         raise ValueError(f"zfp.decompress: expected uint8 streams of {need} bytes (last dim) "
                          f"for shape {shape}, rate {rate}, dims {d}; got {data.dtype} "
                          f"{tuple(data.shape)}")
-    if d == 1:
+    if _triton_for(data):                                # CUDA: the Triton kernels
+        from moeflow.comm.codecs.zfp import triton_backend, triton_nd
+        if d == 1:
+            rows = data.reshape(-1, need)
+            out = triton_backend.decompress_rows(rows, shape[-1], rate).reshape(shape)
+        else:
+            out = triton_nd.decompress(data, shape, d, mb)
+    elif d == 1:
         out = torch_backend.decompress_1d(data, shape, mb)
     else:
-        out = None
-        if data.is_cuda:
-            from moeflow.comm.codecs.zfp import triton_nd
-            if triton_nd.available():
-                out = triton_nd.decompress(data, shape, d, mb)
-        if out is None:
-            out = plane_decode.decompress(data, shape, d, mb)
+        out = plane_decode.decompress(data, shape, d, mb)
     return out.to(dtype)
 
 
