@@ -25,3 +25,12 @@ def run_check(module: str, expect: str, compile_only: bool = False, timeout: int
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert expect in proc.stdout, proc.stdout
+
+
+def cli(main, compile_sm90) -> None:
+    """Entry point of a check module: ``--compile`` builds for sm_90, otherwise the interpreter
+    check runs."""
+    if "--compile" in sys.argv:
+        compile_sm90()
+    else:
+        main()

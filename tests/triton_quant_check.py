@@ -399,9 +399,6 @@ def compile_sm90() -> None:
 
 
 if __name__ == "__main__":
-    import sys
+    from tests.triton_checks import cli
 
-    if "--compile" in sys.argv:
-        compile_sm90()
-    else:
-        main()
+    cli(main, compile_sm90)

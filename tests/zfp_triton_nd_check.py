@@ -155,9 +155,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
+    from tests.triton_checks import cli
 
-    if "--compile" in sys.argv:
-        compile_sm90()
-    else:
-        main()
+    cli(main, compile_sm90)

@@ -54,6 +54,12 @@ def _interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _inverse(scale):
+        # 1 / scale, correctly rounded (Triton's plain / is approximate), 0 where scale == 0
+        pos = scale > 0.0
+        return tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, scale, 1.0)), 0.0)
+
+    @triton.jit
     def _load_f32(ptrs, mask):
         # one tile of the input as float32 (masked lanes 0)
         raw = tl.load(ptrs, mask=mask, other=0.0)
@@ -136,8 +142,7 @@ if triton is not None:
         # scale = amax / 448, inv = 1 / scale (0 where scale == 0)
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.math.div_rn(amax, 448.0)
-        pos = scale > 0.0
-        inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, scale, 1.0)), 0.0)
+        inv = _inverse(scale)
         # q = e4m3(x * inv), stored as bytes
         q = _e4m3(x * inv[:, None], SOFT)
         tl.store(q_ptr + row * cols + col, q, mask=live)
@@ -157,8 +162,7 @@ if triton is not None:
         amax = tl.max(acc, axis=0)
         # scale = amax / 448, inv = 1 / scale (0 where scale == 0)
         scale = tl.math.div_rn(amax, 448.0)
-        pos = scale > 0.0
-        inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, scale, 1.0)), 0.0)
+        inv = _inverse(scale)
         # pass 2 (from L2): q = e4m3(x * inv), stored as bytes
         for start in range(0, cols, TILE):
             c = start + offs
@@ -185,8 +189,7 @@ if triton is not None:
         hi = tl.max(mx, axis=0)
         # scale = (hi - lo) / 255, inv = 1 / scale (0 where scale == 0)
         scale = tl.math.div_rn(hi - lo, 255.0)
-        pos = scale > 0.0
-        inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, scale, 1.0)), 0.0)
+        inv = _inverse(scale)
         # pass 2 (from L2): q = clamp(round_half_even((x - lo) * inv), 0, 255) as uint8;
         # (x - lo) * inv is in [0, 2^23), where adding then subtracting 2^23 rounds it to the
         # nearest integer, ties to even
