@@ -85,6 +85,35 @@ if triton is not None:
         return ((v.to(tl.int64) + 0xAAAAAAAA) & 0xFFFFFFFF) ^ 0xAAAAAAAA
 
     @triton.jit
+    def _get64(ptr, off, nwords, mask):
+        # the 64 stream bits starting at bit `off` (int32 words, LSB first; 0 past the end)
+        w = off >> 5
+        sh = off & 31
+        w0 = tl.load(ptr + w, mask=mask & (w < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
+        w1 = tl.load(ptr + w + 1, mask=mask & (w + 1 < nwords), other=0).to(tl.int64)
+        w2 = tl.load(ptr + w + 2, mask=mask & (w + 2 < nwords), other=0).to(tl.int64)
+        w1 = w1 & 0xFFFFFFFF
+        w2 = w2 & 0xFFFFFFFF
+        lo = ((w0 >> sh) | (w1 << (32 - sh))) & 0xFFFFFFFF
+        hi = ((w1 >> sh) | (w2 << (32 - sh))) & 0xFFFFFFFF
+        return lo | (hi << 32)
+
+    @triton.jit
+    def _put64(ptr, off, v, mask):
+        # or the 64-bit pattern v into the stream at bit `off` (three 32-bit atomics; blocks
+        # that share a word write disjoint bits, so the result does not depend on the order)
+        w = off >> 5
+        sh = off & 31
+        lo = v & 0xFFFFFFFF
+        hi = (v >> 32) & 0xFFFFFFFF
+        p0 = (lo << sh) & 0xFFFFFFFF
+        p1 = ((lo << sh) >> 32) | ((hi << sh) & 0xFFFFFFFF)
+        p2 = (hi << sh) >> 32
+        tl.atomic_or(ptr + w, p0.to(tl.int32), mask=mask & (p0 != 0))
+        tl.atomic_or(ptr + w + 1, p1.to(tl.int32), mask=mask & (p1 != 0))
+        tl.atomic_or(ptr + w + 2, p2.to(tl.int32), mask=mask & (p2 != 0))
+
+    @triton.jit
     def _encode_kernel(x_ptr, out_ptr, table_ptr, rows, cols, nblk, row_words,
                        MAXBITS: tl.constexpr, BLOCKS: tl.constexpr):
         pid = tl.program_id(0)
@@ -146,16 +175,7 @@ if triton is not None:
         acc = tl.where(nonzero, acc, 0)
         # or the block's bits into the row stream (32-bit words) at its bit offset
         start = r.to(tl.int64) * (row_words * 32) + j.to(tl.int64) * MAXBITS
-        w = start >> 5
-        sh = start & 31
-        lo = acc & 0xFFFFFFFF
-        hi = (acc >> 32) & 0xFFFFFFFF
-        p0 = (lo << sh) & 0xFFFFFFFF
-        p1 = ((lo << sh) >> 32) | ((hi << sh) & 0xFFFFFFFF)
-        p2 = (hi << sh) >> 32
-        tl.atomic_or(out_ptr + w, p0.to(tl.int32), mask=live & (p0 != 0))
-        tl.atomic_or(out_ptr + w + 1, p1.to(tl.int32), mask=live & (p1 != 0))
-        tl.atomic_or(out_ptr + w + 2, p2.to(tl.int32), mask=live & (p2 != 0))
+        _put64(out_ptr, start, acc, live)
 
     @triton.jit
     def _decode_kernel(in_ptr, x_ptr, table_ptr, rows, cols, nblk, row_words,
@@ -166,16 +186,9 @@ if triton is not None:
         r = b // nblk
         j = b % nblk
         start = r.to(tl.int64) * (row_words * 32) + j.to(tl.int64) * MAXBITS
-        w = start >> 5
-        sh = start & 31
-        nwords = rows * row_words
-        w0 = tl.load(in_ptr + w, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
-        w1 = tl.load(in_ptr + w + 1, mask=live & (w + 1 < nwords), other=0).to(tl.int64)
-        w2 = tl.load(in_ptr + w + 2, mask=live & (w + 2 < nwords), other=0).to(tl.int64)
-        w1 = w1 & 0xFFFFFFFF
-        w2 = w2 & 0xFFFFFFFF
-        lo = ((w0 >> sh) | (w1 << (32 - sh))) & 0xFFFFFFFF
-        hi = ((w1 >> sh) | (w2 << (32 - sh))) & 0xFFFFFFFF
+        v = _get64(in_ptr, start, rows * row_words, live)     # the block's (first) 64 bits
+        lo = v & 0xFFFFFFFF
+        hi = (v >> 32) & 0xFFFFFFFF
         if MAXBITS < 32:
             lo = lo & ((1 << MAXBITS) - 1)
             hi = hi * 0

@@ -52,7 +52,8 @@ def available() -> bool:
 
 if triton is not None:
     # the 4-point lifting steps, the float -> int cast and negabinary are the 1-D kernels'
-    from moeflow.comm.codecs.zfp.triton_backend import _fwd_lift, _inv_lift, _negabinary, _to_int
+    from moeflow.comm.codecs.zfp.triton_backend import (_fwd_lift, _get64, _inv_lift,
+                                                        _negabinary, _put64, _to_int)
 
     # ------------------------------------------------------------- 64-bit word helpers
     # Bit patterns live in int64; no shift is ever by 64 or more (undefined on the GPU).
@@ -78,35 +79,6 @@ if triton is not None:
         low = v & (0 - v)
         e = ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         return tl.where(v == 0, 64, e.to(tl.int64))
-
-    @triton.jit
-    def _get64(ptr, off, nwords, mask):
-        # the 64 stream bits starting at bit `off` (int32 words, LSB first; 0 past the end)
-        w = off >> 5
-        sh = off & 31
-        w0 = tl.load(ptr + w, mask=mask & (w < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
-        w1 = tl.load(ptr + w + 1, mask=mask & (w + 1 < nwords), other=0).to(tl.int64)
-        w2 = tl.load(ptr + w + 2, mask=mask & (w + 2 < nwords), other=0).to(tl.int64)
-        w1 = w1 & 0xFFFFFFFF
-        w2 = w2 & 0xFFFFFFFF
-        lo = ((w0 >> sh) | (w1 << (32 - sh))) & 0xFFFFFFFF
-        hi = ((w1 >> sh) | (w2 << (32 - sh))) & 0xFFFFFFFF
-        return lo | (hi << 32)
-
-    @triton.jit
-    def _put64(ptr, off, v, mask):
-        # or the 64-bit pattern v into the stream at bit `off` (three 32-bit atomics; blocks
-        # that share a word write disjoint bits, so the result does not depend on the order)
-        w = off >> 5
-        sh = off & 31
-        lo = v & 0xFFFFFFFF
-        hi = (v >> 32) & 0xFFFFFFFF
-        p0 = (lo << sh) & 0xFFFFFFFF
-        p1 = ((lo << sh) >> 32) | ((hi << sh) & 0xFFFFFFFF)
-        p2 = (hi << sh) >> 32
-        tl.atomic_or(ptr + w, p0.to(tl.int32), mask=mask & (p0 != 0))
-        tl.atomic_or(ptr + w + 1, p1.to(tl.int32), mask=mask & (p1 != 0))
-        tl.atomic_or(ptr + w + 2, p2.to(tl.int32), mask=mask & (p2 != 0))
 
     @triton.jit
     def _col(P, k):
