@@ -117,9 +117,7 @@ def decode_words(codes: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
     _decode_planes(codes.index_select(0, rows), planes, S, budget)
     u = bitops.from_planes(planes[:, :16], planes[:, 16:])
     v = (u ^ NB32) - NB32
-    inv = torch.empty(S, dtype=torch.long)
-    inv[torch.tensor(T.PERM[d])] = torch.arange(S)
-    i = T.inv_xform(v.index_select(1, inv.to(dev)), d)
+    i = T.inv_xform(v.index_select(1, T.perm_index(d, str(dev), inverse=True)), d)
     out.index_copy_(0, rows, T.inv_cast(i, emax.clamp(min=-126)))
     return out
 

@@ -111,7 +111,7 @@ def coefficients(blocks: torch.Tensor, d: int, emax: torch.Tensor, special: bool
     else:                                                 # 2^(30 - emax) is a normal float32
         y = blocks * ((157 - emax) << 23).view(torch.float32).unsqueeze(1)
     i = T.fwd_xform(y.to(torch.int32), d)
-    i = i.index_select(1, torch.tensor(T.PERM[d], device=blocks.device))
+    i = i.index_select(1, T.perm_index(d, str(blocks.device)))
     return (i + NB32) ^ NB32
 
 

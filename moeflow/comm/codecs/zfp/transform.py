@@ -18,6 +18,8 @@ including what it does for inputs zfp declares unsupported (see ``docs/codecs.md
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NBMASK = 0xAAAAAAAA
@@ -207,20 +209,29 @@ def inv_xform(iblock: torch.Tensor, d: int) -> torch.Tensor:
 # ------------------------------------------------------------ reorder + negabinary
 
 
+@functools.lru_cache(maxsize=None)
+def perm_index(d: int, device: str, inverse: bool = False) -> torch.Tensor:
+    """``PERM[d]`` as an index tensor on ``device`` (sequency position -> block entry), or its
+    inverse (block entry -> sequency position); built once per device."""
+    perm = torch.tensor(PERM[d], dtype=torch.long)
+    if inverse:
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(4 ** d)
+        perm = inv
+    return perm.to(device)
+
+
 def fwd_order(iblock: torch.Tensor, d: int) -> torch.Tensor:
     """int32 ``(B, 4^d)`` -> negabinary coefficients in sequency order, as int64 in [0, 2^32)."""
-    perm = torch.tensor(PERM[d], device=iblock.device)
-    v = iblock.index_select(1, perm).to(torch.int64)
+    v = iblock.index_select(1, perm_index(d, str(iblock.device))).to(torch.int64)
     return ((v + NBMASK) & 0xFFFFFFFF) ^ NBMASK
 
 
 def inv_order(u: torch.Tensor, d: int) -> torch.Tensor:
     """Inverse of :func:`fwd_order`: int64 negabinary -> int32 coefficients in block order."""
     v = ((u ^ NBMASK) - NBMASK).to(torch.int32)    # wraps modulo 2^32
-    inv = torch.empty(4 ** d, dtype=torch.long)
-    inv[torch.tensor(PERM[d])] = torch.arange(4 ** d)
-    return v.index_select(1, inv.to(u.device))
+    return v.index_select(1, perm_index(d, str(u.device), inverse=True))
 
 
-__all__ = ["PERM", "maxbits_for", "to_blocks", "from_blocks", "block_emax", "fwd_cast",
+__all__ = ["PERM", "perm_index", "maxbits_for", "to_blocks", "from_blocks", "block_emax", "fwd_cast",
            "inv_cast", "fwd_xform", "inv_xform", "fwd_order", "inv_order"]

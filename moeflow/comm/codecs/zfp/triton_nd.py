@@ -32,7 +32,7 @@ import functools
 import torch
 
 from moeflow.comm.codecs.zfp import torch_backend
-from moeflow.comm.codecs.zfp.transform import PERM
+from moeflow.comm.codecs.zfp.transform import perm_index
 
 try:                                                     # optional dependency (extra "gpu")
     import triton
@@ -311,10 +311,7 @@ if triton is not None:
 @functools.lru_cache(maxsize=None)
 def _rank(d: int, device: str) -> torch.Tensor:
     """rank[c] = position of block entry c in zfp's sequency order (inverse of PERM[d])."""
-    rank = [0] * (4 ** d)
-    for s, c in enumerate(PERM[d]):
-        rank[c] = s
-    return torch.tensor(rank, dtype=torch.int32, device=device)
+    return perm_index(d, device, inverse=True).to(torch.int32)
 
 
 def _geometry(shape: tuple[int, ...], d: int):
