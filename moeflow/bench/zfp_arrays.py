@@ -14,12 +14,12 @@ with ``--device cuda`` ours runs on the GPU and zfpy on a CPU copy.
 from __future__ import annotations
 
 import math
-import platform
 import statistics
 import time
 
 import torch
 
+from moeflow.bench.codecs import _device_name, _sync
 from moeflow.comm.codecs import zfp
 
 
@@ -57,11 +57,6 @@ def _zfpy():
         raise RuntimeError("moeflow bench zfp-arrays compares against zfpy: pip install "
                            "'moeflow[zfp]'") from err
     return zfpy
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def run(shapes: list[tuple[int, ...]], rate: float = 8.0, device: str = "cpu",
@@ -105,9 +100,7 @@ def run(shapes: list[tuple[int, ...]], rate: float = 8.0, device: str = "cpu",
                          "zfpy_encode_mbs": mb / med["zenc"], "zfpy_decode_mbs": mb / med["zdec"],
                          "encode_vs_zfpy": med["zenc"] / med["enc"],
                          "decode_vs_zfpy": med["zdec"] / med["dec"]})
-    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else
-            f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)")
-    return {"device": str(dev), "device_name": name, "rate": rate, "warmup": warmup,
+    return {"device": str(dev), "device_name": _device_name(dev), "rate": rate, "warmup": warmup,
             "reps": reps, "results": rows}
 
 
