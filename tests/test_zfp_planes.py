@@ -1,5 +1,6 @@
-"""The 2-D/3-D ZFP coder (plane_encode / plane_decode / bitops) against the general bit-plane
-coder of torch_backend, which test_zfp.py holds to zfpy byte for byte."""
+"""The vectorized 2-D/3-D ZFP coder (plane_encode / plane_decode / bitops) against the general
+bit-plane coder of torch_backend. test_zfp_numba.py holds both equal to the compiled CPU coder,
+which test_zfp.py holds to zfpy byte for byte."""
 
 from __future__ import annotations
 

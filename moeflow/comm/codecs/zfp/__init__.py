@@ -11,7 +11,9 @@ coder for 1-D blocks), :mod:`.plane_encode` / :mod:`.plane_decode` with :mod:`.b
 2-D and 3-D coder: bit-plane transposition, closed-form plane codes, table-driven decoding),
 :mod:`.torch_backend` (the general reference pipeline, any device, and stream packing),
 :mod:`.triton_backend` (CUDA kernels for the 1-D codec path), :mod:`.triton_nd` (CUDA kernels
-for 2-D and 3-D blocks, used here for CUDA tensors when triton is installed).
+for 2-D and 3-D blocks, used here for CUDA tensors when triton is installed),
+:mod:`.numba_backend` (compiled per-block coder, used here for 2-D and 3-D CPU arrays when numba
+is installed; :func:`backend` says which coder runs).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def compress(a, rate: float = 8.0, dims: int | None = None) -> torch.Tensor:
         return triton_nd.compress(a, d, mb)
     if d == 1:
         return torch_backend.compress_1d(a, mb)
+    if _compiled_for(a):                                 # CPU 2-D/3-D: the numba coder
+        from moeflow.comm.codecs.zfp import numba_backend
+        return numba_backend.compress(a, d, mb)
     return plane_encode.compress(a, d, mb)
 
 
@@ -71,6 +76,27 @@ def _triton_for(t: torch.Tensor) -> bool:
         return False
     from moeflow.comm.codecs.zfp import triton_nd
     return triton_nd.available()
+
+
+def _compiled_for(t: torch.Tensor) -> bool:
+    """Whether ``t`` (2-D/3-D coding) goes to the compiled CPU coder: a CPU tensor, with numba
+    installed (imported on first use: numba's import costs most of a second)."""
+    if t.device.type != "cpu":
+        return False
+    from moeflow.comm.codecs.zfp import numba_backend
+    return numba_backend.available()
+
+
+def backend(device, dims: int) -> str:
+    """Which coder ``compress``/``decompress`` run for ``dims``-D arrays on ``device``:
+    ``"triton"`` (CUDA with triton), ``"torch-table"`` (1-D elsewhere), ``"numba"`` (2-D/3-D on
+    CPU with numba) or ``"torch-planes"`` (2-D/3-D otherwise)."""
+    t = torch.empty(0, device=device)
+    if _triton_for(t):
+        return "triton"
+    if dims == 1:
+        return "torch-table"
+    return "numba" if _compiled_for(t) else "torch-planes"
 
 
 def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = None,
@@ -100,6 +126,9 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
             out = triton_nd.decompress(data, shape, d, mb)
     elif d == 1:
         out = torch_backend.decompress_1d(data, shape, mb)
+    elif _compiled_for(data):                            # CPU 2-D/3-D: the numba coder
+        from moeflow.comm.codecs.zfp import numba_backend
+        out = numba_backend.decompress(data, shape, d, mb)
     else:
         out = plane_decode.decompress(data, shape, d, mb)
     return out.to(dtype)
@@ -118,4 +147,4 @@ def compressed_bytes(shape, rate: float = 8.0, dims: int | None = None) -> int:
     return lead * torch_backend.stream_bytes(per, mb)
 
 
-__all__ = ["compress", "decompress", "compressed_bytes", "maxbits_for"]
+__all__ = ["compress", "decompress", "compressed_bytes", "maxbits_for", "backend"]
