@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from moeflow.cli import main
+from moeflow.comm.codecs import zfp
 
 
 def test_bench_codecs_cli(tmp_path, capsys):
@@ -45,6 +46,8 @@ def test_bench_zfp_arrays_cli(tmp_path, capsys):
     assert [r["dims"] for r in res["results"]] == [1, 1, 2, 2, 3, 3]
     assert all(r["same_bytes"] and r["same_values"] for r in res["results"])
     assert all(r["encode_mbs"] > 0 and r["zfpy_decode_mbs"] > 0 for r in res["results"])
+    assert [r["coder"] for r in res["results"]] == [zfp.backend("cpu", r["dims"])
+                                                    for r in res["results"]]
 
 
 def test_bench_zfp_arrays_rejects_bad_shapes():

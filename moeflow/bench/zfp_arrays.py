@@ -6,7 +6,7 @@ For each shape (its number of axes is ``dims``) and each kind of data (Gaussian 
 smooth field: a sum of low-frequency sines over all axes): median compress and decompress
 times of both coders over ``reps`` repetitions after ``warmup``, timed round robin inside every
 repetition (a shared machine's load hits both alike), as MB/s of float32 input and as ratios
-ours / zfpy (above 1: ours is faster). Every run also checks that both produce the same bytes
+ours / zfpy (above 1: ours is faster), and which of our coders ran (``zfp.backend``). Every run also checks that both produce the same bytes
 and the same decoded values (the comparison is only meaningful if they do). zfpy runs on CPU;
 with ``--device cuda`` ours runs on the GPU and zfpy on a CPU copy.
 """
@@ -94,6 +94,7 @@ def run(shapes: list[tuple[int, ...]], rate: float = 8.0, device: str = "cpu",
             med = {k: statistics.median(v) for k, v in times.items()}
             mb = x.numel() * 4 / 1e6
             rows.append({"shape": list(shape), "dims": d, "data": kind, "rate": rate,
+                         "coder": zfp.backend(dev, d),
                          "bytes": len(ref), "same_bytes": same_bytes,
                          "same_values": same_values,
                          "encode_mbs": mb / med["enc"], "decode_mbs": mb / med["dec"],
@@ -106,7 +107,7 @@ def run(shapes: list[tuple[int, ...]], rate: float = 8.0, device: str = "cpu",
 
 def format_table(res: dict) -> str:
     head = (f"{'shape':>14} {'data':<9} {'enc MB/s':>9} {'zfpy':>8} {'ours/zfpy':>9} "
-            f"{'dec MB/s':>9} {'zfpy':>8} {'ours/zfpy':>9}  same")
+            f"{'dec MB/s':>9} {'zfpy':>8} {'ours/zfpy':>9}  {'coder':<12} same")
     lines = [f"device: {res['device_name']}, rate {res['rate']:g}, medians of {res['reps']}",
              head, "-" * len(head)]
     for r in res["results"]:
@@ -114,5 +115,6 @@ def format_table(res: dict) -> str:
         lines.append(f"{'x'.join(map(str, r['shape'])):>14} {r['data']:<9} "
                      f"{r['encode_mbs']:>9.1f} {r['zfpy_encode_mbs']:>8.1f} "
                      f"{r['encode_vs_zfpy']:>9.2f} {r['decode_mbs']:>9.1f} "
-                     f"{r['zfpy_decode_mbs']:>8.1f} {r['decode_vs_zfpy']:>9.2f}  {same}")
+                     f"{r['zfpy_decode_mbs']:>8.1f} {r['decode_vs_zfpy']:>9.2f}  "
+                     f"{r['coder']:<12} {same}")
     return "\n".join(lines)
