@@ -136,10 +136,9 @@ if numba is not None:
         :func:`.transform.block_emax` computes it (NaN skipped; -127 for an all-zero block; 0
         for an infinite maximum)."""
         amax = 0
-        for i in range(bits.shape[1]):
+        for i in range(bits.shape[1]):                    # branch-free, so it vectorizes
             a = I64(bits[r, i]) & 0x7FFFFFFF
-            if a <= 0x7F800000 and a > amax:              # NaN (above inf's bits) is skipped
-                amax = a
+            amax = max(amax, a if a <= 0x7F800000 else 0)  # NaN (above inf's bits) skipped
         if amax == 0:
             return -127
         be = amax >> 23
