@@ -71,6 +71,12 @@ def test_unaligned_stream_views_decode():
                        zfp.decompress(data, x.shape, 8, dims=2))
 
 
+def test_inputs_that_require_grad_are_coded():
+    x = torch.randn(6, 10, requires_grad=True)
+    got = zfp.compress(x, 8, dims=2)
+    assert torch.equal(got, zfp.compress(x.detach(), 8, dims=2))
+
+
 def test_cpu_dispatch_uses_the_compiled_coder_and_falls_back_without_numba(monkeypatch):
     assert zfp.backend("cpu", 1) == "torch-table"
     assert zfp.backend("cpu", 2) == zfp.backend("cpu", 3) == "numba"

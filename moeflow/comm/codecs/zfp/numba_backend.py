@@ -42,7 +42,7 @@ try:
     import numba
     from numba import njit
     from numba.cpython.unsafe.numbers import trailing_zeros   # LLVM cttz
-except ImportError:                                       # pragma: no cover - optional extra
+except ImportError:                          # pragma: no cover - zfp then uses the torch coders
     numba = None
 
 U64 = np.uint64
@@ -342,7 +342,7 @@ def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
     ``(*lead, nbytes)``: each slice's own zfp stream (``torch_backend.compress``'s bytes)."""
     _require()
     lead = a.shape[: a.dim() - d]
-    blocks = T.to_blocks(a, d).contiguous()
+    blocks = T.to_blocks(a.detach(), d).contiguous()
     per = 1
     for s in a.shape[a.dim() - d:]:
         per *= -(-s // 4)
