@@ -6,9 +6,10 @@ For each shape (its number of axes is ``dims``) and each kind of data (Gaussian 
 smooth field: a sum of low-frequency sines over all axes): median compress and decompress
 times of both coders over ``reps`` repetitions after ``warmup``, timed round robin inside every
 repetition (a shared machine's load hits both alike), as MB/s of float32 input and as ratios
-ours / zfpy (above 1: ours is faster), and which of our coders ran (``zfp.backend``). Every run also checks that both produce the same bytes
-and the same decoded values (the comparison is only meaningful if they do). zfpy runs on CPU;
-with ``--device cuda`` ours runs on the GPU and zfpy on a CPU copy.
+ours / zfpy (above 1: ours is faster), and which of our coders ran (``zfp.backend``). Every
+run also checks that both produce the same bytes and the same decoded values (the comparison
+is only meaningful if they do). zfpy runs on CPU; with ``--device cuda`` ours runs on the GPU
+and zfpy on a CPU copy.
 """
 
 from __future__ import annotations
