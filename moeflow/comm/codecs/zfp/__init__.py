@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from moeflow.comm.codecs.zfp import plane_decode, plane_encode, torch_backend
-from moeflow.comm.codecs.zfp.transform import maxbits_for
+from moeflow.comm.codecs.zfp.transform import blocks_per_array, maxbits_for
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -108,10 +108,7 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
         raise ValueError(f"zfp.decompress: dims={d!r} is invalid for shape {shape}; "
                          "use 1, 2 or 3 and at most len(shape)")
     mb = maxbits_for(rate, d)
-    per = 1
-    for n in shape[len(shape) - d:]:
-        per *= -(-n // 4)
-    need = torch_backend.stream_bytes(per, mb)
+    need = torch_backend.stream_bytes(blocks_per_array(shape, d), mb)
     data = torch.as_tensor(data)
     if data.dtype != torch.uint8 or data.shape[-1] != need:
         raise ValueError(f"zfp.decompress: expected uint8 streams of {need} bytes (last dim) "
@@ -139,12 +136,10 @@ def compressed_bytes(shape, rate: float = 8.0, dims: int | None = None) -> int:
     shape = tuple(shape)
     d = len(shape) if dims is None else dims
     mb = maxbits_for(rate, d)
-    per, lead = 1, 1
-    for n in shape[len(shape) - d:]:
-        per *= -(-n // 4)
+    lead = 1
     for n in shape[: len(shape) - d]:
         lead *= n
-    return lead * torch_backend.stream_bytes(per, mb)
+    return lead * torch_backend.stream_bytes(blocks_per_array(shape, d), mb)
 
 
 __all__ = ["compress", "decompress", "compressed_bytes", "maxbits_for", "backend"]

@@ -192,10 +192,7 @@ def _decode_planes(codes: torch.Tensor, planes: torch.Tensor, S: int, budget: in
 def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int,
                chunk: int = 1 << 14) -> torch.Tensor:
     """Like ``torch_backend.decompress(data, shape, d, maxbits)`` for d = 2 or 3."""
-    dims = shape[len(shape) - d:]
-    per = 1
-    for s in dims:
-        per *= -(-s // 4)
+    per = T.blocks_per_array(shape, d)
     nbytes = data.shape[-1]
     rows = data.reshape(-1, nbytes).contiguous()
     if rows.storage_offset() % 8:                       # int64 view needs 8-byte alignment

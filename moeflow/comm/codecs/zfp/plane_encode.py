@@ -248,9 +248,7 @@ def compress(a: torch.Tensor, d: int, maxbits: int, chunk: int = 1 << 14) -> tor
     coded ``chunk`` at a time to keep temporaries in cache)."""
     lead = a.shape[: a.dim() - d]
     blocks = T.to_blocks(a, d)
-    per = 1
-    for s in a.shape[a.dim() - d:]:
-        per *= -(-s // 4)
+    per = T.blocks_per_array(a.shape, d)
     nslices = blocks.shape[0] // per
     codes = torch.cat([encode_words(blocks[i:i + chunk], d, maxbits)
                        for i in range(0, blocks.shape[0], chunk)])

@@ -88,10 +88,8 @@ def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
 
 def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int) -> torch.Tensor:
     """Inverse of :func:`compress` (``shape`` is the original array's shape)."""
-    lead, dims = shape[: len(shape) - d], shape[len(shape) - d:]
-    per = 1
-    for n in dims:
-        per *= -(-n // 4)
+    lead = shape[: len(shape) - d]
+    per = T.blocks_per_array(shape, d)
     nslices = 1
     for s in lead:
         nslices *= s

@@ -77,6 +77,15 @@ def maxbits_for(rate: float, d: int) -> int:
 # ---------------------------------------------------------------------------------- blocks
 
 
+def blocks_per_array(shape, d: int) -> int:
+    """Blocks of ``4^d`` values in one array: the product of ``ceil(n / 4)`` over the last ``d``
+    axes of ``shape`` (partial blocks count whole)."""
+    per = 1
+    for n in tuple(shape)[len(shape) - d:]:
+        per *= -(-int(n) // 4)
+    return per
+
+
 def _pad_index(n: int, device) -> torch.Tensor:
     """Source index along one axis of length n, padded to a multiple of 4 as zfp pads a partial
     block of width m: m=1 -> a a a a, m=2 -> a b b a, m=3 -> a b c a."""
@@ -233,5 +242,5 @@ def inv_order(u: torch.Tensor, d: int) -> torch.Tensor:
     return v.index_select(1, perm_index(d, str(u.device), inverse=True))
 
 
-__all__ = ["PERM", "perm_index", "maxbits_for", "to_blocks", "from_blocks", "block_emax", "fwd_cast",
+__all__ = ["PERM", "perm_index", "maxbits_for", "blocks_per_array", "to_blocks", "from_blocks", "block_emax", "fwd_cast",
            "inv_cast", "fwd_xform", "inv_xform", "fwd_order", "inv_order"]
