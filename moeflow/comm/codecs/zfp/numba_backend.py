@@ -158,18 +158,6 @@ if numba is not None:
             words[w + 1] |= v >> U64(64 - sh)
 
     @_jit
-    def _get(words, pos, n):
-        """``n`` bits (1..64) of ``words`` from bit ``pos``, as uint64."""
-        w = pos >> 6
-        sh = pos & 63
-        v = words[w] >> U64(sh)
-        if sh + n > 64:
-            v |= words[w + 1] << U64(64 - sh)
-        if n < 64:
-            v &= (U64(1) << U64(n)) - U64(1)
-        return v
-
-    @_jit
     def _set(words, pos):
         """Set bit ``pos`` of ``words``."""
         words[pos >> 6] |= U64(1) << U64(pos & 63)
@@ -299,11 +287,12 @@ if numba is not None:
     def _decode_block(words, pos, d, perm, maxbits, out, ib, u):
         """Decode the block at bit ``pos`` into float32 ``out`` (``ib``, ``u``: scratch)."""
         S = 4 ** d
-        if _get(words, pos, 1) == 0:
+        head = _window(words, pos)
+        if head & U64(1) == 0:
             for i in range(S):
                 out[i] = 0.0
             return
-        emax = I64(_get(words, pos + 1, 8)) - 127
+        emax = I64((head >> U64(1)) & U64(0xFF)) - 127
         _decode_planes(words, pos + 9, S, maxbits - 9, u)
         for i in range(S):                                # undo negabinary + reorder
             ib[perm[i]] = np.int32(((u[i] & MASK32) ^ NB) - NB)
@@ -343,9 +332,7 @@ def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
     _require()
     lead = a.shape[: a.dim() - d]
     blocks = T.to_blocks(a.detach(), d).contiguous()
-    per = 1
-    for s in a.shape[a.dim() - d:]:
-        per *= -(-s // 4)
+    per = T.blocks_per_array(a.shape, d)
     nws = -(-per * maxbits // 64)
     words = _encode(blocks.numpy(), d, _perm(d), maxbits, per, nws)
     return torch.from_numpy(words).view(torch.uint8).reshape(*lead, nws * 8)
@@ -354,9 +341,7 @@ def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
 def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int) -> torch.Tensor:
     """Inverse of :func:`compress`: uint8 streams -> float32 array of ``shape``."""
     _require()
-    per = 1
-    for s in shape[len(shape) - d:]:
-        per *= -(-s // 4)
+    per = T.blocks_per_array(shape, d)
     nbytes = data.shape[-1]
     rows = data.reshape(-1, nbytes).contiguous()
     if rows.storage_offset() % 8:                         # uint64 view needs 8-byte alignment
