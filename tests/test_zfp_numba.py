@@ -11,6 +11,7 @@ from moeflow.comm.codecs import zfp
 from moeflow.comm.codecs.zfp import numba_backend, plane_decode, plane_encode, torch_backend
 from moeflow.comm.codecs.zfp import transform as T
 from tests.test_zfp import _kinds
+from tests.test_zfp_planes import random_streams
 
 pytest.importorskip("numba")
 
@@ -47,18 +48,10 @@ def test_decoder_follows_zfp_on_arbitrary_streams(d):
     """Random bit strings (cut-short unary runs, the implied last coefficient, planes past the
     budget, int32 wrap-around in the inverse transform) decode as the general coder does."""
     shape = {1: (40,), 2: (8, 12), 3: (4, 8, 8)}[d]
-    g = torch.Generator().manual_seed(10 + d)
-    nblocks = int(np.prod([s // 4 for s in shape]))
-    for rate in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-        mb = T.maxbits_for(rate, d)
-        nb = torch_backend.stream_bytes(nblocks, mb)
-        for t in range(6):
-            data = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
-            for _ in range(t % 3):                          # sparser bit patterns too
-                data &= torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
-            ref = torch_backend.decompress(data, shape, d, mb)
-            got = numba_backend.decompress(data, shape, d, mb)
-            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (rate, t)
+    for rate, mb, data in random_streams(shape, d, seed=10 + d):
+        ref = torch_backend.decompress(data, shape, d, mb)
+        got = numba_backend.decompress(data, shape, d, mb)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), rate
 
 
 def test_unaligned_stream_views_decode():

@@ -72,23 +72,29 @@ def test_plane_coder_equals_general_coder(d):
                     (shape, kind, rate)
 
 
+def random_streams(shape, d, seed):
+    """(rate, maxbits, stream) for random bit strings sized for ``shape``: dense ones and
+    sparser ones (bytes and-ed together), rates 1-32."""
+    g = torch.Generator().manual_seed(seed)
+    for rate in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+        mb = T.maxbits_for(rate, d)
+        nb = torch_backend.stream_bytes(T.blocks_per_array(shape, d), mb)
+        for t in range(6):
+            data = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
+            for _ in range(t % 3):                          # sparser bit patterns too
+                data &= torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
+            yield rate, mb, data
+
+
 @pytest.mark.parametrize("d", [2, 3])
 def test_decoder_follows_zfp_on_arbitrary_streams(d):
     """Any bit string is a stream zfp decodes somehow (cut-short scans, the implied last
     coefficient, planes past the budget): the plane decoder must agree on random ones."""
     shape = (8, 12) if d == 2 else (4, 8, 8)
-    g = torch.Generator().manual_seed(d)
-    nblocks = int(np.prod([s // 4 for s in shape]))
-    for rate in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-        mb = T.maxbits_for(rate, d)
-        nb = torch_backend.stream_bytes(nblocks, mb)
-        for t in range(6):
-            data = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
-            for _ in range(t % 3):                          # sparser bit patterns too
-                data &= torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
-            ref = torch_backend.decompress(data, shape, d, mb)
-            got = plane_decode.decompress(data, shape, d, mb)
-            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (rate, t)
+    for rate, mb, data in random_streams(shape, d, seed=d):
+        ref = torch_backend.decompress(data, shape, d, mb)
+        got = plane_decode.decompress(data, shape, d, mb)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), rate
 
 
 def test_bad_block_shapes_fail_clearly():
