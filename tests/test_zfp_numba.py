@@ -47,7 +47,7 @@ def test_numba_coder_equals_torch_coders(d):
 def test_decoder_follows_zfp_on_arbitrary_streams(d):
     """Random bit strings (cut-short unary runs, the implied last coefficient, planes past the
     budget, int32 wrap-around in the inverse transform) decode as the general coder does."""
-    shape = {1: (40,), 2: (8, 12), 3: (4, 8, 8)}[d]
+    shape = {1: (400,), 2: (8, 12), 3: (4, 8, 8)}[d]
     for rate, mb, data in random_streams(shape, d, seed=10 + d):
         ref = torch_backend.decompress(data, shape, d, mb)
         got = numba_backend.decompress(data, shape, d, mb)
@@ -71,9 +71,9 @@ def test_inputs_that_require_grad_are_coded():
 
 
 def test_cpu_dispatch_uses_the_compiled_coder_and_falls_back_without_numba(monkeypatch):
-    assert zfp.backend("cpu", 1) == "torch-table"
-    assert zfp.backend("cpu", 2) == zfp.backend("cpu", 3) == "numba"
+    assert zfp.backend("cpu", 1) == zfp.backend("cpu", 2) == zfp.backend("cpu", 3) == "numba"
     assert zfp.backend("meta", 2) == "torch-planes"
+    assert zfp.backend("meta", 1) == "torch-table"
     x = torch.randn(9, 13)
     ref = zfp.compress(x, 8, dims=2)
     calls = []
@@ -83,9 +83,30 @@ def test_cpu_dispatch_uses_the_compiled_coder_and_falls_back_without_numba(monke
     assert not calls                                        # numba coder, not the torch one
     monkeypatch.setattr(numba_backend, "numba", None)       # as on a machine without numba
     assert zfp.backend("cpu", 2) == "torch-planes"
+    assert zfp.backend("cpu", 1) == "torch-table"
+    v = torch.randn(3, 50)
+    assert torch.equal(zfp.compress(v, 8, dims=1),
+                       torch_backend.compress_1d(v, T.maxbits_for(8, 1)))
     assert torch.equal(zfp.compress(x, 8, dims=2), ref) and calls
     assert torch.equal(zfp.decompress(ref, x.shape, 8, dims=2).view(torch.int32),
                        plane_decode.decompress(ref, x.shape, 2, T.maxbits_for(8, 2))
                        .view(torch.int32))
     with pytest.raises(RuntimeError, match="needs numba"):
         numba_backend.compress(x, 2, 128)
+
+
+def test_compiled_coders_are_cached_by_plain_values_and_the_inlined_sources():
+    """numba keys its disk cache by the closure's contents: they must be plain values (a
+    captured function pickles differently in each process, which would recompile the coder in
+    every run), and they must change with the sources inlined from other files."""
+    import hashlib
+    import pathlib
+
+    from moeflow.comm.codecs.zfp import numba_planes, numba_simd
+    stamp = hashlib.sha256(b"".join(pathlib.Path(m.__file__).read_bytes()
+                                    for m in (numba_planes, numba_simd))).hexdigest()
+    for d in (1, 2, 3):
+        for coder in numba_backend._coder(d):
+            cells = [c.cell_contents for c in coder.py_func.__closure__]
+            assert all(isinstance(c, (int, str)) for c in cells), cells
+            assert stamp in cells and d in cells

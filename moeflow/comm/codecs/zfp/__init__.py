@@ -12,8 +12,8 @@ coder for 1-D blocks), :mod:`.plane_encode` / :mod:`.plane_decode` with :mod:`.b
 :mod:`.torch_backend` (the general reference pipeline, any device, and stream packing),
 :mod:`.triton_backend` (CUDA kernels for the 1-D codec path), :mod:`.triton_nd` (CUDA kernels
 for 2-D and 3-D blocks, used here for CUDA tensors when triton is installed),
-:mod:`.numba_backend` (compiled per-block coder, used here for 2-D and 3-D CPU arrays when numba
-is installed; :func:`backend` says which coder runs).
+:mod:`.numba_backend` with :mod:`.numba_planes` and :mod:`.numba_simd` (compiled per-block coder,
+used here for CPU arrays when numba is installed; :func:`backend` says which coder runs).
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def compress(a, rate: float = 8.0, dims: int | None = None) -> torch.Tensor:
             rows = triton_backend.compress_rows(a.reshape(-1, a.shape[-1]), rate)
             return rows.reshape(*a.shape[:-1], rows.shape[-1])
         return triton_nd.compress(a, d, mb)
-    if d == 1:
-        return torch_backend.compress_1d(a, mb)
-    if _compiled_for(a):                                 # CPU 2-D/3-D: the numba coder
+    if _compiled_for(a):                                 # CPU: the numba coder
         from moeflow.comm.codecs.zfp import numba_backend
         return numba_backend.compress(a, d, mb)
+    if d == 1:
+        return torch_backend.compress_1d(a, mb)
     return plane_encode.compress(a, d, mb)
 
 
@@ -79,8 +79,8 @@ def _triton_for(t: torch.Tensor) -> bool:
 
 
 def _compiled_for(t: torch.Tensor) -> bool:
-    """Whether ``t`` (2-D/3-D coding) goes to the compiled CPU coder: a CPU tensor, with numba
-    installed (imported on first use: numba's import costs most of a second)."""
+    """Whether ``t`` goes to the compiled CPU coder: a CPU tensor, with numba installed
+    (imported on first use: numba's import costs most of a second)."""
     if t.device.type != "cpu":
         return False
     from moeflow.comm.codecs.zfp import numba_backend
@@ -89,14 +89,14 @@ def _compiled_for(t: torch.Tensor) -> bool:
 
 def backend(device, dims: int) -> str:
     """Which coder ``compress``/``decompress`` run for ``dims``-D arrays on ``device``:
-    ``"triton"`` (CUDA with triton), ``"torch-table"`` (1-D elsewhere), ``"numba"`` (2-D/3-D on
-    CPU with numba) or ``"torch-planes"`` (2-D/3-D otherwise)."""
+    ``"triton"`` (CUDA with triton), ``"numba"`` (CPU with numba), else ``"torch-table"``
+    (1-D) or ``"torch-planes"`` (2-D/3-D)."""
     t = torch.empty(0, device=device)
     if _triton_for(t):
         return "triton"
-    if dims == 1:
-        return "torch-table"
-    return "numba" if _compiled_for(t) else "torch-planes"
+    if _compiled_for(t):
+        return "numba"
+    return "torch-table" if dims == 1 else "torch-planes"
 
 
 def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = None,
@@ -121,11 +121,11 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
             out = triton_backend.decompress_rows(rows, shape[-1], rate).reshape(shape)
         else:
             out = triton_nd.decompress(data, shape, d, mb)
-    elif d == 1:
-        out = torch_backend.decompress_1d(data, shape, mb)
-    elif _compiled_for(data):                            # CPU 2-D/3-D: the numba coder
+    elif _compiled_for(data):                            # CPU: the numba coder
         from moeflow.comm.codecs.zfp import numba_backend
         out = numba_backend.decompress(data, shape, d, mb)
+    elif d == 1:
+        out = torch_backend.decompress_1d(data, shape, mb)
     else:
         out = plane_decode.decompress(data, shape, d, mb)
     return out.to(dtype)

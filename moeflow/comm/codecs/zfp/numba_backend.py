@@ -1,5 +1,5 @@
-"""ZFP fixed-rate coding of CPU arrays by a compiled per-block coder (numba); any d, used for
-2-D and 3-D blocks.
+"""ZFP fixed-rate coding of CPU arrays by a compiled per-block coder (numba), for 1-D, 2-D and
+3-D blocks: the CPU path of :func:`moeflow.comm.codecs.zfp.compress` / ``decompress``.
 
 This is LLNL zfp's own algorithm, block by block, as its C code runs it (Lindstrom 2014,
 "Fixed-rate compressed floating-point arrays"; the ZFP codec of ScheMoE section 3.1):
@@ -9,29 +9,32 @@ This is LLNL zfp's own algorithm, block by block, as its C code runs it (Lindstr
 - block-floating-point cast ``trunc(x * 2^(30 - emax))`` in float32 (section 3.1), the
   decorrelating lifting transform along x, y, z (section 3.2), the total-sequency reordering
   and negabinary mapping (section 3.3), exactly as :mod:`.transform` documents them (32-bit
-  wrapping integers, zfp's rounding, inf/NaN as zfp's x86 code treats them);
-- the embedded coder (section 3.4): bit planes from the top; the first ``n`` bits of a plane
-  verbatim (``n`` = coefficients already significant), then group tests: a 1 bit if any
-  remaining coefficient is significant, followed by 0s up to the next one-bit (unary run
-  lengths), until exactly ``maxbits`` bits are written; the stream is zero padded to ``maxbits``.
+  wrapping integers, zfp's rounding, inf/NaN as zfp's x86 code treats them): one block in one
+  LLVM vector (:mod:`.numba_simd`);
+- the embedded coder (section 3.4, :mod:`.numba_planes`): bit planes from the top, the first
+  ``n`` bits of a plane verbatim, then group tests with unary run lengths, until exactly
+  ``maxbits`` bits are written; the stream is zero padded to ``maxbits``.
 
-Why compiled: vectorized torch runs one tensor op per step across all blocks. That reaches
-zfpy's speed for 1-D blocks (the table coder of :mod:`.group_encode`, which stays the 1-D CPU
-path: it measured faster than this coder there), but the 2-D/3-D plane coder
-(:mod:`.plane_encode`, :mod:`.plane_decode`) measured 0.11-0.21x of zfpy's single C loop. So
-CPU 2-D/3-D arrays use this coder when numba is installed; the torch coders remain for other
-devices, for CPUs without numba, and as its cross-check (``tests/test_zfp_numba.py``).
+Blocks are read from and written to the array in place (zfp's block order: z slowest, x
+fastest); a partial block at an edge is padded as zfp pads it (:func:`.transform.pad_index`)
+and only its in-range values are written back.
+
+Why compiled: vectorized torch runs one tensor op per step across all blocks; the torch coders
+(:mod:`.group_encode` for 1-D, :mod:`.plane_encode` / :mod:`.plane_decode` for 2-D/3-D)
+measured 0.8-1.3x and 0.11-0.21x of zfpy's single C loop. They remain for other devices, for
+CPUs without numba, and as this coder's cross-check (``tests/test_zfp_numba.py``).
 
 Streams are zfp's: 64-bit little-endian words, LSB first, each slice's blocks back to back and
-padded to a whole word. The coder is single-threaded (as zfpy is) and releases the GIL. Each
-unary run costs one trailing-zero count (LLVM ``cttz``, numba's intrinsic); the decoder reads
-the stream through a 64-bit window.
+padded to a whole word. The coder is single-threaded (as zfpy is) and releases the GIL.
+Compiled code is cached on disk by numba (first use compiles each dimensionality once).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import pathlib
 
 import numpy as np
 import torch
@@ -41,14 +44,14 @@ from moeflow.comm.codecs.zfp import transform as T
 try:
     import numba
     from numba import njit
-    from numba.cpython.unsafe.numbers import trailing_zeros   # LLVM cttz
+
+    from moeflow.comm.codecs.zfp import numba_planes as P, numba_simd
+    from moeflow.comm.codecs.zfp.numba_simd import fwd_block, inv_block, inv_block_1d
 except ImportError:                          # pragma: no cover - zfp then uses the torch coders
     numba = None
 
 U64 = np.uint64
 I64 = np.int64
-NB = 0xAAAAAAAA
-MASK32 = 0xFFFFFFFF
 
 
 def available() -> bool:
@@ -58,86 +61,23 @@ def available() -> bool:
 
 if numba is not None:
     _jit = njit(cache=True, nogil=True, boundscheck=False)
+    _inline = njit(cache=True, nogil=True, boundscheck=False, inline="always")  # see numba_planes
 
-    @_jit
-    def _w32(x):
-        """Wrap an integer to int32 (zfp's ``Int`` arithmetic)."""
-        return I64(np.int32(x))
-
-    @_jit
-    def _fwd_lift(p, o, s):
-        """Section 3.2: zfp's forward lifting of p[o], p[o+s], p[o+2s], p[o+3s] (int32 wrap)."""
-        x = I64(p[o]); y = I64(p[o + s]); z = I64(p[o + 2 * s]); w = I64(p[o + 3 * s])
-        x = _w32(x + w); x >>= 1; w = _w32(w - x)
-        z = _w32(z + y); z >>= 1; y = _w32(y - z)
-        x = _w32(x + z); x >>= 1; z = _w32(z - x)
-        w = _w32(w + y); w >>= 1; y = _w32(y - w)
-        w = _w32(w + (y >> 1)); y = _w32(y - (w >> 1))
-        p[o] = x; p[o + s] = y; p[o + 2 * s] = z; p[o + 3 * s] = w
-
-    @_jit
-    def _inv_lift(p, o, s):
-        """Inverse of :func:`_fwd_lift` (zfp's ``inv_lift``)."""
-        x = I64(p[o]); y = I64(p[o + s]); z = I64(p[o + 2 * s]); w = I64(p[o + 3 * s])
-        y = _w32(y + (w >> 1)); w = _w32(w - (y >> 1))
-        y = _w32(y + w); w = _w32(w << 1); w = _w32(w - y)
-        z = _w32(z + x); x = _w32(x << 1); x = _w32(x - z)
-        y = _w32(y + z); z = _w32(z << 1); z = _w32(z - y)
-        w = _w32(w + x); x = _w32(x << 1); x = _w32(x - w)
-        p[o] = x; p[o + s] = y; p[o + 2 * s] = z; p[o + 3 * s] = w
-
-    @_jit
-    def _xform(p, d, inverse):
-        """Section 3.2: lift along x (stride 1), then y (stride 4), then z (stride 16); the
-        inverse runs z, y, x."""
-        if d == 1:
-            if inverse:
-                _inv_lift(p, 0, 1)
-            else:
-                _fwd_lift(p, 0, 1)
-        elif d == 2:
-            if inverse:
-                for i in range(4):
-                    _inv_lift(p, i, 4)
-                for i in range(4):
-                    _inv_lift(p, 4 * i, 1)
-            else:
-                for i in range(4):
-                    _fwd_lift(p, 4 * i, 1)
-                for i in range(4):
-                    _fwd_lift(p, i, 4)
-        elif inverse:
-            for i in range(16):
-                _inv_lift(p, i, 16)
-            for i in range(4):
-                for j in range(4):
-                    _inv_lift(p, 16 * i + j, 4)
-            for i in range(16):
-                _inv_lift(p, 4 * i, 1)
-        else:
-            for i in range(16):
-                _fwd_lift(p, 4 * i, 1)
-            for i in range(4):
-                for j in range(4):
-                    _fwd_lift(p, 16 * i + j, 4)
-            for i in range(16):
-                _fwd_lift(p, i, 16)
-
-    @_jit
+    @_inline
     def _pow2(e):
         """float32 ``2^e`` as ``ldexpf(1, e)`` gives it (0 below 2^-149, inf above 2^127)."""
         if -126 <= e <= 127:
             return np.int32((e + 127) << 23).view(np.float32)
         return np.float32(math.ldexp(1.0, e))
 
-    @_jit
-    def _emax(bits, r):
-        """Exponent of block ``r`` (float32 bit patterns ``bits``) as
+    @_inline
+    def _emax(bits):
+        """Exponent of a block (``bits``: its float32 bit patterns) as
         :func:`.transform.block_emax` computes it (NaN skipped; -127 for an all-zero block; 0
         for an infinite maximum)."""
         amax = 0
-        for i in range(bits.shape[1]):                    # branch-free, so it vectorizes
-            a = I64(bits[r, i]) & 0x7FFFFFFF
+        for i in range(bits.shape[0]):                    # branch-free, so it vectorizes
+            a = I64(bits[i]) & 0x7FFFFFFF
             amax = max(amax, a if a <= 0x7F800000 else 0)  # NaN (above inf's bits) skipped
         if amax == 0:
             return -127
@@ -147,183 +87,159 @@ if numba is not None:
         return max(be - 126, -126)
 
     @_jit
-    def _put(words, pos, v, n):
-        """Or the ``n``-bit value ``v`` (uint64) into zeroed ``words`` at bit ``pos``."""
-        if n == 0:
-            return
-        w = pos >> 6
-        sh = pos & 63
-        words[w] |= v << U64(sh)
-        if sh + n > 64:
-            words[w + 1] |= v >> U64(64 - sh)
+    def _gather_partial(a, dims, z0, y0, x0, iz, iy, ix, fb):
+        """A partial block of ``a`` (one flattened (nz, ny, nx) array) into ``fb``, read through
+        ``iz``, ``iy``, ``ix``, which map padded to source coordinates (zfp's padding of partial
+        blocks, :func:`.transform.pad_index`)."""
+        for i in range(fb.shape[0]):
+            z, y, x = i >> 4, (i >> 2) & 3, i & 3
+            fb[i] = a[(iz[z0 + z] * dims[1] + iy[y0 + y]) * dims[2] + ix[x0 + x]]
 
     @_jit
-    def _set(words, pos):
-        """Set bit ``pos`` of ``words``."""
-        words[pos >> 6] |= U64(1) << U64(pos & 63)
+    def _scatter_partial(fb, out, dims, z0, y0, x0):
+        """The in-range values of a partial block ``fb`` into ``out`` (one flattened array);
+        the padding is dropped, as zfp does."""
+        for i in range(fb.shape[0]):
+            z, y, x = z0 + (i >> 4), y0 + ((i >> 2) & 3), x0 + (i & 3)
+            if z < dims[0] and y < dims[1] and x < dims[2]:
+                out[(z * dims[1] + y) * dims[2] + x] = fb[i]
 
-    @_jit
-    def _window(words, p):
-        """The 64 stream bits from bit ``p`` (zeros past the end of ``words``)."""
-        w = p >> 6
-        sh = p & 63
-        v = words[w] >> U64(sh)
-        if sh and w + 1 < words.shape[0]:
-            v |= words[w + 1] << U64(64 - sh)
-        return v
+    @_inline
+    def _full(d, dims, z0, y0, x0):
+        """Whether the block at (z0, y0, x0) lies inside the array (not a partial block)."""
+        return x0 + 4 <= dims[2] and (d < 2 or y0 + 4 <= dims[1]) and \
+            (d < 3 or z0 + 4 <= dims[0])
 
-    @_jit
-    def _decode_planes(words, p, S, bits, u):
-        """Section 3.4, zfp's ``decode_ints`` with ``maxprec = 32``: negabinary ``u`` from the
-        ``bits``-bit plane code at bit ``p``. The stream is read through a 64-bit window
-        (``buf``, of which ``c`` bits are used); a unary run is one trailing-zero count over
-        the bits it may take. As in zfp, a run cut by the budget still sets its last position."""
-        for i in range(S):
-            u[i] = 0
-        buf = _window(words, p)
-        c = 0
-        n = 0
-        k = 32
-        while bits > 0 and k > 0:
-            k -= 1
-            m = min(n, bits)
-            x = U64(0)
-            if m > 0:
-                if c + m > 64:
-                    p += c
-                    buf = _window(words, p)
-                    c = 0
-                x = buf >> U64(c)
-                if m < 64:
-                    x &= (U64(1) << U64(m)) - U64(1)
-                c += m
-                bits -= m
-            while n < S and bits > 0:                     # group test, then its unary run
-                L = min(S - 1 - n, bits - 1)              # bits the run may take
-                if c + L + 1 > 64:
-                    p += c
-                    buf = _window(words, p)
-                    c = 0
-                w = buf >> U64(c)
-                c += 1
-                bits -= 1
-                if w & U64(1) == 0:
-                    break
-                t = I64(trailing_zeros(w >> U64(1)))      # first one-bit of the run
-                if t < L:
-                    c += t + 1
-                    bits -= t + 1
-                    n += t
-                else:
-                    c += L
-                    bits -= L
-                    n += L
-                x += U64(1) << U64(n)
-                n += 1
-            for i in range(S):                            # deposit plane k (branch-free)
-                u[i] |= I64((x >> U64(i)) & U64(1)) << k
+    @_inline
+    def _row_offsets(d, dims):
+        """Offset of the block's row ``j`` (4 values along x; y, then z, is j's order) from
+        the block's first value in a row-major (nz, ny, nx) array."""
+        off = np.empty(1 << (2 * d - 2), dtype=np.int64)
+        for j in range(off.shape[0]):
+            off[j] = ((j >> 2) * dims[1] + (j & 3)) * dims[2]
+        return off
 
-    @_jit
-    def _encode_block(blocks, bits, r, d, perm, maxbits, words, pos, ib, u):
-        """Code float32 block ``r`` (``bits``: its bit patterns) into ``words`` at bit ``pos``
-        (``ib``, ``u``: scratch)."""
-        S = 4 ** d
-        emax = _emax(bits, r)
+    @_inline
+    def _encode_block(fb, d, maxbits, words, pos, u, table):
+        """Code the float32 block ``fb`` into ``words`` at bit ``pos`` (``u``: scratch;
+        ``table``: the 1-D encoder table)."""
+        emax = _emax(fb.view(np.int32))
         e = emax + 127
         if e == 0:                                        # all zero: one 0 bit, then padding
             return
-        _put(words, pos, U64(2 * e + 1), 9)
+        P.put(words, pos, U64(2 * e + 1), 9)
         s = _pow2(30 - emax)
-        for i in range(S):
-            y = blocks[r, i] * s
-            ib[i] = np.int32(y) if abs(y) < 2147483648.0 else -2147483648   # cvttss2si
-        _xform(ib, d, False)
-        for i in range(S):                                # section 3.3: order + negabinary
-            u[i] = ((I64(ib[perm[i]]) + NB) & MASK32) ^ NB
-        _encode_planes(u, S, maxbits - 9, words, pos + 9)
+        if d == 1:                                        # sections 3.1-3.3 (vector code),
+            fwd_block(fb, s, u, 1)                        # then section 3.4
+            P.encode_planes_1d(u, maxbits - 9, words, pos + 9, table)
+        elif d == 2:
+            fwd_block(fb, s, u, 2)
+            P.encode_planes(u, 16, maxbits - 9, words, pos + 9)
+        else:
+            fwd_block(fb, s, u, 3)
+            P.encode_planes(u, 64, maxbits - 9, words, pos + 9)
 
-    @_jit
-    def _encode_planes(u, S, bits, words, p):
-        """Section 3.4, zfp's ``encode_ints`` with ``maxprec = 32``: the planes of the negabinary
-        coefficients ``u`` (sequency order) from the top, ``bits`` bits from bit ``p``. Each
-        group test costs one trailing-zero count: its code is ``1``, the zeros up to the next
-        one-bit, then that ``1`` (left out at the last position, where it is implied)."""
-        n = 0
-        k = 32
-        while bits > 0 and k > 0:
-            k -= 1
-            x = U64(0)
-            for i in range(S):
-                x |= U64((u[i] >> k) & 1) << U64(i)
-            m = min(n, bits)                              # the first n bits verbatim
-            if m > 0:
-                _put(words, p, x & ((U64(1) << U64(m)) - U64(1)) if m < 64 else x, m)
-                p += m
-                bits -= m
-                x = x >> U64(m) if m < 64 else U64(0)
-            while n < S and bits > 0:                     # group test: any one-bit left?
-                bits -= 1
-                if x == 0:
-                    p += 1                                # a 0 bit (words start zeroed)
-                    break
-                _set(words, p)
-                p += 1
-                t = I64(trailing_zeros(x))                # zeros before the next one-bit
-                L = min(S - 1 - n, bits)                  # bits the unary run may take
-                if t < L:                                 # t zeros, then the one-bit
-                    p += t
-                    _set(words, p)
-                    p += 1
-                    bits -= t + 1
-                    x >>= U64(t + 1)
-                    n += t + 1
-                else:                                     # run cut by the budget or implied
-                    p += L
-                    bits -= L
-                    x = (x >> U64(L)) >> U64(1)
-                    n += L + 1
-
-    @_jit
-    def _decode_block(words, pos, d, perm, maxbits, out, ib, u):
-        """Decode the block at bit ``pos`` into float32 ``out`` (``ib``, ``u``: scratch)."""
-        S = 4 ** d
-        head = _window(words, pos)
+    @_inline
+    def _decode_block(words, pos, d, maxbits, out, u, single, many):
+        """Decode the block at bit ``pos`` into float32 ``out`` (``u``: scratch; ``single``,
+        ``many``: the 1-D decoder tables)."""
+        head = P.window(words, pos)
         if head & U64(1) == 0:
-            for i in range(S):
+            for i in range(out.shape[0]):
                 out[i] = 0.0
             return
-        emax = I64((head >> U64(1)) & U64(0xFF)) - 127
-        _decode_planes(words, pos + 9, S, maxbits - 9, u)
-        for i in range(S):                                # undo negabinary + reorder
-            ib[perm[i]] = np.int32(((u[i] & MASK32) ^ NB) - NB)
-        _xform(ib, d, True)
-        s = _pow2(emax - 30)
-        for i in range(S):
-            out[i] = np.float32(ib[i]) * s
+        s = _pow2(I64((head >> U64(1)) & U64(0xFF)) - 127 - 30)
+        if d == 1:                                        # section 3.4, then sections
+            lo, hi = P.decode_planes_1d(words, pos, 9, maxbits - 9, single, many)
+            inv_block_1d(lo, hi, s, out)                  # 3.3-3.1 inverted (vector code)
+        elif d == 2:
+            P.decode_planes(words, pos + 9, 16, maxbits - 9, u)
+            inv_block(u, s, out, 2)
+        else:
+            P.decode_planes(words, pos + 9, 64, maxbits - 9, u)
+            inv_block(u, s, out, 3)
+
+
+def _build(d: int, stamp: str):
+    """The encoder and decoder of ``d``-D blocks, compiled with ``d`` a constant, so that the
+    block functions inline into one dimensionality's loop.
+
+    Their closures hold only ``d`` and ``stamp`` (plain values: numba keys its on-disk cache
+    by the closure's contents, so they must pickle the same in every process). ``stamp`` hashes
+    the sources of :mod:`.numba_planes` and :mod:`.numba_simd`, whose code is inlined here:
+    numba only checks the defining file's time stamp, so without it an edit there would leave
+    a stale cached coder."""
+    S = 4 ** d
 
     @_jit
-    def _encode(blocks, d, perm, maxbits, per, nws):
-        """float32 ``(nslices * per, 4^d)`` -> uint64 words ``(nslices, nws)``."""
-        S = 4 ** d
-        words = np.zeros((blocks.shape[0] // per, nws), dtype=np.uint64)
-        bits = blocks.view(np.int32)
-        ib = np.empty(S, dtype=np.int32)
-        u = np.empty(S, dtype=np.int64)
-        for r in range(blocks.shape[0]):
-            _encode_block(blocks, bits, r, d, perm, maxbits, words[r // per],
-                          (r % per) * maxbits, ib, u)
+    def encode(a, dims, maxbits, nws, iz, iy, ix, table):
+        """float32 ``a`` (nslices, nz * ny * nx), each row a row-major (nz, ny, nx) = ``dims``
+        array -> uint64 words ``(nslices, nws)``: each slice's blocks in zfp's order (z slowest,
+        x fastest), ``maxbits`` bits each."""
+        stamp                     # noqa: B018 - referenced so the cache key holds it (above)
+        nz, ny, nx = dims
+        off = _row_offsets(d, dims)
+        words = np.zeros((a.shape[0], nws), dtype=np.uint64)
+        fb = np.empty(S, dtype=np.float32)
+        u = np.empty(S, dtype=np.uint32)
+        for s in range(a.shape[0]):
+            row = a[s]
+            ws = words[s]
+            pos = 0
+            for z0 in range(0, nz, 4):
+                for y0 in range(0, ny, 4):
+                    for x0 in range(0, nx, 4):
+                        if _full(d, dims, z0, y0, x0):
+                            base = (z0 * ny + y0) * nx + x0
+                            for j in range(S // 4):
+                                for x in range(4):
+                                    fb[4 * j + x] = row[base + off[j] + x]
+                        else:
+                            _gather_partial(row, dims, z0, y0, x0, iz, iy, ix, fb)
+                        _encode_block(fb, d, maxbits, ws, pos, u, table)
+                        pos += maxbits
         return words
 
     @_jit
-    def _decode(words, d, perm, maxbits, per):
-        """uint64 words ``(nslices, nws)`` -> float32 ``(nslices * per, 4^d)``."""
-        S = 4 ** d
-        out = np.empty((words.shape[0] * per, S), dtype=np.float32)
-        ib = np.empty(S, dtype=np.int32)
-        u = np.empty(S, dtype=np.int64)
-        for r in range(out.shape[0]):
-            _decode_block(words[r // per], (r % per) * maxbits, d, perm, maxbits, out[r], ib, u)
+    def decode(words, dims, maxbits, out, single, many):
+        """uint64 words ``(nslices, nws)`` -> float32 ``out`` (nslices, nz * ny * nx)."""
+        stamp                     # noqa: B018
+        nz, ny, nx = dims
+        off = _row_offsets(d, dims)
+        fb = np.empty(S, dtype=np.float32)
+        u = np.empty(S, dtype=np.uint32)
+        for s in range(out.shape[0]):
+            row = out[s]
+            ws = words[s]
+            pos = 0
+            for z0 in range(0, nz, 4):
+                for y0 in range(0, ny, 4):
+                    for x0 in range(0, nx, 4):
+                        _decode_block(ws, pos, d, maxbits, fb, u, single, many)
+                        if _full(d, dims, z0, y0, x0):
+                            base = (z0 * ny + y0) * nx + x0
+                            for j in range(S // 4):
+                                for x in range(4):
+                                    row[base + off[j] + x] = fb[4 * j + x]
+                        else:
+                            _scatter_partial(fb, row, dims, z0, y0, x0)
+                        pos += maxbits
         return out
+
+    return encode, decode
+
+
+@functools.lru_cache(maxsize=None)
+def _coder(d: int):
+    """(encode, decode) for ``d``-D blocks, built on first use."""
+    stamp = hashlib.sha256(b"".join(pathlib.Path(m.__file__).read_bytes()
+                                    for m in (P, numba_simd))).hexdigest()
+    return _build(d, stamp)
+
+
+def _zyx(shape: tuple[int, ...], d: int) -> tuple[int, int, int]:
+    """(nz, ny, nx) of the zfp arrays in the last ``d`` dims of ``shape`` (1 for absent axes)."""
+    return (1,) * (3 - d) + tuple(int(n) for n in shape[len(shape) - d:])
 
 
 def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
@@ -331,28 +247,30 @@ def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
     ``(*lead, nbytes)``: each slice's own zfp stream (``torch_backend.compress``'s bytes)."""
     _require()
     lead = a.shape[: a.dim() - d]
-    blocks = T.to_blocks(a.detach(), d).contiguous()
-    per = T.blocks_per_array(a.shape, d)
-    nws = -(-per * maxbits // 64)
-    words = _encode(blocks.numpy(), d, _perm(d), maxbits, per, nws)
+    dims = _zyx(tuple(a.shape), d)
+    rows = a.detach().contiguous().reshape(-1, math.prod(dims)).numpy()
+    nws = -(-T.blocks_per_array(a.shape, d) * maxbits // 64)
+    words = _coder(d)[0](rows, dims, maxbits, nws, *_pad_indices(dims), P.tables()[0])
     return torch.from_numpy(words).view(torch.uint8).reshape(*lead, nws * 8)
 
 
 def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int) -> torch.Tensor:
     """Inverse of :func:`compress`: uint8 streams -> float32 array of ``shape``."""
     _require()
-    per = T.blocks_per_array(shape, d)
     nbytes = data.shape[-1]
     rows = data.reshape(-1, nbytes).contiguous()
     if rows.storage_offset() % 8:                         # uint64 view needs 8-byte alignment
         rows = rows.clone()
-    blocks = _decode(rows.numpy().view(np.uint64), d, _perm(d), maxbits, per)
-    return T.from_blocks(torch.from_numpy(blocks), tuple(shape), d)
+    dims = _zyx(tuple(shape), d)
+    out = np.empty((rows.shape[0], math.prod(dims)), dtype=np.float32)
+    _coder(d)[1](rows.numpy().view(np.uint64), dims, maxbits, out, *P.tables()[1:])
+    return torch.from_numpy(out).reshape(shape)
 
 
-@functools.lru_cache(maxsize=None)
-def _perm(d: int) -> np.ndarray:
-    return np.asarray(T.PERM[d], dtype=np.int64)
+@functools.lru_cache(maxsize=64)
+def _pad_indices(dims: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per axis (z, y, x), the source coordinate of each padded coordinate (zfp's padding)."""
+    return tuple(T.pad_index(n, "cpu").numpy() for n in dims)
 
 
 def _require() -> None:

@@ -86,7 +86,7 @@ def blocks_per_array(shape, d: int) -> int:
     return per
 
 
-def _pad_index(n: int, device) -> torch.Tensor:
+def pad_index(n: int, device) -> torch.Tensor:
     """Source index along one axis of length n, padded to a multiple of 4 as zfp pads a partial
     block of width m: m=1 -> a a a a, m=2 -> a b b a, m=3 -> a b c a."""
     full = (n // 4) * 4
@@ -105,7 +105,7 @@ def to_blocks(a: torch.Tensor, d: int) -> torch.Tensor:
     for ax in range(1, d + 1):
         n = a.shape[ax]
         if n % 4:
-            a = a.index_select(ax, _pad_index(n, a.device))
+            a = a.index_select(ax, pad_index(n, a.device))
     nb = [a.shape[ax] // 4 for ax in range(1, d + 1)]
     if d == 1:
         b = a.reshape(-1, nb[0], 4)
@@ -242,5 +242,6 @@ def inv_order(u: torch.Tensor, d: int) -> torch.Tensor:
     return v.index_select(1, perm_index(d, str(u.device), inverse=True))
 
 
-__all__ = ["PERM", "perm_index", "maxbits_for", "blocks_per_array", "to_blocks", "from_blocks", "block_emax", "fwd_cast",
-           "inv_cast", "fwd_xform", "inv_xform", "fwd_order", "inv_order"]
+__all__ = ["PERM", "perm_index", "maxbits_for", "blocks_per_array", "pad_index", "to_blocks",
+           "from_blocks", "block_emax", "fwd_cast", "inv_cast", "fwd_xform", "inv_xform",
+           "fwd_order", "inv_order"]

@@ -1,0 +1,261 @@
+"""The per-block arithmetic of the compiled ZFP coder as LLVM vector code (numba intrinsics):
+the block transform with its cast and reordering, and the bit-plane gather and scatter.
+
+:func:`fwd_block` / :func:`inv_block` hold one block of ``S = 4^d`` values in one ``<S x i32>``
+vector and run zfp's forward (inverse) pipeline on it: the block-floating-point cast (Lindstrom
+2014, section 3.1), the lifting transform along x, then y, then z (section 3.2; the inverse runs
+z, y, x), and the total-sequency reordering with the negabinary map (section 3.3). Each lifting
+pass gathers the four ``S/4``-lane vectors of entries 0..3 along its axis with constant shuffles
+and lifts them lane-wise in wrapping 32-bit arithmetic, as zfp's ``Int`` code does; the
+reordering is one more constant shuffle. Values equal the scalar code of :mod:`.transform`
+(``tests/test_zfp_numba.py`` holds the coder to the torch coders and to zfpy).
+
+The embedded coder of zfp (Lindstrom 2014, section 3.4) works one bit plane at a time: plane
+``k`` of a block is the ``S``-bit word whose bit ``i`` is bit ``k`` of coefficient ``i``
+(``S = 4^d``). zfp's C code gathers it with a loop over the coefficients (``x += ((data[i] >> k)
+& 1) << i``) and the decoder scatters it back the same way. Here both are a handful of vector
+instructions: the ``S`` coefficients are loaded as one ``<S x i32>`` vector, shifted, compared
+and bit-cast to an ``S``-bit integer (x86 lowers this to ``vpmovmskb``-style mask moves), and the
+scatter bit-casts the plane back to ``<S x i1>``, widens, shifts and ors it in. The values are the
+same as the scalar loops (checked in ``tests/test_zfp_numba.py``); LLVM lowers the same IR on
+any target, so this is portable code, not an x86-only path.
+
+Only used when numba is installed (see :mod:`.numba_backend`).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import errors, types
+from numba.extending import intrinsic
+
+_I32 = ir.IntType(32)
+
+
+def _check(arr, n):
+    if not isinstance(n, types.IntegerLiteral):
+        raise errors.RequireLiteralValue(n)
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"
+            and arr.dtype == types.uint32):
+        raise errors.TypingError(f"plane gather/scatter needs a C-contiguous 1-D uint32 array, "
+                                 f"got {arr}")
+    return n.literal_value
+
+
+def _load(context, builder, arrty, arr, count):
+    """The first ``count`` elements of ``arr`` as one ``<count x i32>`` vector, and its pointer."""
+    vty = ir.VectorType(_I32, count)
+    data = context.make_array(arrty)(context, builder, arr).data
+    ptr = builder.bitcast(data, vty.as_pointer())
+    return builder.load(ptr, align=4), ptr, vty
+
+
+def _splat(builder, value, vty):
+    """``value`` (i64) truncated to i32 in every lane of a vector of type ``vty``."""
+    undef = ir.Constant(vty, ir.Undefined)
+    one = builder.insert_element(undef, builder.trunc(value, _I32), ir.Constant(_I32, 0))
+    lanes = ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count)
+    return builder.shuffle_vector(one, undef, lanes)
+
+
+@intrinsic
+def plane_bits(typingctx, u, k, count):
+    """``sum_i ((u[i] >> k) & 1) << i`` over ``i < count`` (a literal), as a uint64: bit plane
+    ``k`` of the ``count`` uint32 coefficients ``u`` (``0 <= k < 32``, ``count <= 64``)."""
+    n = _check(u, count)
+
+    def codegen(context, builder, sig, args):
+        v, _, vty = _load(context, builder, sig.args[0], args[0], n)
+        bit = builder.and_(builder.lshr(v, _splat(builder, args[1], vty)),
+                           ir.Constant(vty, [1] * n))
+        mask = builder.icmp_unsigned("!=", bit, ir.Constant(vty, [0] * n))
+        return builder.zext(builder.bitcast(mask, ir.IntType(n)), ir.IntType(64))
+
+    return types.uint64(u, k, count), codegen
+
+
+@intrinsic
+def deposit_plane(typingctx, u, x, k, count):
+    """``u[i] |= ((x >> i) & 1) << k`` for ``i < count`` (a literal): the inverse of
+    :func:`plane_bits`, which ors plane ``x`` (uint64) into bit ``k`` of ``u`` (uint32)."""
+    n = _check(u, count)
+
+    def codegen(context, builder, sig, args):
+        v, ptr, vty = _load(context, builder, sig.args[0], args[0], n)
+        mask = builder.bitcast(builder.trunc(args[1], ir.IntType(n)),
+                               ir.VectorType(ir.IntType(1), n))
+        bits = builder.shl(builder.zext(mask, vty), _splat(builder, args[2], vty))
+        builder.store(builder.or_(v, bits), ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.void(u, x, k, count), codegen
+
+
+# ------------------------------------------------------------------ block transform (3.1-3.3)
+
+_NB = -0x55555556                      # 0xAAAAAAAA as an int32: the negabinary mask
+
+
+def _check_block(src, dst, d, src_dtype, dst_dtype):
+    if not isinstance(d, types.IntegerLiteral):
+        raise errors.RequireLiteralValue(d)
+    for arr, dt in ((src, src_dtype), (dst, dst_dtype)):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"
+                and arr.dtype == dt):
+            raise errors.TypingError(f"block transform needs C-contiguous 1-D {dt} arrays, "
+                                     f"got {arr}")
+    if d.literal_value not in (1, 2, 3):
+        raise errors.TypingError(f"zfp blocks are 1-, 2- or 3-D, got d={d.literal_value}")
+    return d.literal_value
+
+
+def _const(vty, value):
+    return ir.Constant(vty, [value] * vty.count)
+
+
+def _shuffle(builder, v, lanes):
+    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+
+
+def _axis_lanes(S, axis):
+    """For entries 0..3 along ``axis`` (0 = x, stride 1; 1 = y, stride 4; 2 = z, stride 16):
+    the block indices holding it, in block order."""
+    st = 4 ** axis
+    return [[i for i in range(S) if (i // st) % 4 == j] for j in range(4)]
+
+
+def _lift_axis(builder, v, S, axis, lift):
+    """Apply ``lift`` to the four vectors of entries 0..3 along ``axis`` of block vector ``v``."""
+    lanes = _axis_lanes(S, axis)
+    parts = lift(builder, *[_shuffle(builder, v, ln) for ln in lanes])
+    m = S // 4
+    lo = builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 2 * m),
+                                                                list(range(2 * m))))
+    hi = builder.shuffle_vector(parts[2], parts[3], ir.Constant(ir.VectorType(_I32, 2 * m),
+                                                                list(range(2 * m))))
+    order = [i for ln in lanes for i in ln]               # block index of each concatenated lane
+    where = [order.index(i) for i in range(S)]
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, S), where))
+
+
+def _fwd_lift(b, x, y, z, w):
+    """zfp's ``fwd_lift`` (section 3.2) on four vectors, wrapping 32-bit arithmetic."""
+    one = _const(x.type, 1)
+    x = b.ashr(b.add(x, w), one); w = b.sub(w, x)
+    z = b.ashr(b.add(z, y), one); y = b.sub(y, z)
+    x = b.ashr(b.add(x, z), one); z = b.sub(z, x)
+    w = b.ashr(b.add(w, y), one); y = b.sub(y, w)
+    w = b.add(w, b.ashr(y, one)); y = b.sub(y, b.ashr(w, one))
+    return x, y, z, w
+
+
+def _inv_lift(b, x, y, z, w):
+    """zfp's ``inv_lift``: the inverse of :func:`_fwd_lift`."""
+    one = _const(x.type, 1)
+    y = b.add(y, b.ashr(w, one)); w = b.sub(w, b.ashr(y, one))
+    y = b.add(y, w); w = b.sub(b.shl(w, one), y)
+    z = b.add(z, x); x = b.sub(b.shl(x, one), z)
+    y = b.add(y, z); z = b.sub(b.shl(z, one), y)
+    w = b.add(w, x); x = b.sub(b.shl(x, one), w)
+    return x, y, z, w
+
+
+def _vector(context, builder, arrty, arr, elty, count):
+    """Pointer to the data of ``arr`` as a ``<count x elty>`` vector."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    return builder.bitcast(data, ir.VectorType(elty, count).as_pointer())
+
+
+def _splat_float(context, builder, value, fromty, count):
+    f = context.cast(builder, value, fromty, types.float32)
+    vty = ir.VectorType(ir.FloatType(), count)
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), f, ir.Constant(_I32, 0))
+    return _shuffle(builder, one, [0] * count)
+
+
+@intrinsic
+def fwd_block(typingctx, fb, scale, u, d):
+    """Forward pipeline of one ``d``-D block (a literal): float32 ``fb`` (``4^d`` values) times
+    ``scale`` (``2^(30 - emax)``), truncated to int32 as x86's ``cvttss2si`` does (out of range
+    and NaN give ``-2^31``), lifted along x, y, z, reordered by sequency and mapped to negabinary
+    into uint32 ``u``."""
+    n = _check_block(fb, u, d, types.float32, types.uint32)
+    from moeflow.comm.codecs.zfp.transform import PERM
+    S = 4 ** n
+
+    def codegen(context, builder, sig, args):
+        fty = ir.VectorType(ir.FloatType(), S)
+        vty = ir.VectorType(_I32, S)
+        y = builder.fmul(builder.load(_vector(context, builder, sig.args[0], args[0],
+                                              ir.FloatType(), S), align=4),
+                         _splat_float(context, builder, args[1], sig.args[1], S))
+        inside = builder.and_(builder.fcmp_ordered("<", y, _const(fty, 2147483648.0)),
+                              builder.fcmp_ordered(">", y, _const(fty, -2147483648.0)))
+        v = builder.select(inside, builder.fptosi(y, vty), _const(vty, -2 ** 31))
+        for axis in range(n):                              # x, then y, then z
+            v = _lift_axis(builder, v, S, axis, _fwd_lift)
+        v = _shuffle(builder, v, list(PERM[n]))            # sequency order
+        nb = _const(vty, _NB)
+        v = builder.xor(builder.add(v, nb), nb)
+        builder.store(v, _vector(context, builder, sig.args[2], args[2], _I32, S), align=4)
+        return context.get_dummy_value()
+
+    return types.void(fb, scale, u, d), codegen
+
+
+def _inverse_pipeline(context, builder, v, scale, scale_ty, fb, fb_ty, n):
+    """Store the block of negabinary coefficients ``v`` (``<4^n x i32>``, sequency order)
+    decoded to float32 into ``fb``: section 3.3 inverted, lifting along z, y, x, the cast."""
+    from moeflow.comm.codecs.zfp.transform import PERM
+    S = 4 ** n
+    inverse = [0] * S
+    for i, j in enumerate(PERM[n]):
+        inverse[j] = i
+    nb = _const(v.type, _NB)
+    v = _shuffle(builder, builder.sub(builder.xor(v, nb), nb), inverse)
+    for axis in reversed(range(n)):                        # z, then y, then x
+        v = _lift_axis(builder, v, S, axis, _inv_lift)
+    f = builder.fmul(builder.sitofp(v, ir.VectorType(ir.FloatType(), S)),
+                     _splat_float(context, builder, scale, scale_ty, S))
+    builder.store(f, _vector(context, builder, fb_ty, fb, ir.FloatType(), S), align=4)
+
+
+@intrinsic
+def inv_block(typingctx, u, scale, fb, d):
+    """Inverse of :func:`fwd_block`: negabinary uint32 ``u`` (sequency order) back to block
+    order, inverse lifting along z, y, x, then ``float32(int) * scale`` (``2^(emax - 30)``)
+    into float32 ``fb``."""
+    n = _check_block(u, fb, d, types.uint32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vector(context, builder, sig.args[0], args[0], _I32, 4 ** n), align=4)
+        _inverse_pipeline(context, builder, v, args[1], sig.args[1], args[2], sig.args[2], n)
+        return context.get_dummy_value()
+
+    return types.void(u, scale, fb, d), codegen
+
+
+@intrinsic
+def inv_block_1d(typingctx, lo, hi, scale, fb):
+    """:func:`inv_block` for a 1-D block whose four coefficients come as two uint64 words
+    (``lo`` = coefficients 0 and 1, ``hi`` = 2 and 3, low half first): they enter the vector
+    code in registers, not through memory."""
+    if not (isinstance(fb, types.Array) and fb.ndim == 1 and fb.layout == "C"
+            and fb.dtype == types.float32):
+        raise errors.TypingError(f"inv_block_1d needs a C-contiguous 1-D float32 array, got {fb}")
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        pair = ir.Constant(ir.VectorType(i64, 2), ir.Undefined)
+        for lane, word in enumerate(args[:2]):
+            word = context.cast(builder, word, sig.args[lane], types.uint64)
+            pair = builder.insert_element(pair, word, ir.Constant(_I32, lane))
+        v = builder.bitcast(pair, ir.VectorType(_I32, 4))  # little-endian: c0, c1, c2, c3
+        _inverse_pipeline(context, builder, v, args[2], sig.args[2], args[3], sig.args[3], 1)
+        return context.get_dummy_value()
+
+    return types.void(lo, hi, scale, fb), codegen
+
+
+__all__ = ["deposit_plane", "fwd_block", "inv_block", "inv_block_1d", "plane_bits"]
