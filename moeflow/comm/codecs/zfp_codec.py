@@ -12,7 +12,7 @@ block is padded), so a codec instance decodes rows of the width it last encoded,
 an all-to-all exchanges (every rank sends rows of ``d_model`` values); a mismatch raises.
 
 ``zfp`` is our implementation (any device; CUDA tensors use the Triton kernels when
-``triton`` is installed, else the same torch code); ``zfpy`` wraps LLNL's ``zfpy`` (CPU tensors
+``triton`` is installed, CPU tensors the compiled numba coder, else the same torch code); ``zfpy`` wraps LLNL's ``zfpy`` (CPU tensors
 only) and serves as the reference.
 """
 

@@ -1,6 +1,7 @@
-"""Group-table encoder for 1-D ZFP blocks, any rate: the CPU encode path of the ``zfp`` codec
-(Lindstrom 2014 sections 3.1-3.4: block-floating-point cast, lifting transform, negabinary,
-and zfp's fixed-rate ``encode_ints`` for a 4-value block), vectorized over blocks.
+"""Group-table encoder for 1-D ZFP blocks, any rate: the torch encode path of the ``zfp`` codec,
+used where neither the Triton kernels nor the compiled numba coder run (Lindstrom 2014
+sections 3.1-3.4: block-floating-point cast, lifting transform, negabinary, and zfp's
+fixed-rate ``encode_ints`` for a 4-value block), vectorized over blocks.
 
 Bit planes are coded four at a time: the four coefficients' bits of planes ``k+3..k`` (16 bits)
 and the number ``n`` of coefficients already significant index a table holding those planes'

@@ -1,6 +1,7 @@
-"""Decoder for 2-D and 3-D ZFP blocks (16 or 64 values), any rate: the CPU path of
-``zfp.decompress(..., dims=2|3)`` (Lindstrom 2014 section 3.4, zfp's fixed-rate
-``decode_ints``, then the inverse of sections 3.1-3.3), vectorized over blocks in plain torch.
+"""Decoder for 2-D and 3-D ZFP blocks (16 or 64 values), any rate: the torch path of
+``zfp.decompress(..., dims=2|3)``, used where neither the Triton kernels nor the compiled numba
+coder run (Lindstrom 2014 section 3.4, zfp's fixed-rate ``decode_ints``, then the inverse of
+sections 3.1-3.3), vectorized over blocks in plain torch.
 Output equals LLNL zfp's decoding bit for bit.
 
 Every working block runs zfp's decoder as a small state machine, all blocks in lockstep, one

@@ -1,7 +1,8 @@
-"""Encoder for 2-D and 3-D ZFP blocks (16 or 64 values), any rate: the CPU path of
-``zfp.compress(..., dims=2|3)`` (Lindstrom 2014 sections 3.1-3.4: block-floating-point cast,
-separable lifting transform, sequency order, negabinary, then zfp's fixed-rate ``encode_ints``),
-vectorized over blocks in plain torch. Output equals LLNL zfp's bit for bit.
+"""Encoder for 2-D and 3-D ZFP blocks (16 or 64 values), any rate: the torch path of
+``zfp.compress(..., dims=2|3)``, used where neither the Triton kernels nor the compiled numba
+coder run (Lindstrom 2014 sections 3.1-3.4: block-floating-point cast, separable lifting
+transform, sequency order, negabinary, then zfp's fixed-rate ``encode_ints``), vectorized over
+blocks in plain torch. Output equals LLNL zfp's bit for bit.
 
 How a bit plane is coded, in closed form. With ``n`` coefficients already significant, zfp
 writes the plane's first ``n`` bits verbatim, then a group test ``1`` and a unary scan to each

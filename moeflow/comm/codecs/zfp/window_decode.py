@@ -1,6 +1,7 @@
-"""Windowed table decoder for 1-D ZFP blocks, any rate: the CPU decode path of the ``zfp``
-codec (Lindstrom 2014 section 3.4, zfp's fixed-rate ``decode_ints`` for a 4-value block, and
-the inverse transform of sections 3.1-3.3), vectorized over blocks.
+"""Windowed table decoder for 1-D ZFP blocks, any rate: the torch decode path of the ``zfp``
+codec, used where neither the Triton kernels nor the compiled numba coder run (Lindstrom 2014
+section 3.4, zfp's fixed-rate ``decode_ints`` for a 4-value block, and the inverse transform of
+sections 3.1-3.3), vectorized over blocks.
 
 Each step looks up 16 stream bits at once. A table indexed by (``n``, the number of
 significant coefficients; ``L = min(bits left in the block's budget, 16)``; the next ``L``
