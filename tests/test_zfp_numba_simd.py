@@ -22,12 +22,7 @@ from moeflow.comm.codecs.zfp.numba_simd import (  # noqa: E402
 def _planes(u, S):
     out = np.empty(32, dtype=np.uint64)
     for k in range(32):
-        if S == 4:
-            out[k] = plane_bits(u, k, 4)
-        elif S == 16:
-            out[k] = plane_bits(u, k, 16)
-        else:
-            out[k] = plane_bits(u, k, 64)
+        out[k] = plane_bits(u, k, S)
     return out
 
 
@@ -35,33 +30,26 @@ def _planes(u, S):
 def _deposit_all(planes, S):
     u = np.zeros(S, dtype=np.uint32)
     for k in range(32):
-        if S == 4:
-            deposit_plane(u, planes[k], k, 4)
-        elif S == 16:
-            deposit_plane(u, planes[k], k, 16)
-        else:
-            deposit_plane(u, planes[k], k, 64)
+        deposit_plane(u, planes[k], k, S)
     return u
 
 
 @njit
 def _fwd(fb, scale, u, d):
-    if d == 1:
-        fwd_block(fb, scale, u, 1)
-    elif d == 2:
-        fwd_block(fb, scale, u, 2)
-    else:
-        fwd_block(fb, scale, u, 3)
+    fwd_block(fb, scale, u, d)
 
 
 @njit
 def _inv(u, scale, fb, d):
-    if d == 1:
-        inv_block(u, scale, fb, 1)
-    elif d == 2:
-        inv_block(u, scale, fb, 2)
-    else:
-        inv_block(u, scale, fb, 3)
+    inv_block(u, scale, fb, d)
+
+
+@njit
+def _literal_sizes(u):
+    """The same intrinsics with literal sizes (no switch)."""
+    fb = np.empty(16, dtype=np.float32)
+    inv_block(u, np.float32(1.0), fb, 2)
+    return plane_bits(u, 3, 16), fb
 
 
 @pytest.mark.parametrize("S", [4, 16, 64])
@@ -119,10 +107,32 @@ def test_inverse_block_pipeline_matches_transform(d):
         assert np.array_equal(fb.view(np.int32), want[r].numpy().view(np.int32)), r
 
 
-def test_wrong_array_types_fail_at_compile_time():
+def test_literal_and_runtime_sizes_give_the_same_code():
+    u = np.random.default_rng(0).integers(0, 2 ** 32, 16, dtype=np.uint64).astype(np.uint32)
+    x, fb = _literal_sizes(u)
+    out = np.empty(16, np.float32)
+    _inv(u, np.float32(1.0), out, 2)
+    assert x == _planes(u, 16)[3] and np.array_equal(fb.view(np.int32), out.view(np.int32))
+
+
+def test_wrong_arguments_fail_at_compile_time():
     @njit
-    def bad(u):
+    def bad_dtype(u):
         return plane_bits(u, 0, 4)
 
     with pytest.raises(TypingError, match="uint32"):
-        bad(np.zeros(4, np.int64))
+        bad_dtype(np.zeros(4, np.int64))
+    with pytest.raises(TypingError, match="count must be an integer"):
+        _planes(np.zeros(16, np.uint32), 16.0)
+
+
+def test_unsupported_sizes_raise_instead_of_touching_memory():
+    u = np.zeros(64, np.uint32)
+    with pytest.raises(ValueError, match=r"plane gather count must be one of \(4, 16, 64\)"):
+        _planes(u, 8)
+    with pytest.raises(ValueError, match="plane scatter count must be one of"):
+        _deposit_all(np.zeros(32, np.uint64), 32)
+    with pytest.raises(ValueError, match=r"block dimensionality d must be one of \(1, 2, 3\)"):
+        _fwd(np.zeros(64, np.float32), np.float32(1.0), u, 4)
+    with pytest.raises(ValueError, match="block dimensionality d must be one of"):
+        _inv(u, np.float32(1.0), np.zeros(64, np.float32), 0)

@@ -105,10 +105,23 @@ if numba is not None:
                 out[(z * dims[1] + y) * dims[2] + x] = fb[i]
 
     @_inline
-    def _full(d, dims, z0, y0, x0):
-        """Whether the block at (z0, y0, x0) lies inside the array (not a partial block)."""
-        return x0 + 4 <= dims[2] and (d < 2 or y0 + 4 <= dims[1]) and \
-            (d < 3 or z0 + 4 <= dims[0])
+    def _block_origins(d, dims):
+        """Per block of one array, in zfp's order (z slowest, x fastest): its first coordinate
+        (z0, y0, x0) and, for a block inside the array, the offset of its first value (-1 for a
+        partial block at an edge, which goes through zfp's padding)."""
+        nz, ny, nx = dims
+        org = np.empty(((nz + 3) // 4 * ((ny + 3) // 4) * ((nx + 3) // 4), 4), dtype=np.int64)
+        b = 0
+        for z0 in range(0, nz, 4):
+            for y0 in range(0, ny, 4):
+                for x0 in range(0, nx, 4):
+                    full = x0 + 4 <= nx and (d < 2 or y0 + 4 <= ny) and (d < 3 or z0 + 4 <= nz)
+                    org[b, 0] = z0
+                    org[b, 1] = y0
+                    org[b, 2] = x0
+                    org[b, 3] = (z0 * ny + y0) * nx + x0 if full else -1
+                    b += 1
+        return org
 
     @_inline
     def _row_offsets(d, dims):
@@ -128,16 +141,11 @@ if numba is not None:
         if e == 0:                                        # all zero: one 0 bit, then padding
             return
         P.put(words, pos, U64(2 * e + 1), 9)
-        s = _pow2(30 - emax)
-        if d == 1:                                        # sections 3.1-3.3 (vector code),
-            fwd_block(fb, s, u, 1)                        # then section 3.4
+        fwd_block(fb, _pow2(30 - emax), u, d)             # sections 3.1-3.3 (vector code)
+        if d == 1:                                        # section 3.4
             P.encode_planes_1d(u, maxbits - 9, words, pos + 9, table)
-        elif d == 2:
-            fwd_block(fb, s, u, 2)
-            P.encode_planes(u, 16, maxbits - 9, words, pos + 9)
         else:
-            fwd_block(fb, s, u, 3)
-            P.encode_planes(u, 64, maxbits - 9, words, pos + 9)
+            P.encode_planes(u, 1 << (2 * d), maxbits - 9, words, pos + 9)
 
     @_inline
     def _decode_block(words, pos, d, maxbits, out, u, single, many):
@@ -145,19 +153,16 @@ if numba is not None:
         ``many``: the 1-D decoder tables)."""
         head = P.window(words, pos)
         if head & U64(1) == 0:
-            for i in range(out.shape[0]):
+            for i in range(1 << (2 * d)):
                 out[i] = 0.0
             return
         s = _pow2(I64((head >> U64(1)) & U64(0xFF)) - 127 - 30)
         if d == 1:                                        # section 3.4, then sections
             lo, hi = P.decode_planes_1d(words, pos, 9, maxbits - 9, single, many)
             inv_block_1d(lo, hi, s, out)                  # 3.3-3.1 inverted (vector code)
-        elif d == 2:
-            P.decode_planes(words, pos + 9, 16, maxbits - 9, u)
-            inv_block(u, s, out, 2)
         else:
-            P.decode_planes(words, pos + 9, 64, maxbits - 9, u)
-            inv_block(u, s, out, 3)
+            P.decode_planes(words, pos + 9, 1 << (2 * d), maxbits - 9, u)
+            inv_block(u, s, out, d)
 
 
 def _build(d: int, stamp: str):
@@ -174,56 +179,46 @@ def _build(d: int, stamp: str):
     @_jit
     def encode(a, dims, maxbits, nws, iz, iy, ix, table):
         """float32 ``a`` (nslices, nz * ny * nx), each row a row-major (nz, ny, nx) = ``dims``
-        array -> uint64 words ``(nslices, nws)``: each slice's blocks in zfp's order (z slowest,
-        x fastest), ``maxbits`` bits each."""
+        array -> uint64 words ``(nslices, nws)``: each slice's blocks in zfp's order,
+        ``maxbits`` bits each."""
         stamp                     # noqa: B018 - referenced so the cache key holds it (above)
-        nz, ny, nx = dims
+        org = _block_origins(d, dims)
         off = _row_offsets(d, dims)
         words = np.zeros((a.shape[0], nws), dtype=np.uint64)
         fb = np.empty(S, dtype=np.float32)
         u = np.empty(S, dtype=np.uint32)
         for s in range(a.shape[0]):
             row = a[s]
-            ws = words[s]
-            pos = 0
-            for z0 in range(0, nz, 4):
-                for y0 in range(0, ny, 4):
-                    for x0 in range(0, nx, 4):
-                        if _full(d, dims, z0, y0, x0):
-                            base = (z0 * ny + y0) * nx + x0
-                            for j in range(S // 4):
-                                for x in range(4):
-                                    fb[4 * j + x] = row[base + off[j] + x]
-                        else:
-                            _gather_partial(row, dims, z0, y0, x0, iz, iy, ix, fb)
-                        _encode_block(fb, d, maxbits, ws, pos, u, table)
-                        pos += maxbits
+            for b in range(org.shape[0]):
+                base = org[b, 3]
+                if base >= 0:
+                    for j in range(S // 4):
+                        for x in range(4):
+                            fb[4 * j + x] = row[base + off[j] + x]
+                else:
+                    _gather_partial(row, dims, org[b, 0], org[b, 1], org[b, 2], iz, iy, ix, fb)
+                _encode_block(fb, d, maxbits, words[s], b * maxbits, u, table)
         return words
 
     @_jit
     def decode(words, dims, maxbits, out, single, many):
         """uint64 words ``(nslices, nws)`` -> float32 ``out`` (nslices, nz * ny * nx)."""
         stamp                     # noqa: B018
-        nz, ny, nx = dims
+        org = _block_origins(d, dims)
         off = _row_offsets(d, dims)
         fb = np.empty(S, dtype=np.float32)
         u = np.empty(S, dtype=np.uint32)
         for s in range(out.shape[0]):
             row = out[s]
-            ws = words[s]
-            pos = 0
-            for z0 in range(0, nz, 4):
-                for y0 in range(0, ny, 4):
-                    for x0 in range(0, nx, 4):
-                        _decode_block(ws, pos, d, maxbits, fb, u, single, many)
-                        if _full(d, dims, z0, y0, x0):
-                            base = (z0 * ny + y0) * nx + x0
-                            for j in range(S // 4):
-                                for x in range(4):
-                                    row[base + off[j] + x] = fb[4 * j + x]
-                        else:
-                            _scatter_partial(fb, row, dims, z0, y0, x0)
-                        pos += maxbits
+            for b in range(org.shape[0]):
+                _decode_block(words[s], b * maxbits, d, maxbits, fb, u, single, many)
+                base = org[b, 3]
+                if base >= 0:
+                    for j in range(S // 4):
+                        for x in range(4):
+                            row[base + off[j] + x] = fb[4 * j + x]
+                else:
+                    _scatter_partial(fb, row, dims, org[b, 0], org[b, 1], org[b, 2])
         return out
 
     return encode, decode

@@ -113,27 +113,6 @@ def window(words, p):
 
 
 @_inline
-def _plane(u, k, S):
-    """Bit plane ``k`` of the ``S`` uint32 coefficients ``u`` (one vector gather)."""
-    if S == 16:
-        return plane_bits(u, k, 16)
-    if S == 64:
-        return plane_bits(u, k, 64)
-    return plane_bits(u, k, 4)
-
-
-@_inline
-def _deposit(u, x, k, S):
-    """Or plane ``x`` into bit ``k`` of the ``S`` uint32 coefficients ``u``."""
-    if S == 16:
-        deposit_plane(u, x, k, 16)
-    elif S == 64:
-        deposit_plane(u, x, k, 64)
-    else:
-        deposit_plane(u, x, k, 4)
-
-
-@_inline
 def decode_planes(words, p, S, bits, u):
     """Section 3.4, zfp's ``decode_ints`` with ``maxprec = 32``: negabinary ``u`` from the
     ``bits``-bit plane code at bit ``p``. The stream is read through a 64-bit window
@@ -181,7 +160,7 @@ def decode_planes(words, p, S, bits, u):
                 n += L
             x += U64(1) << U64(n)
             n += 1
-        _deposit(u, x, k, S)
+        deposit_plane(u, x, k, S)
 
 
 @_inline
@@ -194,7 +173,7 @@ def encode_planes(u, S, bits, words, p):
     k = 32
     while bits > 0 and k > 0:
         k -= 1
-        x = _plane(u, k, S)
+        x = plane_bits(u, k, S)
         m = min(n, bits)                              # the first n bits verbatim
         if m > 0:
             put(words, p, x & ((U64(1) << U64(m)) - U64(1)) if m < 64 else x, m)

@@ -7,8 +7,8 @@ vector and run zfp's forward (inverse) pipeline on it: the block-floating-point 
 z, y, x), and the total-sequency reordering with the negabinary map (section 3.3). Each lifting
 pass gathers the four ``S/4``-lane vectors of entries 0..3 along its axis with constant shuffles
 and lifts them lane-wise in wrapping 32-bit arithmetic, as zfp's ``Int`` code does; the
-reordering is one more constant shuffle. Values equal the scalar code of :mod:`.transform`
-(``tests/test_zfp_numba.py`` holds the coder to the torch coders and to zfpy).
+reordering is one more constant shuffle. :func:`inv_block_1d` takes a 1-D block's four
+coefficients in two registers instead of memory.
 
 The embedded coder of zfp (Lindstrom 2014, section 3.4) works one bit plane at a time: plane
 ``k`` of a block is the ``S``-bit word whose bit ``i`` is bit ``k`` of coefficient ``i``
@@ -16,11 +16,14 @@ The embedded coder of zfp (Lindstrom 2014, section 3.4) works one bit plane at a
 & 1) << i``) and the decoder scatters it back the same way. Here both are a handful of vector
 instructions: the ``S`` coefficients are loaded as one ``<S x i32>`` vector, shifted, compared
 and bit-cast to an ``S``-bit integer (x86 lowers this to ``vpmovmskb``-style mask moves), and the
-scatter bit-casts the plane back to ``<S x i1>``, widens, shifts and ors it in. The values are the
-same as the scalar loops (checked in ``tests/test_zfp_numba.py``); LLVM lowers the same IR on
-any target, so this is portable code, not an x86-only path.
+scatter bit-casts the plane back to ``<S x i1>``, widens, shifts and ors it in.
 
-Only used when numba is installed (see :mod:`.numba_backend`).
+Sizes (``d`` or ``S``) may be literals or run-time integers: a run-time one becomes a switch
+over the allowed sizes, which LLVM folds where the size is a constant; another size raises
+``ValueError``. The values equal the scalar definitions (``tests/test_zfp_numba_simd.py``
+against :mod:`.transform` and the loops above). LLVM lowers the same IR on any target, so this
+is portable code, not an x86-only path. Only used when numba is installed (see
+:mod:`.numba_backend`).
 """
 
 from __future__ import annotations
@@ -32,14 +35,44 @@ from numba.extending import intrinsic
 _I32 = ir.IntType(32)
 
 
-def _check(arr, n):
-    if not isinstance(n, types.IntegerLiteral):
-        raise errors.RequireLiteralValue(n)
+def _check_array(arr, dtype, what):
     if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"
-            and arr.dtype == types.uint32):
-        raise errors.TypingError(f"plane gather/scatter needs a C-contiguous 1-D uint32 array, "
-                                 f"got {arr}")
-    return n.literal_value
+            and arr.dtype == dtype):
+        raise errors.TypingError(f"{what} needs C-contiguous 1-D {dtype} arrays, got {arr}")
+
+
+def _check_integer(ty, what):
+    if not isinstance(ty, types.Integer):
+        raise errors.TypingError(f"{what} must be an integer, got {ty}")
+
+
+def _by_value(context, builder, ty, value, allowed, emit, what):
+    """``emit(v)`` for the value ``v`` of integer argument ``value`` (numba type ``ty``): emitted
+    once for a literal, else once per allowed value behind a ``switch`` (which LLVM folds away
+    wherever the value is a known constant, as in the coder's per-dimensionality drivers). Any
+    other value raises ``ValueError`` in the calling function. Returns ``emit``'s result
+    (merged by a phi), or None."""
+    if isinstance(ty, types.IntegerLiteral) and ty.literal_value in allowed:
+        return emit(ty.literal_value)
+    bad = builder.append_basic_block("bad_size")
+    merge = builder.append_basic_block("size_done")
+    switch = builder.switch(value, bad)
+    results = []
+    for v in allowed:
+        block = builder.append_basic_block(f"size_{v}")
+        switch.add_case(ir.Constant(value.type, v), block)
+        builder.position_at_end(block)
+        results.append((emit(v), builder.block))
+        builder.branch(merge)
+    builder.position_at_end(bad)
+    context.call_conv.return_user_exc(builder, ValueError, (f"{what} must be one of {allowed}",))
+    builder.position_at_end(merge)
+    if results[0][0] is None:
+        return None
+    phi = builder.phi(results[0][0].type)
+    for r, block in results:
+        phi.add_incoming(r, block)
+    return phi
 
 
 def _load(context, builder, arrty, arr, count):
@@ -58,34 +91,46 @@ def _splat(builder, value, vty):
     return builder.shuffle_vector(one, undef, lanes)
 
 
+_SIZES = (4, 16, 64)
+
+
 @intrinsic
 def plane_bits(typingctx, u, k, count):
-    """``sum_i ((u[i] >> k) & 1) << i`` over ``i < count`` (a literal), as a uint64: bit plane
-    ``k`` of the ``count`` uint32 coefficients ``u`` (``0 <= k < 32``, ``count <= 64``)."""
-    n = _check(u, count)
+    """``sum_i ((u[i] >> k) & 1) << i`` over ``i < count`` (4, 16 or 64), as a uint64: bit
+    plane ``k`` of the ``count`` uint32 coefficients ``u`` (``0 <= k < 32``)."""
+    _check_array(u, types.uint32, "plane gather")
+    _check_integer(count, "plane gather count")
 
     def codegen(context, builder, sig, args):
-        v, _, vty = _load(context, builder, sig.args[0], args[0], n)
-        bit = builder.and_(builder.lshr(v, _splat(builder, args[1], vty)),
-                           ir.Constant(vty, [1] * n))
-        mask = builder.icmp_unsigned("!=", bit, ir.Constant(vty, [0] * n))
-        return builder.zext(builder.bitcast(mask, ir.IntType(n)), ir.IntType(64))
+        def emit(n):
+            v, _, vty = _load(context, builder, sig.args[0], args[0], n)
+            bit = builder.and_(builder.lshr(v, _splat(builder, args[1], vty)),
+                               ir.Constant(vty, [1] * n))
+            mask = builder.icmp_unsigned("!=", bit, ir.Constant(vty, [0] * n))
+            return builder.zext(builder.bitcast(mask, ir.IntType(n)), ir.IntType(64))
+
+        return _by_value(context, builder, sig.args[2], args[2], _SIZES, emit,
+                         "plane gather count")
 
     return types.uint64(u, k, count), codegen
 
 
 @intrinsic
 def deposit_plane(typingctx, u, x, k, count):
-    """``u[i] |= ((x >> i) & 1) << k`` for ``i < count`` (a literal): the inverse of
+    """``u[i] |= ((x >> i) & 1) << k`` for ``i < count`` (4, 16 or 64): the inverse of
     :func:`plane_bits`, which ors plane ``x`` (uint64) into bit ``k`` of ``u`` (uint32)."""
-    n = _check(u, count)
+    _check_array(u, types.uint32, "plane scatter")
+    _check_integer(count, "plane scatter count")
 
     def codegen(context, builder, sig, args):
-        v, ptr, vty = _load(context, builder, sig.args[0], args[0], n)
-        mask = builder.bitcast(builder.trunc(args[1], ir.IntType(n)),
-                               ir.VectorType(ir.IntType(1), n))
-        bits = builder.shl(builder.zext(mask, vty), _splat(builder, args[2], vty))
-        builder.store(builder.or_(v, bits), ptr, align=4)
+        def emit(n):
+            v, ptr, vty = _load(context, builder, sig.args[0], args[0], n)
+            mask = builder.bitcast(builder.trunc(args[1], ir.IntType(n)),
+                                   ir.VectorType(ir.IntType(1), n))
+            bits = builder.shl(builder.zext(mask, vty), _splat(builder, args[2], vty))
+            builder.store(builder.or_(v, bits), ptr, align=4)
+
+        _by_value(context, builder, sig.args[3], args[3], _SIZES, emit, "plane scatter count")
         return context.get_dummy_value()
 
     return types.void(u, x, k, count), codegen
@@ -97,16 +142,9 @@ _NB = -0x55555556                      # 0xAAAAAAAA as an int32: the negabinary 
 
 
 def _check_block(src, dst, d, src_dtype, dst_dtype):
-    if not isinstance(d, types.IntegerLiteral):
-        raise errors.RequireLiteralValue(d)
-    for arr, dt in ((src, src_dtype), (dst, dst_dtype)):
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"
-                and arr.dtype == dt):
-            raise errors.TypingError(f"block transform needs C-contiguous 1-D {dt} arrays, "
-                                     f"got {arr}")
-    if d.literal_value not in (1, 2, 3):
-        raise errors.TypingError(f"zfp blocks are 1-, 2- or 3-D, got d={d.literal_value}")
-    return d.literal_value
+    _check_array(src, src_dtype, "block transform")
+    _check_array(dst, dst_dtype, "block transform")
+    _check_integer(d, "block dimensionality d")
 
 
 def _const(vty, value):
@@ -176,29 +214,33 @@ def _splat_float(context, builder, value, fromty, count):
 
 @intrinsic
 def fwd_block(typingctx, fb, scale, u, d):
-    """Forward pipeline of one ``d``-D block (a literal): float32 ``fb`` (``4^d`` values) times
-    ``scale`` (``2^(30 - emax)``), truncated to int32 as x86's ``cvttss2si`` does (out of range
-    and NaN give ``-2^31``), lifted along x, y, z, reordered by sequency and mapped to negabinary
-    into uint32 ``u``."""
-    n = _check_block(fb, u, d, types.float32, types.uint32)
-    from moeflow.comm.codecs.zfp.transform import PERM
-    S = 4 ** n
+    """Forward pipeline of one ``d``-D block (d = 1, 2 or 3): float32 ``fb`` (``4^d`` values)
+    times ``scale`` (``2^(30 - emax)``), truncated to int32 as x86's ``cvttss2si`` does (out of
+    range and NaN give ``-2^31``), lifted along x, y, z, reordered by sequency and mapped to
+    negabinary into uint32 ``u``."""
+    _check_block(fb, u, d, types.float32, types.uint32)
 
     def codegen(context, builder, sig, args):
-        fty = ir.VectorType(ir.FloatType(), S)
-        vty = ir.VectorType(_I32, S)
-        y = builder.fmul(builder.load(_vector(context, builder, sig.args[0], args[0],
-                                              ir.FloatType(), S), align=4),
-                         _splat_float(context, builder, args[1], sig.args[1], S))
-        inside = builder.and_(builder.fcmp_ordered("<", y, _const(fty, 2147483648.0)),
-                              builder.fcmp_ordered(">", y, _const(fty, -2147483648.0)))
-        v = builder.select(inside, builder.fptosi(y, vty), _const(vty, -2 ** 31))
-        for axis in range(n):                              # x, then y, then z
-            v = _lift_axis(builder, v, S, axis, _fwd_lift)
-        v = _shuffle(builder, v, list(PERM[n]))            # sequency order
-        nb = _const(vty, _NB)
-        v = builder.xor(builder.add(v, nb), nb)
-        builder.store(v, _vector(context, builder, sig.args[2], args[2], _I32, S), align=4)
+        def emit(n):
+            from moeflow.comm.codecs.zfp.transform import PERM
+            S = 4 ** n
+            fty = ir.VectorType(ir.FloatType(), S)
+            vty = ir.VectorType(_I32, S)
+            x = builder.load(_vector(context, builder, sig.args[0], args[0], ir.FloatType(), S),
+                             align=4)
+            y = builder.fmul(x, _splat_float(context, builder, args[1], sig.args[1], S))
+            inside = builder.and_(builder.fcmp_ordered("<", y, _const(fty, 2147483648.0)),
+                                  builder.fcmp_ordered(">", y, _const(fty, -2147483648.0)))
+            v = builder.select(inside, builder.fptosi(y, vty), _const(vty, -2 ** 31))
+            for axis in range(n):                          # x, then y, then z
+                v = _lift_axis(builder, v, S, axis, _fwd_lift)
+            v = _shuffle(builder, v, list(PERM[n]))        # sequency order
+            nb = _const(vty, _NB)
+            v = builder.xor(builder.add(v, nb), nb)
+            builder.store(v, _vector(context, builder, sig.args[2], args[2], _I32, S), align=4)
+
+        _by_value(context, builder, sig.args[3], args[3], (1, 2, 3), emit,
+                  "block dimensionality d")
         return context.get_dummy_value()
 
     return types.void(fb, scale, u, d), codegen
@@ -226,11 +268,16 @@ def inv_block(typingctx, u, scale, fb, d):
     """Inverse of :func:`fwd_block`: negabinary uint32 ``u`` (sequency order) back to block
     order, inverse lifting along z, y, x, then ``float32(int) * scale`` (``2^(emax - 30)``)
     into float32 ``fb``."""
-    n = _check_block(u, fb, d, types.uint32, types.float32)
+    _check_block(u, fb, d, types.uint32, types.float32)
 
     def codegen(context, builder, sig, args):
-        v = builder.load(_vector(context, builder, sig.args[0], args[0], _I32, 4 ** n), align=4)
-        _inverse_pipeline(context, builder, v, args[1], sig.args[1], args[2], sig.args[2], n)
+        def emit(n):
+            v = builder.load(_vector(context, builder, sig.args[0], args[0], _I32, 4 ** n),
+                             align=4)
+            _inverse_pipeline(context, builder, v, args[1], sig.args[1], args[2], sig.args[2], n)
+
+        _by_value(context, builder, sig.args[3], args[3], (1, 2, 3), emit,
+                  "block dimensionality d")
         return context.get_dummy_value()
 
     return types.void(u, scale, fb, d), codegen
@@ -241,9 +288,7 @@ def inv_block_1d(typingctx, lo, hi, scale, fb):
     """:func:`inv_block` for a 1-D block whose four coefficients come as two uint64 words
     (``lo`` = coefficients 0 and 1, ``hi`` = 2 and 3, low half first): they enter the vector
     code in registers, not through memory."""
-    if not (isinstance(fb, types.Array) and fb.ndim == 1 and fb.layout == "C"
-            and fb.dtype == types.float32):
-        raise errors.TypingError(f"inv_block_1d needs a C-contiguous 1-D float32 array, got {fb}")
+    _check_array(fb, types.float32, "inv_block_1d")
 
     def codegen(context, builder, sig, args):
         i64 = ir.IntType(64)
