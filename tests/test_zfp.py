@@ -144,5 +144,8 @@ def test_zfpy_codec_rejects_cuda_and_bad_inputs_fail_clearly():
         zfp.compress(torch.randn(8), 0)
     with pytest.raises(ValueError, match="bytes"):
         zfp.decompress(torch.zeros(3, dtype=torch.uint8), (8,), 8)
+    streams = zfp.compress(torch.randn(3, 16), 8, dims=1)
+    with pytest.raises(ValueError, match=r"4 stream\(s\) of 16 bytes, but data \(3, 16\) holds 3"):
+        zfp.decompress(streams, (4, 16), 8, dims=1)
     with pytest.raises(ValueError, match="rate"):
         CODECS["zfp"](rate=-1)

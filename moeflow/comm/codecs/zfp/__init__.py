@@ -114,6 +114,13 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
         raise ValueError(f"zfp.decompress: expected uint8 streams of {need} bytes (last dim) "
                          f"for shape {shape}, rate {rate}, dims {d}; got {data.dtype} "
                          f"{tuple(data.shape)}")
+    streams = 1
+    for n in shape[: len(shape) - d]:
+        streams *= n
+    if data.numel() != streams * need:
+        raise ValueError(f"zfp.decompress: shape {shape} with dims={d} is {streams} stream(s) of "
+                         f"{need} bytes, but data {tuple(data.shape)} holds "
+                         f"{data.numel() // need}; pass the shape the streams were made from")
     if _triton_for(data):                                # CUDA: the Triton kernels
         from moeflow.comm.codecs.zfp import triton_backend, triton_nd
         if d == 1:
