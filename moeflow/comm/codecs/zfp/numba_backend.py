@@ -105,23 +105,27 @@ if numba is not None:
                 out[(z * dims[1] + y) * dims[2] + x] = fb[i]
 
     @_inline
-    def _block_origins(d, dims):
-        """Per block of one array, in zfp's order (z slowest, x fastest): its first coordinate
-        (z0, y0, x0) and, for a block inside the array, the offset of its first value (-1 for a
-        partial block at an edge, which goes through zfp's padding)."""
+    def _block_bases(d, dims):
+        """Per block of one array, in zfp's order (z slowest, x fastest): the offset of its
+        first value, or -1 for a partial block at an edge (it goes through zfp's padding,
+        :func:`_block_corner` gives its first coordinate)."""
         nz, ny, nx = dims
-        org = np.empty(((nz + 3) // 4 * ((ny + 3) // 4) * ((nx + 3) // 4), 4), dtype=np.int64)
+        bases = np.empty((nz + 3) // 4 * ((ny + 3) // 4) * ((nx + 3) // 4), dtype=np.int64)
         b = 0
         for z0 in range(0, nz, 4):
             for y0 in range(0, ny, 4):
                 for x0 in range(0, nx, 4):
                     full = x0 + 4 <= nx and (d < 2 or y0 + 4 <= ny) and (d < 3 or z0 + 4 <= nz)
-                    org[b, 0] = z0
-                    org[b, 1] = y0
-                    org[b, 2] = x0
-                    org[b, 3] = (z0 * ny + y0) * nx + x0 if full else -1
+                    bases[b] = (z0 * ny + y0) * nx + x0 if full else -1
                     b += 1
-        return org
+        return bases
+
+    @_inline
+    def _block_corner(dims, b):
+        """First coordinate (z0, y0, x0) of block ``b`` (zfp's order)."""
+        nbx = (dims[2] + 3) // 4
+        nby = (dims[1] + 3) // 4
+        return 4 * (b // (nbx * nby)), 4 * (b // nbx % nby), 4 * (b % nbx)
 
     @_inline
     def _row_offsets(d, dims):
@@ -182,21 +186,22 @@ def _build(d: int, stamp: str):
         array -> uint64 words ``(nslices, nws)``: each slice's blocks in zfp's order,
         ``maxbits`` bits each."""
         stamp                     # noqa: B018 - referenced so the cache key holds it (above)
-        org = _block_origins(d, dims)
+        bases = _block_bases(d, dims)
         off = _row_offsets(d, dims)
         words = np.zeros((a.shape[0], nws), dtype=np.uint64)
         fb = np.empty(S, dtype=np.float32)
         u = np.empty(S, dtype=np.uint32)
         for s in range(a.shape[0]):
             row = a[s]
-            for b in range(org.shape[0]):
-                base = org[b, 3]
+            for b in range(bases.shape[0]):
+                base = bases[b]
                 if base >= 0:
                     for j in range(S // 4):
                         for x in range(4):
                             fb[4 * j + x] = row[base + off[j] + x]
                 else:
-                    _gather_partial(row, dims, org[b, 0], org[b, 1], org[b, 2], iz, iy, ix, fb)
+                    z0, y0, x0 = _block_corner(dims, b)
+                    _gather_partial(row, dims, z0, y0, x0, iz, iy, ix, fb)
                 _encode_block(fb, d, maxbits, words[s], b * maxbits, u, table)
         return words
 
@@ -204,21 +209,22 @@ def _build(d: int, stamp: str):
     def decode(words, dims, maxbits, out, single, many):
         """uint64 words ``(nslices, nws)`` -> float32 ``out`` (nslices, nz * ny * nx)."""
         stamp                     # noqa: B018
-        org = _block_origins(d, dims)
+        bases = _block_bases(d, dims)
         off = _row_offsets(d, dims)
         fb = np.empty(S, dtype=np.float32)
         u = np.empty(S, dtype=np.uint32)
         for s in range(out.shape[0]):
             row = out[s]
-            for b in range(org.shape[0]):
+            for b in range(bases.shape[0]):
                 _decode_block(words[s], b * maxbits, d, maxbits, fb, u, single, many)
-                base = org[b, 3]
+                base = bases[b]
                 if base >= 0:
                     for j in range(S // 4):
                         for x in range(4):
                             row[base + off[j] + x] = fb[4 * j + x]
                 else:
-                    _scatter_partial(fb, row, dims, org[b, 0], org[b, 1], org[b, 2])
+                    z0, y0, x0 = _block_corner(dims, b)
+                    _scatter_partial(fb, row, dims, z0, y0, x0)
         return out
 
     return encode, decode
