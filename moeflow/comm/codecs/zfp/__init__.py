@@ -18,6 +18,8 @@ used here for CPU arrays when numba is installed; :func:`backend` says which cod
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moeflow.comm.codecs.zfp import plane_decode, plane_encode, torch_backend
@@ -114,9 +116,7 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
         raise ValueError(f"zfp.decompress: expected uint8 streams of {need} bytes (last dim) "
                          f"for shape {shape}, rate {rate}, dims {d}; got {data.dtype} "
                          f"{tuple(data.shape)}")
-    streams = 1
-    for n in shape[: len(shape) - d]:
-        streams *= n
+    streams = math.prod(shape[: len(shape) - d])
     if data.numel() != streams * need:
         raise ValueError(f"zfp.decompress: shape {shape} with dims={d} is {streams} stream(s) of "
                          f"{need} bytes, but data {tuple(data.shape)} holds "
@@ -143,10 +143,7 @@ def compressed_bytes(shape, rate: float = 8.0, dims: int | None = None) -> int:
     shape = tuple(shape)
     d = len(shape) if dims is None else dims
     mb = maxbits_for(rate, d)
-    lead = 1
-    for n in shape[: len(shape) - d]:
-        lead *= n
-    return lead * torch_backend.stream_bytes(blocks_per_array(shape, d), mb)
+    return math.prod(shape[: len(shape) - d]) * torch_backend.stream_bytes(blocks_per_array(shape, d), mb)
 
 
 __all__ = ["compress", "decompress", "compressed_bytes", "maxbits_for", "backend"]

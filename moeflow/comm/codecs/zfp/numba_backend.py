@@ -193,6 +193,7 @@ def _build(d: int, stamp: str):
         u = np.empty(S, dtype=np.uint32)
         for s in range(a.shape[0]):
             row = a[s]
+            ws = words[s]
             for b in range(bases.shape[0]):
                 base = bases[b]
                 if base >= 0:
@@ -202,7 +203,7 @@ def _build(d: int, stamp: str):
                 else:
                     z0, y0, x0 = _block_corner(dims, b)
                     _gather_partial(row, dims, z0, y0, x0, iz, iy, ix, fb)
-                _encode_block(fb, d, maxbits, words[s], b * maxbits, u, table)
+                _encode_block(fb, d, maxbits, ws, b * maxbits, u, table)
         return words
 
     @_jit
@@ -215,8 +216,9 @@ def _build(d: int, stamp: str):
         u = np.empty(S, dtype=np.uint32)
         for s in range(out.shape[0]):
             row = out[s]
+            ws = words[s]
             for b in range(bases.shape[0]):
-                _decode_block(words[s], b * maxbits, d, maxbits, fb, u, single, many)
+                _decode_block(ws, b * maxbits, d, maxbits, fb, u, single, many)
                 base = bases[b]
                 if base >= 0:
                     for j in range(S // 4):

@@ -79,9 +79,7 @@ def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
     lead = a.shape[: a.dim() - d]
     blocks = T.to_blocks(a, d)
     bits = encode_blocks(blocks, d, maxbits)
-    nslices = 1
-    for s in lead:
-        nslices *= s
+    nslices = math.prod(lead)
     per = blocks.shape[0] // max(nslices, 1)
     return pack_bits(bits.reshape(nslices, per * maxbits)).reshape(*lead, -1)
 
@@ -90,9 +88,7 @@ def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int)
     """Inverse of :func:`compress` (``shape`` is the original array's shape)."""
     lead = shape[: len(shape) - d]
     per = T.blocks_per_array(shape, d)
-    nslices = 1
-    for s in lead:
-        nslices *= s
+    nslices = math.prod(lead)
     bits = unpack_bits(data.reshape(nslices, -1), per * maxbits).reshape(nslices * per, maxbits)
     return T.from_blocks(decode_blocks(bits, d), tuple(shape), d)
 
