@@ -15,7 +15,8 @@ def balance_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -
     T = probs.shape[0]
     if T == 0:
         return probs.sum() * 0.0
-    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+    flat = experts.reshape(-1)      # index_add, not bincount (which syncs on CUDA)
+    f = probs.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype))
     f = f / experts.numel()
     return num_experts * torch.sum(f * probs.mean(dim=0))
 
