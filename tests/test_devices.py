@@ -302,3 +302,29 @@ def test_logging_reads_the_device_once_per_interval(tmp_path):
     reads = [w for w, f in counter.outside_layer()]
     # step-0 evaluation, step-4 training mean, step-4 evaluation: one tolist each
     assert reads == ["Tensor.tolist"] * 3, counter.outside_layer()
+
+
+# ---- on a GPU (skipped without one) -------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_train_on_cuda_and_checkpoints_across_device_types(tmp_path):
+    """3 steps on cuda:0 in bf16, then the checkpoint resumes on CPU with the same weights,
+    and a CPU checkpoint resumes on CUDA."""
+    gpu = _trainer(tmp_path / "gpu", device="cuda")
+    assert gpu.device == torch.device("cuda", 0) and gpu.dtype == torch.bfloat16
+    assert all(p.is_cuda for p in gpu.model.parameters())
+    result = gpu.run()
+    assert math.isfinite(result["final_val_loss"])
+    on_cpu = _trainer(tmp_path / "gpu", device="cpu")
+    on_cpu.resume()
+    assert on_cpu.step == 3
+    for (name, a), (_, b) in zip(gpu.model.named_parameters(), on_cpu.model.named_parameters()):
+        assert torch.equal(a.detach().cpu(), b.detach()), name
+    cpu = _trainer(tmp_path / "cpu", device="cpu")
+    cpu.run()
+    on_gpu = _trainer(tmp_path / "cpu", device="cuda")
+    on_gpu.resume()
+    for (name, a), (_, b) in zip(cpu.model.named_parameters(), on_gpu.model.named_parameters()):
+        assert b.is_cuda and torch.equal(a.detach(), b.detach().cpu()), name
