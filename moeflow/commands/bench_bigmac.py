@@ -49,6 +49,9 @@ def register_bench(bsub) -> None:
 
 
 def run_bigmac(args: argparse.Namespace) -> int:
+    from moeflow.devices import check_device
+
+    check_device(args.device)            # fail fast, before the bench registers "counting"
     from moeflow.bench.bigmac import bench_worker, default_cases, format_table, write_json
 
     for name in ("tokens", "d_model", "d_expert", "num_experts", "reps", "granularity"):
