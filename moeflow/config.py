@@ -309,6 +309,10 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
+DEVICES = ("auto", "cpu", "cuda")     # auto: cuda when a GPU is visible, else cpu
+DTYPES = ("auto", "bf16", "fp32")     # autocast dtype; auto: bf16 on cuda, fp32 on cpu
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and bookkeeping for ``moeflow train``."""
@@ -327,6 +331,8 @@ class TrainConfig:
     seed: int = 0
     collective_timeout_s: float = 300.0
     ep_size: int | None = None    # None = all ranks (pure expert parallelism)
+    device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
+    dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
 
     def __post_init__(self) -> None:
         o = "TrainConfig"
@@ -346,3 +352,7 @@ class TrainConfig:
                  self.collective_timeout_s, "must be > 0 seconds")
         if self.ep_size is not None:
             _positive_int(o, "ep_size", self.ep_size)
+        _require(self.device in DEVICES, o, "device", self.device,
+                 f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
+        _require(self.dtype in DTYPES, o, "dtype", self.dtype,
+                 f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 on cpu)")
