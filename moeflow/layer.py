@@ -20,6 +20,7 @@ from moeflow.routing import ROUTERS
 from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
+from moeflow.schedule.tasks import check_order
 from moeflow.topology import Topology
 
 
@@ -55,11 +56,33 @@ class MoELayer(nn.Module):
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
         self.scheduler = SCHEDULERS[cfg.schedule]()
+        self._checked_schedule: tuple | None = None
+        self._check_schedule()
         self.lane = CommLane()
         self.timer: PhaseTimer | None = None
         self.timeline: Timeline | None = None     # set to a Timeline to record every task
         self.aux_loss: torch.Tensor | None = None
         self._stats: dict[str, torch.Tensor | float] = {}
+
+    def _check_schedule(self) -> None:
+        """Validate the scheduler's order at the configured pipelining degree (ScheMoE Eq. 4-9
+        dependencies), once per (scheduler, degree): at construction, and again in forward
+        after ``cfg`` or ``scheduler`` was replaced (the profiler changes the degree)."""
+        key = (self.scheduler, self.cfg.pipeline_degree)
+        if self._checked_schedule == key:
+            return
+        r, s = self.cfg.pipeline_degree, self.scheduler
+        where = f"{type(s).__module__}.{type(s).__qualname__}.order({r})"
+        try:
+            order = list(s.order(r))
+            check_order(order, r)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(
+                f"MoEConfig.schedule={self.cfg.schedule!r} is invalid at pipeline_degree={r}: "
+                f"{where} must return each computing task (C1, D1, E, C2, D2 of every chunk) "
+                f"once, after its same-chunk predecessors: {e}; fix the scheduler's order() or "
+                "choose another schedule") from e
+        self._checked_schedule = key
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the last forward's aux_loss (it belongs to that graph)."""
@@ -86,10 +109,15 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, t = self.cfg, self.timer or NULL_TIMER
+        if not x.is_floating_point():
+            raise TypeError(f"MoELayer input has dtype {x.dtype}; it must be floating point "
+                            "(token embeddings, e.g. float32 or bfloat16): convert token ids "
+                            "with an nn.Embedding first, or cast with x.float()")
         if x.shape[-1] != cfg.d_model:
             raise ValueError(f"MoELayer input has last dimension {x.shape[-1]} but "
                              f"MoEConfig.d_model={cfg.d_model}; reshape the input or build the "
                              f"layer with d_model={x.shape[-1]}")
+        self._check_schedule()
         shape = x.shape
         h = x.reshape(-1, cfg.d_model)
         if 0 < h.shape[0] < cfg.pipeline_degree:
