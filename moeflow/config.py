@@ -30,6 +30,9 @@ def _positive_int(owner: str, name: str, value) -> None:
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu")
+# How f_e of the load-balancing loss counts top-k choices (see moeflow/routing/losses.py):
+# all k choices (Megatron-core) or each token's first choice (GShard, DeepSpeed-MoE, Tutel).
+BALANCE_LOSSES = ("all_choices", "first_choice")
 # MoE structures (BigMac section "Analysis of Different MoE Structures"); see
 # moeflow/experts/structure.py for what each one computes.
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
@@ -97,6 +100,11 @@ class MoEConfig:
     ``structure`` (BigMac, Fig. 2): ``vanilla`` few large experts, ``fine_grained`` many small
     ones (both communicate at ``d_model``), ``bigmac`` descend to ``downscale_factor *
     d_model`` before the all-to-all and ascend after it (default ``downscale_factor`` 0.25).
+
+    ``balance_loss`` chooses how the load-balancing loss ``E sum_e f_e P_e`` counts top-k
+    choices in ``f_e``: ``"all_choices"`` (Megatron-core) or ``"first_choice"`` (GShard,
+    DeepSpeed-MoE, Tutel); see ``moeflow/routing/losses.py``. With ``router="bilevel"`` it
+    applies per level of SMILE's Eq. (4), whose ``f`` is the first choice (argmax).
     """
 
     d_model: int
@@ -111,6 +119,7 @@ class MoEConfig:
     gate_noise: float = 0.0
     renormalize: bool | None = None
     aux_loss_coef: float = 0.01
+    balance_loss: str = "all_choices"
     z_loss_coef: float = 0.0
     # SMILE bi-level routing (router="bilevel"): experts in `bilevel_nodes` equal groups, one
     # per node; top `node_top_k` nodes x top `local_top_k` experts of a node per token
@@ -152,6 +161,10 @@ class MoEConfig:
         for name in ("aux_loss_coef", "z_loss_coef"):
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and v >= 0, o, name, v, "must be >= 0")
+        _require(self.balance_loss in BALANCE_LOSSES, o, "balance_loss", self.balance_loss,
+                 "choose 'all_choices' (f_e counts all top-k choices, Megatron-core) or "
+                 "'first_choice' (f_e counts each token's first choice, GShard / DeepSpeed-MoE "
+                 "/ Tutel)")
         _require(isinstance(self.seed, int) and self.seed >= 0, o, "seed", self.seed,
                  "must be a non-negative integer")
         _require(isinstance(self.layer_id, int) and self.layer_id >= 0, o, "layer_id",
@@ -240,6 +253,7 @@ class ModelConfig:
     structure: str = "vanilla"
     downscale_factor: float | None = None
     aux_loss_coef: float = 0.01
+    balance_loss: str = "all_choices"
     z_loss_coef: float = 0.0
     bilevel_nodes: int | None = None
     node_top_k: int = 1

@@ -28,6 +28,9 @@ CASES: dict[str, dict] = {
     "zero_token_rank": dict(num_experts=8, top_k=2, capacity_factor=1.5, tokens=(5, 0, 7, 4)),
     "z_loss_relu": dict(num_experts=4, top_k=2, capacity_factor=2.0, activation="relu",
                         z_loss_coef=0.1),
+    # the GShard / DeepSpeed-MoE / Tutel balancing loss (f_e from first choices)
+    "first_choice_loss_k2": dict(num_experts=8, top_k=2, capacity_factor=1.25,
+                                 balance_loss="first_choice"),
     # structures (BigMac): fine-grained and BigMac default to dropless routing
     "fine_grained_k4": dict(num_experts=8, top_k=4, structure="fine_grained"),
     "bigmac_k8": dict(num_experts=8, top_k=8, structure="bigmac"),       # r = 0.25: width 2

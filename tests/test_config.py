@@ -24,6 +24,7 @@ BASE = dict(d_model=8, d_expert=16, num_experts=4, top_k=2)
     (dict(activation="tanh"), "activation='tanh'", "gelu"),
     (dict(gate_noise=-0.1), "gate_noise=-0.1", ">= 0"),
     (dict(aux_loss_coef=-1.0), "aux_loss_coef=-1.0", ">= 0"),
+    (dict(balance_loss="top1"), "balance_loss='top1'", "'first_choice' (f_e counts each"),
 ])
 def test_moe_config_errors(change, field, hint):
     with pytest.raises(ConfigError) as err:

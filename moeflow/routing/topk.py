@@ -31,7 +31,7 @@ class TopKRouter(Router):
         weights, experts = probs.topk(cfg.top_k, dim=-1)
         if cfg.renormalize_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        lb = balance_loss(probs, experts, cfg.num_experts)
+        lb = balance_loss(probs, experts, cfg.num_experts, cfg.balance_loss)
         zl = z_loss(logits)
         aux = cfg.aux_loss_coef * lb + cfg.z_loss_coef * zl
         return Routing(experts=experts, weights=weights, aux_loss=aux,
