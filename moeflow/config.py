@@ -29,7 +29,7 @@ def _positive_int(owner: str, name: str, value) -> None:
              owner, name, value, "must be a positive integer")
 
 
-ACTIVATIONS = ("gelu", "swiglu", "relu")
+ACTIVATIONS = ("gelu", "swiglu", "relu")     # built in; any elementwise F function also works
 # How f_e of the load-balancing loss counts top-k choices (see moeflow/routing/losses.py):
 # all k choices (Megatron-core) or each token's first choice (GShard, DeepSpeed-MoE, Tutel).
 BALANCE_LOSSES = ("all_choices", "first_choice")
@@ -38,6 +38,54 @@ BALANCE_LOSSES = ("all_choices", "first_choice")
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
 DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
 DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
+
+
+def _elementwise_in_F(name) -> bool:
+    """Whether ``torch.nn.functional.<name>`` is a deterministic elementwise function of one
+    tensor: applied to a (4, 8) tensor it must equal itself applied to the 32 values as a
+    column (this refuses reductions such as softmax, shape changes such as glu, functions that
+    need more arguments such as threshold, random ones such as dropout, in-place variants)."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    if (not isinstance(name, str) or name.startswith("_") or name.endswith("_")
+            or "dropout" in name):       # identity at training=False: not an activation
+        return False
+    fn = getattr(F, name, None)
+    if not callable(fn) or isinstance(fn, type):
+        return False
+    t = torch.linspace(-3.0, 2.5, 32, dtype=torch.float64)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = fn(t.reshape(4, 8))
+            col = fn(t.reshape(32, 1))
+    except Exception:                    # any failure means: not usable as an activation
+        return False
+    return (isinstance(y, torch.Tensor) and isinstance(col, torch.Tensor)
+            and y.shape == (4, 8) and col.shape == (32, 1) and y.is_floating_point()
+            and torch.equal(y.reshape(-1), col.reshape(-1)))
+
+
+def _check_activation(o: str, name) -> None:
+    if name in ACTIVATIONS or _elementwise_in_F(name):
+        return
+    import difflib
+
+    import torch.nn.functional as F
+
+    names = sorted(set(ACTIVATIONS) | {n for n in dir(F) if not n.startswith("_")})
+    close = [n for n in difflib.get_close_matches(str(name), names, n=6, cutoff=0.6)
+             if n in ACTIVATIONS or _elementwise_in_F(n)][:3]
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    known = (f"torch.nn.functional.{name} is not an elementwise function of one tensor; "
+             if isinstance(name, str) and hasattr(F, name) else "")
+    raise config_error(o, "activation", name,
+                       f"{known}choose one of {', '.join(ACTIVATIONS)} or the name of an elementwise "
+                       f"function of one tensor in torch.nn.functional (e.g. silu, mish, "
+                       f"leaky_relu, tanh){hint}")
 
 
 def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_model: int,
@@ -101,6 +149,10 @@ class MoEConfig:
     ones (both communicate at ``d_model``), ``bigmac`` descend to ``downscale_factor *
     d_model`` before the all-to-all and ascend after it (default ``downscale_factor`` 0.25).
 
+    ``activation`` is ``gelu``, ``relu``, ``swiglu`` or the name of any elementwise function
+    of ``torch.nn.functional`` (``silu``, ``mish``, ``leaky_relu``, ...); ``expert_bias`` adds
+    biases to the expert projections (Tutel's ``has_fc1_bias`` / ``has_fc2_bias``).
+
     ``balance_loss`` chooses how the load-balancing loss ``E sum_e f_e P_e`` counts top-k
     choices in ``f_e``: ``"all_choices"`` (Megatron-core) or ``"first_choice"`` (GShard,
     DeepSpeed-MoE, Tutel); see ``moeflow/routing/losses.py``. With ``router="bilevel"`` it
@@ -114,6 +166,7 @@ class MoEConfig:
     capacity_factor: float | None | str = "auto"
     router: str = "topk"
     activation: str = "gelu"
+    expert_bias: bool = False
     structure: str = "vanilla"
     downscale_factor: float | None = None
     gate_noise: float = 0.0
@@ -154,8 +207,10 @@ class MoEConfig:
                      and self.capacity_factor > 0,
                      o, "capacity_factor", self.capacity_factor,
                      "must be > 0 (e.g. 1.25), None for dropless routing, or 'auto'")
-        _require(self.activation in ACTIVATIONS, o, "activation", self.activation,
-                 f"choose one of {', '.join(ACTIVATIONS)}")
+        _check_activation(o, self.activation)
+        _require(isinstance(self.expert_bias, bool), o, "expert_bias", self.expert_bias,
+                 "must be True (experts W2 act(W1 x + b1) + b2, Tutel's has_fc1_bias / "
+                 "has_fc2_bias) or False")
         _require(isinstance(self.gate_noise, (int, float)) and self.gate_noise >= 0, o,
                  "gate_noise", self.gate_noise, "must be >= 0 (0 disables router noise)")
         for name in ("aux_loss_coef", "z_loss_coef"):
@@ -250,6 +305,7 @@ class ModelConfig:
     capacity_factor: float | None | str = "auto"
     router: str = "topk"
     activation: str = "gelu"
+    expert_bias: bool = False
     structure: str = "vanilla"
     downscale_factor: float | None = None
     aux_loss_coef: float = 0.01

@@ -51,7 +51,7 @@ class MoELayer(nn.Module):
         self.dcca = build_projections(cfg)      # BigMac's W_d / W_u; None for other structures
         self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
                                  topo.ep_rank * self.num_local, self.num_local, cfg.activation,
-                                 cfg.seed, cfg.layer_id)
+                                 cfg.seed, cfg.layer_id, bias=cfg.expert_bias)
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()

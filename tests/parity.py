@@ -28,6 +28,13 @@ CASES: dict[str, dict] = {
     "zero_token_rank": dict(num_experts=8, top_k=2, capacity_factor=1.5, tokens=(5, 0, 7, 4)),
     "z_loss_relu": dict(num_experts=4, top_k=2, capacity_factor=2.0, activation="relu",
                         z_loss_coef=0.1),
+    # Tutel's options: expert biases (has_fc1_bias / has_fc2_bias), activations by name
+    "expert_bias_capacity": dict(num_experts=8, top_k=2, capacity_factor=1.0, expert_bias=True),
+    "expert_bias_swiglu_dropless": dict(num_experts=8, top_k=2, capacity_factor=None,
+                                        activation="swiglu", expert_bias=True),
+    "mish_dropless": dict(num_experts=8, top_k=2, capacity_factor=None, activation="mish"),
+    "leaky_relu_bias_k1": dict(num_experts=4, top_k=1, capacity_factor=1.5,
+                               activation="leaky_relu", expert_bias=True),
     # the GShard / DeepSpeed-MoE / Tutel balancing loss (f_e from first choices)
     "first_choice_loss_k2": dict(num_experts=8, top_k=2, capacity_factor=1.25,
                                  balance_loss="first_choice"),

@@ -61,3 +61,60 @@ def test_scheduler_is_rechecked_when_the_degree_changes():
     layer.cfg = layer.cfg.replace(pipeline_degree=2)
     with pytest.raises(ConfigError, match="pipeline_degree=2"):
         layer(x)
+
+
+def _expert_formula(ffn, x, counts, act):
+    """Each local expert's rows through ``W2 act(W1 x + b1) + b2`` (SwiGLU: ``silu(W1 x + b1)
+    * (W3 x + b3)``), written out per expert."""
+    outs, start = [], 0
+    for i, n in enumerate(counts):
+        xi = x[start:start + n]
+        start += n
+        h = xi @ ffn.w1[i] + (ffn.b1[i] if ffn.has_bias else 0)
+        if act == "swiglu":
+            h = torch.nn.functional.silu(h) * (xi @ ffn.w3[i] + (ffn.b3[i] if ffn.has_bias
+                                                                 else 0))
+        else:
+            h = getattr(torch.nn.functional, act)(h)
+        outs.append(h @ ffn.w2[i] + (ffn.b2[i] if ffn.has_bias else 0))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu", "silu", "mish", "leaky_relu", "tanh"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("counts", [[3, 3, 3], [2, 0, 5]])     # batched and per-expert paths
+def test_expert_ffn_formula(act, bias, counts):
+    from moeflow.experts import ExpertFFN
+
+    ffn = ExpertFFN(8, 12, 0, 3, act, seed=1, layer_id=2, bias=bias).double()
+    x = torch.randn(sum(counts), 8, dtype=torch.float64)
+    torch.testing.assert_close(ffn(x, counts), _expert_formula(ffn, x, counts, act))
+
+
+def test_expert_biases_are_expert_parameters_with_layout_independent_init():
+    from moeflow.parallel.grad_sync import is_expert_param
+
+    cfg = mf.MoEConfig(**BASE, expert_bias=True, activation="swiglu")
+    whole = mf.MoELayer(cfg)
+    half = mf.MoELayer(cfg, mf.Topology(rank=1, world_size=2, local_size=2, ep_size=2))
+    names = {n for n, _ in whole.experts.named_parameters()}
+    assert names == {"w1", "w2", "w3", "b1", "b2", "b3"}
+    for name in ("b1", "b2", "b3"):
+        p = getattr(half.experts, name)
+        assert is_expert_param(p)
+        torch.testing.assert_close(p, getattr(whole.experts, name)[2:4])   # experts 2 and 3
+    # nn.Linear's bias init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert whole.experts.b1.abs().max() <= 8 ** -0.5 and whole.experts.b1.std() > 0.1
+    assert whole.experts.b2.abs().max() <= 16 ** -0.5
+    assert not hasattr(mf.MoELayer(mf.MoEConfig(**BASE)).experts, "b1")
+
+
+def test_model_cost_counts_expert_biases():
+    from moeflow.config import ModelConfig
+    from moeflow.models import GPT
+    from moeflow.models.cost import model_cost
+
+    for act in ("gelu", "swiglu"):
+        cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
+                          d_expert=8, seq_len=8, expert_bias=True, activation=act)
+        assert sum(p.numel() for p in GPT(cfg).parameters()) == model_cost(cfg).params_total
