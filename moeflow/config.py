@@ -88,6 +88,21 @@ def _check_activation(o: str, name) -> None:
                        f"leaky_relu, tanh){hint}")
 
 
+class _FromConfig:
+    """The default of a per-call option of ``MoELayer.forward``: use the config's value."""
+
+    def __repr__(self) -> str:
+        return "FROM_CONFIG"
+
+
+FROM_CONFIG = _FromConfig()
+
+
+def _resolve_capacity_factor(structure: str, capacity_factor):
+    return (DEFAULT_CAPACITY_FACTOR if structure == "vanilla" else None) \
+        if capacity_factor == "auto" else capacity_factor
+
+
 def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_model: int,
                      d_expert: int):
     """Validate the structure fields; return the resolved capacity factor.
@@ -97,8 +112,7 @@ def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_mod
     """
     _require(structure in STRUCTURES, o, "structure", structure,
              f"choose one of {', '.join(STRUCTURES)}")
-    if capacity_factor == "auto":
-        capacity_factor = DEFAULT_CAPACITY_FACTOR if structure == "vanilla" else None
+    capacity_factor = _resolve_capacity_factor(structure, capacity_factor)
     if structure != "bigmac":
         _require(downscale_factor is None, o, "downscale_factor", downscale_factor,
                  "only structure='bigmac' descends before the all-to-all; set "
@@ -278,7 +292,33 @@ class MoEConfig:
         Default: yes for k >= 2 (GShard), no for k = 1 (Switch: the raw probability scales the
         output, which is what trains the router).
         """
-        return self.top_k > 1 if self.renormalize is None else self.renormalize
+        return self.renormalizes(self.top_k)
+
+    def renormalizes(self, k: int) -> bool:
+        """:attr:`renormalize_topk` for a call routed with top-``k`` (a per-call override)."""
+        return k > 1 if self.renormalize is None else self.renormalize
+
+    def per_call(self, top_k=None, capacity_factor=FROM_CONFIG) -> tuple[int, float | None]:
+        """``(top_k, capacity_factor)`` for one call of the layer: the config's values, or the
+        per-call overrides of ``MoELayer.forward`` (Tutel's ``moe(x, top_k=...,
+        capacity_factor=...)``), validated like the fields. ``capacity_factor`` may be a
+        factor > 0, None (dropless) or "auto" (the structure's default)."""
+        if top_k is None and capacity_factor is FROM_CONFIG:
+            return self.top_k, self.capacity_factor
+        o = "MoELayer(x, ...)"
+        k = self.top_k if top_k is None else top_k
+        if top_k is not None:
+            _require(isinstance(k, int) and not isinstance(k, bool) and 0 < k <= self.num_experts,
+                     o, "top_k", k, f"must be an integer in [1, num_experts={self.num_experts}], "
+                     "or None for MoEConfig.top_k")
+        if capacity_factor is FROM_CONFIG:
+            return k, self.capacity_factor
+        f = _resolve_capacity_factor(self.structure, capacity_factor)
+        _require(f is None or (isinstance(f, (int, float)) and not isinstance(f, bool)
+                               and f > 0), o, "capacity_factor", capacity_factor,
+                 "must be > 0 (e.g. 1.25), None for dropless routing, 'auto' for the "
+                 "structure's default, or left out for MoEConfig.capacity_factor")
+        return k, f
 
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)

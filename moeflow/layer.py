@@ -11,7 +11,7 @@ from torch import nn
 
 from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
-from moeflow.config import ConfigError, MoEConfig
+from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.dispatch import capacity, combine, make_plan, permute
 from moeflow.experts import ExpertFFN
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
@@ -107,7 +107,11 @@ class MoELayer(nn.Module):
         """The last forward's statistics as floats (a device sync on GPU: read when logging)."""
         return {k: float(v) for k, v in self._stats.items()}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, top_k: int | None = None,
+                capacity_factor: float | None | str = FROM_CONFIG) -> torch.Tensor:
+        """``x: (..., d_model)``. ``top_k`` and ``capacity_factor`` override the config's for
+        this call only (no rebuild; ``capacity_factor=None`` is dropless, ``"auto"`` the
+        structure's default), as Tutel's ``moe(x, top_k=..., capacity_factor=...)``."""
         cfg, t = self.cfg, self.timer or NULL_TIMER
         if not x.is_floating_point():
             raise TypeError(f"MoELayer input has dtype {x.dtype}; it must be floating point "
@@ -118,6 +122,10 @@ class MoELayer(nn.Module):
                              f"MoEConfig.d_model={cfg.d_model}; reshape the input or build the "
                              f"layer with d_model={x.shape[-1]}")
         self._check_schedule()
+        k, factor = cfg.per_call(top_k, capacity_factor)
+        if k != cfg.top_k:
+            self.router.check_top_k(cfg, k)
+        route_k = {} if k == cfg.top_k else {"top_k": k}
         shape = x.shape
         h = x.reshape(-1, cfg.d_model)
         if 0 < h.shape[0] < cfg.pipeline_degree:
@@ -127,12 +135,11 @@ class MoELayer(nn.Module):
                               "the local token count; lower pipeline_degree or send larger "
                               "batches")
         with t.phase("route", h):
-            routing = self.router(t.mark(h, "route"))     # the router reads x (pre-descend)
+            routing = self.router(t.mark(h, "route"), **route_k)   # reads x (pre-descend)
         if self.dcca is not None:                          # BigMac: descend before dispatch
             with t.phase("project", h):
                 h = self.dcca.down(t.mark(h, "project"))
-        cap = (None if cfg.dropless else
-               capacity(h.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor))
+        cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
             plan = make_plan(routing.experts, cfg.num_experts, cap, self.algo)
             send = permute(t.mark(h, "permute"), plan)

@@ -118,3 +118,55 @@ def test_model_cost_counts_expert_biases():
         cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
                           d_expert=8, seq_len=8, expert_bias=True, activation=act)
         assert sum(p.numel() for p in GPT(cfg).parameters()) == model_cost(cfg).params_total
+
+
+@pytest.mark.parametrize("call,built", [
+    (dict(top_k=3, capacity_factor=2.0), dict(top_k=3, capacity_factor=2.0)),
+    (dict(top_k=1), dict(top_k=1)),                                   # Switch: no renormalising
+    (dict(capacity_factor=None), dict(capacity_factor=None)),         # dropless for one call
+    (dict(capacity_factor=0.5), dict(capacity_factor=0.5)),           # drops
+    (dict(capacity_factor="auto"), dict(capacity_factor=1.25)),
+])
+def test_per_call_overrides_equal_a_layer_built_with_them(call, built):
+    cfg = mf.MoEConfig(**{**BASE, "capacity_factor": 1.0, "seed": 3})
+    layer = mf.MoELayer(cfg).double()
+    other = mf.MoELayer(cfg.replace(**built)).double()
+    modules = list(layer.modules())
+    x = torch.randn(10, 8, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = layer(xa, **call), other(xb)
+    torch.testing.assert_close(ya, yb)
+    torch.testing.assert_close(layer.aux_loss, other.aux_loss)
+    assert layer.stats == other.stats
+    (ya.square().sum() + layer.aux_loss).backward()
+    (yb.square().sum() + other.aux_loss).backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    for (name, p), q in zip(layer.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    # no rebuild, no lasting change: the next call without overrides uses the config
+    assert list(layer.modules()) == modules and layer.cfg == cfg
+    torch.testing.assert_close(layer(x), mf.MoELayer(cfg).double()(x))
+
+
+@pytest.mark.parametrize("call,message", [
+    (dict(top_k=0), r"top_k=0 is invalid: must be an integer in \[1, num_experts=4\]"),
+    (dict(top_k=5), r"top_k=5 is invalid"),
+    (dict(top_k=True), r"top_k=True is invalid"),
+    (dict(top_k=2.0), r"top_k=2.0 is invalid"),
+    (dict(capacity_factor=0), r"capacity_factor=0 is invalid: must be > 0"),
+    (dict(capacity_factor="big"), r"capacity_factor='big' is invalid"),
+])
+def test_per_call_overrides_are_validated(call, message):
+    layer = mf.MoELayer(mf.MoEConfig(**BASE))
+    with pytest.raises(ConfigError, match=r"MoELayer\(x, \.\.\.\)\." + message):
+        layer(torch.randn(4, 8), **call)
+
+
+def test_bilevel_router_refuses_a_per_call_top_k():
+    cfg = mf.MoEConfig(d_model=8, d_expert=8, num_experts=8, top_k=1, router="bilevel",
+                       bilevel_nodes=2)
+    layer = mf.MoELayer(cfg)
+    with pytest.raises(ConfigError, match=r"top_k=2\) is invalid: with router='bilevel' top_k "
+                                          r"is node_top_k x local_top_k = 1 x 1"):
+        layer(torch.randn(4, 8), top_k=2)
+    layer(torch.randn(4, 8), top_k=1, capacity_factor=None)        # its own k is fine

@@ -55,6 +55,14 @@ class BiLevelRouter(Router):
                 f"{topo.ep_size}; set bilevel_nodes={topo.num_nodes} and keep expert "
                 "parallelism over all ranks (ep_size=None)")
 
+    @classmethod
+    def check_top_k(cls, cfg, k: int) -> None:
+        from moeflow.config import ConfigError
+
+        raise ConfigError(f"MoELayer(x, top_k={k}) is invalid: with router='bilevel' top_k is "
+                          f"node_top_k x local_top_k = {cfg.node_top_k} x {cfg.local_top_k}; "
+                          "build a layer with other node_top_k / local_top_k instead")
+
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.cfg
         dt = torch.promote_types(x.dtype, torch.float32)
