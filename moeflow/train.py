@@ -23,6 +23,7 @@ from moeflow.data import Corpus
 from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.grad_sync import sync_gradients
+from moeflow.parallel.replicas import prepare_model
 from moeflow.topology import Topology
 
 
@@ -72,7 +73,7 @@ class Trainer:
         self.out = Path(out_dir)
         self.progress = progress and topo.rank == 0
         self.corpus = Corpus.load(data)
-        self.model = GPT(model_cfg, topo)
+        self.model = prepare_model(GPT(model_cfg, topo), topo)   # replicas start equal
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.history: list[dict] = []
