@@ -32,7 +32,11 @@ class MoELayer(nn.Module):
     scaled auxiliary loss (add it to the training loss), and ``stats`` / ``stat_tensors`` the
     unscaled terms and the fraction of routing choices dropped by capacity (``stat_tensors``
     keeps the losses as detached tensors, so that the forward does not wait for the device;
-    ``stats`` converts them to floats, which on a GPU waits for the layer's work).
+    ``stats`` converts them to floats, which on a GPU waits for the layer's work). With a
+    codec that cannot carry inf/NaN (int8, fp8, zfp), ``nonfinite_payload`` counts the
+    non-finite values it was handed in this step's exchanges (forward, then backward).
+
+    Host synchronisations: none in capacity mode; dropless learns the row counts (one).
     """
 
     def __init__(self, cfg: MoEConfig, topo: Topology | None = None):
@@ -128,12 +132,8 @@ class MoELayer(nn.Module):
         route_k = {} if k == cfg.top_k else {"top_k": k}
         shape = x.shape
         h = x.reshape(-1, cfg.d_model)
-        if 0 < h.shape[0] < cfg.pipeline_degree:
-            # Checked before any collective. A rank with no tokens at all is fine (empty chunks).
-            raise ConfigError(f"MoEConfig.pipeline_degree={cfg.pipeline_degree} is invalid for "
-                              f"a batch of {h.shape[0]} tokens on this rank: it must not exceed "
-                              "the local token count; lower pipeline_degree or send larger "
-                              "batches")
+        # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
+        # that depends on this rank's data raises after this point (its peers would wait).
         with t.phase("route", h):
             routing = self.router(t.mark(h, "route"), **route_k)   # reads x (pre-descend)
         if self.dcca is not None:                          # BigMac: descend before dispatch
@@ -141,11 +141,13 @@ class MoELayer(nn.Module):
                 h = self.dcca.down(t.mark(h, "project"))
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
-            plan = make_plan(routing.experts, cfg.num_experts, cap, self.algo)
+            plan = make_plan(routing.experts, cfg.num_experts, cap, self.topo)
             send = permute(t.mark(h, "permute"), plan)
+        counted = not (self.codec.represents_nonfinite and self.backward_codec.represents_nonfinite)
+        nonfinite = h.new_zeros((), dtype=torch.long) if counted else None
         runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
-                                  self.timeline or t.timeline)
+                                  self.timeline or t.timeline, nonfinite)
         back = scheduled_experts(t.mark(send, None), plan, runner)
         with t.phase("combine", h):
             y = combine(t.mark(back, "combine"), plan, routing.weights)
@@ -157,4 +159,6 @@ class MoELayer(nn.Module):
         self._stats = {"balance_loss": routing.balance_loss.detach(),
                        "z_loss": routing.z_loss.detach(),
                        "dropped_fraction": plan.dropped / n_choices}
+        if nonfinite is not None:       # forward's count; backward adds its own in place
+            self._stats["nonfinite_payload"] = nonfinite
         return t.mark(y, None).reshape(shape)

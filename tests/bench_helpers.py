@@ -13,7 +13,7 @@ class NeedsManyNodes(AllToAll):
     def check_topology(cls, topo):
         raise ConfigError(f"needs 64 nodes, this layout has {topo.num_nodes}")
 
-    def start(self, x, send_splits, recv_splits):
+    def start(self, x, send_splits, recv_splits, matrix=None):
         raise AssertionError("never built")
 
 

@@ -48,7 +48,7 @@ def test_registry_rejects_wrong_types_and_taken_names():
     with pytest.raises(ValueError, match="already taken"):
         @mf.register_alltoall("direct")
         class Other(mf.AllToAll):
-            def start(self, x, send_splits, recv_splits):
+            def start(self, x, send_splits, recv_splits, matrix=None):
                 raise NotImplementedError
 
 

@@ -82,13 +82,22 @@ def _expert_formula(ffn, x, counts, act):
 
 @pytest.mark.parametrize("act", ["gelu", "swiglu", "silu", "mish", "leaky_relu", "tanh"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("counts", [[3, 3, 3], [2, 0, 5]])     # batched and per-expert paths
-def test_expert_ffn_formula(act, bias, counts):
+@pytest.mark.parametrize("counts", [[3, 3, 3], [2, 0, 5]])     # batched and unequal counts
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])   # loop and grouped_mm paths
+def test_expert_ffn_formula(act, bias, counts, dtype):
     from moeflow.experts import ExpertFFN
 
-    ffn = ExpertFFN(8, 12, 0, 3, act, seed=1, layer_id=2, bias=bias).double()
-    x = torch.randn(sum(counts), 8, dtype=torch.float64)
-    torch.testing.assert_close(ffn(x, counts), _expert_formula(ffn, x, counts, act))
+    ffn = ExpertFFN(8, 12, 0, 3, act, seed=1, layer_id=2, bias=bias).to(dtype)
+    x = torch.randn(sum(counts), 8, dtype=dtype, requires_grad=True)
+    y = ffn(x, counts)
+    expect = _expert_formula(ffn, x, counts, act)
+    torch.testing.assert_close(y, expect)
+    g = torch.randn_like(y)
+    params = list(ffn.parameters())
+    got = torch.autograd.grad(y, [x] + params, g)
+    want = torch.autograd.grad(expect, [x] + params, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 def test_expert_biases_are_expert_parameters_with_layout_independent_init():

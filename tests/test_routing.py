@@ -79,19 +79,19 @@ def test_capacity_formula(T, k, E, f):
 
 def test_drop_order_first_choices_before_second():
     """GShard priority: all first choices in token order, then second choices."""
-    from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.dispatch import make_plan
 
-    algo = ALLTOALLS["direct"](mf.Topology.single())
     # 4 tokens; expert 0 is the first choice of tokens 2,3 and second choice of tokens 0,1
     experts = torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1]])
-    plan = make_plan(experts, 2, capacity=3, algo=algo)
-    kept = sorted(zip(plan.token.tolist(), plan.choice.tolist()))
+    plan = make_plan(experts, 2, capacity=3, topo=mf.Topology.single())
+    T = 4                                     # choice a = j*T + t; slot E*C = 6 means dropped
+    slots = {(a % T, a // T): s for a, s in enumerate(plan.slot.tolist())}
+    kept = sorted(k for k, s in slots.items() if s < plan.send_rows)
     # expert 0 slots: (2,0), (3,0), then (0,1); (1,1) dropped. expert 1: (0,0),(1,0),(2,1)
     assert kept == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (3, 0)]
-    assert plan.dropped == 2
-    slots = dict(zip(zip(plan.token.tolist(), plan.choice.tolist()), plan.slot.tolist()))
+    assert int(plan.dropped) == 2 and plan.send_rows == 6
     assert [slots[(2, 0)], slots[(3, 0)], slots[(0, 1)]] == [0, 1, 2]
+    assert [slots[(0, 0)], slots[(1, 0)], slots[(2, 1)]] == [3, 4, 5]
 
 
 def test_dropless_keeps_everything_and_all_to_one_expert():

@@ -94,7 +94,22 @@ def test_bad_schedule_inputs():
         mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, schedule="fifo")
     with pytest.raises(ConfigError, match="MoEConfig.pipeline_degree=0"):
         mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, pipeline_degree=0)
-    layer = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, pipeline_degree=4))
-    with pytest.raises(ConfigError, match="pipeline_degree=4 .* 3 tokens"):
-        layer(torch.randn(3, 8))
-    layer(torch.randn(0, 8))                                  # no tokens: nothing to cut
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "optsche"])
+@pytest.mark.parametrize("capacity_factor", [1.25, None])
+def test_more_chunks_than_tokens_gives_empty_chunks(schedule, capacity_factor):
+    """r larger than a rank's rows is legal (a data-dependent error on one rank would leave
+    its peers waiting in the all-to-all): the empty chunks change nothing."""
+    cfg = mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, top_k=2,
+                       capacity_factor=capacity_factor, seed=3).replace(schedule=schedule)
+    ref = mf.MoELayer(cfg).double()
+    layer = mf.MoELayer(cfg.replace(pipeline_degree=8)).double()
+    for tokens in (3, 1, 0):
+        x = torch.randn(tokens, 8, dtype=torch.float64, requires_grad=True)
+        y_ref = ref(x)
+        (gx_ref,) = torch.autograd.grad(y_ref.square().sum(), x)
+        y = layer(x)
+        (gx,) = torch.autograd.grad(y.square().sum(), x)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(gx, gx_ref, rtol=0, atol=1e-12)

@@ -72,16 +72,17 @@ def test_partial_blocks_padded_like_zfp(shape):
 def test_non_finite_values_follow_zfpy():
     """ZFP cannot represent inf/NaN. A block holding them decodes to finite garbage in LLNL zfp
     (its float->int cast of inf/NaN gives INT_MIN on x86-64); we reproduce that bit for bit,
-    and the codecs reject such payloads unless built with check_finite=False."""
+    and the codecs carry such payloads through by default (the layer counts them) and reject
+    them when built with check_finite=True."""
     a = np.array([np.inf, 1, 2, 3, np.nan, 1, 2, 3, -np.inf, 0, 0, 0, np.nan, np.nan, np.nan,
                   np.nan, 1, 2, 3, 4], dtype=np.float32)
     for rate in (8, 16, 32):
         _check(a, rate, 1)
     _check(a[:16].reshape(4, 4), 16, 2)
-    codec = CODECS["zfp"]()
+    codec = CODECS["zfp"](check_finite=True)
     with pytest.raises(ValueError, match="inf or NaN"):
         codec.encode(torch.from_numpy(a).reshape(4, 5))
-    loose = CODECS["zfp"](check_finite=False)
+    loose = CODECS["zfp"]()
     out = loose.decode(loose.encode(torch.from_numpy(a).reshape(4, 5)), torch.float32)
     assert torch.isfinite(out).all() and torch.equal(out[3], torch.tensor([1., 2, 3, 4, 0]) * 0
                                                      + out[3])

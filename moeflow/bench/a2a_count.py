@@ -2,9 +2,10 @@
 
 Registered for benchmarks and tests that check the all-to-all volume of a structure against
 its formula (BigMac Eq. 1: BigMac moves ``r`` times the bytes of the fine-grained MoE). Every
-call to ``start`` adds the payload's bytes: floating-point payloads (tokens, forward and
-backward) to ``payload_bytes`` (and the part sent to other ranks to ``offrank_bytes``),
-integer ones (the per-expert counts that travel first) to ``count_bytes``.
+call to ``start`` adds the payload's bytes (tokens, forward and backward) to
+``payload_bytes`` (and the part sent to other ranks to ``offrank_bytes``). The per-expert counts
+that travel first are not an all-to-all (one all-gather per layer call,
+:mod:`moeflow.comm.exchange`) and are not counted.
 """
 
 from __future__ import annotations
@@ -21,18 +22,16 @@ class CountingAllToAll(DirectAllToAll):
         self.reset()
 
     def reset(self) -> None:
-        self.payload_bytes = self.offrank_bytes = self.count_bytes = self.calls = 0
+        self.payload_bytes = self.offrank_bytes = self.calls = 0
 
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
         total = sum(send_splits) * row
-        if x.dtype.is_floating_point:
-            self.payload_bytes += total
-            self.offrank_bytes += total - send_splits[self.topo.ep_rank] * row
-            self.calls += 1
-        else:
-            self.count_bytes += total
-        return super().start(x, send_splits, recv_splits)
+        self.payload_bytes += total
+        self.offrank_bytes += total - send_splits[self.topo.ep_rank] * row
+        self.calls += 1
+        return super().start(x, send_splits, recv_splits, matrix)
 
 
 if "counting" not in ALLTOALLS:

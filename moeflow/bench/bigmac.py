@@ -110,8 +110,7 @@ class _Runner:
         cpu = time.process_time() - c0
         elapsed = slowest(time.perf_counter() - t0, topo)
         if self.counted is None:
-            self.counted = (layer.algo.payload_bytes, layer.algo.offrank_bytes,
-                            layer.algo.count_bytes)
+            self.counted = (layer.algo.payload_bytes, layer.algo.offrank_bytes)
         layer.zero_grad(set_to_none=True)
         x.grad = None
         if record:
@@ -129,7 +128,7 @@ class _Runner:
             dtype=torch.float64)
         if topo.distributed:
             dist.all_reduce(sums)
-        payload, offrank, count_bytes, all_tokens, expect = sums.tolist()
+        payload, offrank, all_tokens, expect = sums.tolist()
         step = statistics.median(self.totals)
         return {**asdict(case), "name": case.name, "capacity_factor": cfg.capacity_factor,
                 "world_size": topo.world_size, "tokens_per_rank": self.tokens,
@@ -143,7 +142,6 @@ class _Runner:
                 "phase_ms": {p: 1e3 * statistics.median(v) for p, v in self.phases.items()},
                 "a2a_bytes_per_token": payload / all_tokens,
                 "a2a_offrank_bytes_per_token": offrank / all_tokens,
-                "a2a_count_bytes_per_step": count_bytes,
                 "a2a_expected_bytes_per_token": expect / all_tokens,
                 "a2a_bytes_match": payload == expect,
                 "params": sum(p.numel() for p in self.layer.parameters())}

@@ -1,78 +1,100 @@
-"""The dispatch plan: for every kept (token, choice) its row in the send buffer, and split sizes.
+"""The dispatch plan: for every routing choice its row in the send buffer, and the count matrix.
 
 The send buffer is expert-major: rows for expert 0, then expert 1, ... so that consecutive
 blocks go to consecutive ranks of the expert-parallel group (rank p holds experts
-``[p*E_l, (p+1)*E_l)``).
+``[p*E_l, (p+1)*E_l)``). Choices are numbered choice-major, ``a = j*T + t`` (all first choices
+in token order, then all second choices, ...), which is GShard's priority order.
 
-* Capacity mode (GShard): each expert has C slots; assignments take slots in priority order
-  (all first choices in token order, then all second choices, ...) and those past C are
-  dropped. The buffer has ``E*C`` rows, unused slots are zero; splits are static.
-* Dropless: every assignment gets a row, sorted stably by expert.
+* Capacity mode (GShard section 2.2): each expert has C slots; choices take slots in priority
+  order and those past C are dropped. The buffer has ``E*C`` rows, unused slots are zero.
+  Every choice keeps an entry: a dropped one points at row ``E*C``, a scratch row that
+  :func:`~moeflow.dispatch.permute.permute` cuts off, and carries no gate. So the plan is
+  built with no data-dependent shapes and no host synchronisation.
+* Dropless: every choice gets a row, sorted stably by expert; the only host synchronisation
+  of the layer is learning the counts (:func:`moeflow.comm.exchange.gather_device_counts`).
 
-In both modes the per-expert row counts are exchanged first (``E`` integers) so that receivers
-know their split sizes.
+Either way every rank ends up with the count matrix ``N[p][e]`` on the host, from which the
+split sizes of every exchange of the call follow (:mod:`moeflow.schedule.chunks`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from moeflow.comm.alltoall.base import AllToAll
-from moeflow.comm.exchange import exchange_counts
+from moeflow.comm.exchange import gather_device_counts, gather_host_ints
+from moeflow.topology import Topology
 
 
 @dataclass
 class DispatchPlan:
     num_tokens: int
+    top_k: int
     capacity: int | None
-    token: torch.Tensor          # (A,) token of each kept assignment
-    choice: torch.Tensor         # (A,) which of the k choices it is
-    slot: torch.Tensor           # (A,) its row in the send buffer
+    slot: torch.Tensor           # capacity: (T*k,) row of choice a, E*C when dropped;
+                                 # dropless: (T*k,) choice held by row i (expert-major order)
     send_rows: int
-    send_splits: list[int]       # rows to each rank of the EP group
-    recv_splits: list[int]       # rows from each rank of the EP group
-    recv_counts: torch.Tensor    # (ep, E_local) rows received per (source rank, local expert)
-    send_counts: torch.Tensor    # (E,) rows sent per global expert (expert-major send buffer)
-    dropped: int                 # assignments dropped by capacity
+    counts: np.ndarray           # (ep, E) rows EP rank p sends to global expert e (host)
+    ep_rank: int
+    dropped: torch.Tensor        # 0-dim: choices dropped by capacity (on the device)
 
     @property
     def dense_slots(self) -> bool:
-        """True when every send row is used exactly once, in slot order (dropless)."""
+        """True when every send row holds exactly one choice (dropless)."""
         return self.capacity is None
+
+    @property
+    def num_local(self) -> int:
+        return self.counts.shape[1] // self.counts.shape[0]
+
+    @property
+    def send_counts(self) -> np.ndarray:
+        """(E,) rows this rank sends to each global expert."""
+        return self.counts[self.ep_rank]
+
+    @property
+    def recv_counts(self) -> np.ndarray:
+        """(ep, E_local) rows received per (source rank, local expert)."""
+        e = self.num_local
+        return self.counts[:, self.ep_rank * e:(self.ep_rank + 1) * e]
+
+    @property
+    def matrix(self) -> np.ndarray:
+        """(ep, ep) split matrix ``S[src][dst]`` of the dispatch exchange."""
+        ep = self.counts.shape[0]
+        return self.counts.reshape(ep, ep, -1).sum(2)
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Choices per expert. ``index_add`` rather than ``bincount``, which on CUDA reads the
+    maximum back to the host to size its output."""
+    return flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
 
 
 def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
-              algo: AllToAll) -> DispatchPlan:
-    """Build the plan for ``experts: (T, k)``; collective (exchanges the row counts)."""
+              topo: Topology) -> DispatchPlan:
+    """Build the plan for ``experts: (T, k)``; collective over the EP group (the counts)."""
     T, k = experts.shape
-    ep = algo.topo.ep_size
-    e_local = num_experts // ep
     flat = experts.t().reshape(-1)                       # priority order: choice-major
-    counts = torch.bincount(flat, minlength=num_experts)
-    order = torch.argsort(flat, stable=True)             # expert-major, priority kept inside
     if capacity is None:
-        kept, slot = order, torch.arange(flat.numel(), device=flat.device)
-        per_expert = counts
-        send_rows, dropped = flat.numel(), 0
-    else:
-        starts = torch.cumsum(counts, 0) - counts          # slot of each choice in its expert
-        position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        keep = position < capacity
-        kept = order[keep]
-        slot = flat[kept] * capacity + position[keep]
-        per_expert = torch.full((num_experts,), capacity, dtype=torch.long,
-                                device=flat.device)
-        send_rows, dropped = num_experts * capacity, int(flat.numel() - kept.numel())
-    # Counts travel first: every receiver learns its row counts per (source, local expert).
-    # In capacity mode they are the senders' capacities, which differ between ranks with
-    # different token counts (capacity is per local batch).
-    recv_counts = exchange_counts(per_expert, algo).view(ep, e_local)
-    return DispatchPlan(num_tokens=T, capacity=capacity, token=kept % T,
-                        choice=torch.div(kept, T, rounding_mode="floor"), slot=slot,
-                        send_rows=send_rows,
-                        send_splits=per_expert.view(ep, e_local).sum(1).tolist(),
-                        recv_splits=recv_counts.sum(1).tolist(),
-                        recv_counts=recv_counts.cpu(), send_counts=per_expert.cpu(),
-                        dropped=dropped)
+        order = torch.argsort(flat, stable=True)         # expert-major, priority kept inside
+        counts = gather_device_counts(expert_counts(flat, num_experts), topo)
+        return DispatchPlan(T, k, None, order, flat.numel(), counts, topo.ep_rank,
+                            flat.new_zeros(()))
+    # Slot of choice a inside its expert = how many earlier choices picked the same expert:
+    # its rank in a stable sort by expert minus the expert's first rank (GShard's cumsum).
+    order = torch.argsort(flat, stable=True)
+    counts_here = expert_counts(flat, num_experts)
+    starts = torch.cumsum(counts_here, 0) - counts_here
+    ranked = torch.arange(flat.numel(), device=flat.device) - starts.index_select(
+        0, flat.index_select(0, order))
+    position = torch.empty_like(ranked).index_copy_(0, order, ranked)
+    keep = position < capacity
+    send_rows = num_experts * capacity
+    slot = torch.where(keep, flat * capacity + position, send_rows)
+    caps = gather_host_ints([capacity], topo, experts.device)       # C_p of every EP rank
+    counts = np.repeat(caps, num_experts, axis=1)
+    return DispatchPlan(T, k, capacity, slot, send_rows, counts, topo.ep_rank,
+                        (~keep).sum())

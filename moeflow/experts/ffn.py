@@ -8,12 +8,17 @@
 
 One module holds the ``E_local`` experts of this rank as stacked weights ``(E_local, ...)``;
 expert ``first_expert + i`` is row ``i``, and its initial weights depend only on the seed, the
-layer and its global id (layout-independent). Equal row counts per expert run as one batched
-matmul; unequal (dropless) ones run one matmul per expert over contiguous row blocks.
+layer and its global id (layout-independent). Equal row counts per expert (capacity mode) run
+as one batched matmul. Unequal (dropless) ones run as grouped GEMMs
+(``torch.nn.functional.grouped_mm``: one launch per weight instead of one per expert; under
+autocast the operands are cast to the autocast dtype first, as a dense ``Linear`` would be),
+with one matmul per expert as the fallback where torch has no grouped GEMM, for float64, and
+for widths whose rows are not 16-byte aligned (a grouped-GEMM layout requirement).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -68,8 +73,10 @@ class ExpertFFN(nn.Module):
             return F.silu(h) * self._add_bias(gate, "b3", i)
         return getattr(F, self.activation)(h)     # gelu, relu or a validated F function
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x: (R, M)`` rows grouped by local expert, ``counts[i]`` rows for expert i."""
+    def forward(self, x: torch.Tensor, counts: list[int],
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: (R, M)`` rows grouped by local expert, ``counts[i]`` rows for expert i;
+        ``offsets``: their int32 cumulative sums on ``x``'s device, if the caller has them."""
         if len(counts) != self.num_local or sum(counts) != x.shape[0]:
             raise ValueError(f"ExpertFFN got counts {counts} for {x.shape[0]} rows and "
                              f"{self.num_local} local experts")
@@ -80,9 +87,58 @@ class ExpertFFN(nn.Module):
             h = self._act(self._add_bias(torch.bmm(xs, w1), "b1", None), xs, w3)
             y = self._add_bias(torch.bmm(h, w2), "b2", None)
             return y.reshape(x.shape[0], w2.shape[-1])
+        if grouped_mm_fits(x, w1):
+            return self._grouped(x, counts, offsets, w1, w2, w3)
         outs = []
         for i, xi in enumerate(torch.split(x, counts)):
             h = self._act(self._add_bias(xi @ w1[i], "b1", i), xi,
                           None if w3 is None else w3[i], i)
             outs.append(self._add_bias(h @ w2[i], "b2", i))
         return torch.cat(outs)
+
+    def _grouped(self, x, counts, offsets, w1, w2, w3) -> torch.Tensor:
+        if offsets is None:
+            offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
+                                   device=x.device)
+        if torch.is_autocast_enabled(x.device.type):   # grouped_mm is not on autocast's list
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+            w3 = None if w3 is None else w3.to(dt)
+        h = self._add_row_bias(F.grouped_mm(x, w1, offs=offsets), "b1", counts)
+        if self.activation == "swiglu":
+            h = F.silu(h) * self._add_row_bias(F.grouped_mm(x, w3, offs=offsets), "b3", counts)
+        else:
+            h = getattr(F, self.activation)(h)
+        y = self._add_row_bias(F.grouped_mm(h, w2, offs=offsets), "b2", counts)
+        return _ContiguousGrad.apply(y)
+
+    def _add_row_bias(self, y: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
+        """``y`` (rows grouped by expert) plus each row's expert bias ``name``."""
+        if not self.has_bias:
+            return y
+        b = getattr(self, name).to(y.dtype)
+        reps = torch.tensor(counts, device=b.device)
+        return y + b.repeat_interleave(reps, dim=0, output_size=y.shape[0])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: grouped_mm's backward refuses a
+    stride-0 (expanded) output gradient such as the one ``y.sum().backward()`` produces."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``grouped_mm`` takes these operands: torch has it, the dtype is one it computes
+    (not float64), and rows of both weights are 16-byte aligned."""
+    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16,
+                                                       torch.float16):
+        return False
+    size = torch.empty((), dtype=x.dtype).element_size()
+    return all((n * size) % 16 == 0 for n in w.shape[1:])

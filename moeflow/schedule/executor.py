@@ -1,21 +1,33 @@
 """Run a schedule for real: computing tasks on the calling thread, communication tasks on a
-lane (ScheMoE section 3.2, "task queue").
+lane (ScheMoE section 3.2, "task queue"; lanes and streams in :mod:`.streams`).
 
 A lane is a single worker thread, so communication tasks run one at a time in the order they
 are issued, which is the same on every rank (the issue order is fixed by the schedule), keeping
-collectives matched. With ``overlap=False`` (the sequential scheduler) they run inline instead.
-Every task's start and end are recorded for the timeline and the profiler.
+collectives matched. With ``overlap=False`` (the sequential scheduler) they run inline instead,
+on the same stream they would use on the lane. A communication task's result is waited for
+where it is consumed (its successor D), as a stream dependency on CUDA.
+
+If a task raises, every communication task already issued is drained (waited for, its own
+errors dropped) before the exception propagates, so a caller that catches it and goes on never
+has this step's collectives interleaved with the next step's.
+
+Every task's start and end are recorded for the timeline and the profiler (CUDA events on GPUs,
+resolved when the timeline is read).
 """
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from moeflow.schedule.schedulers import Scheduler
+from moeflow.schedule.streams import Clock, CommLane, Handoff
 from moeflow.schedule.tasks import Task
+
+__all__ = ["CommLane", "Stage", "TaskRecord", "Timeline", "run_schedule"]
 
 
 @dataclass
@@ -23,47 +35,64 @@ class TaskRecord:
     task: Task
     phase: str          # "forward" or "backward"
     lane: str           # "compute" or "comm"
-    start: float        # perf_counter seconds
+    start: float        # seconds (perf_counter on CPU; CUDA event times on GPUs)
     end: float
     size: int           # elements (compute) or bytes on the wire (comm)
 
 
 @dataclass
 class Timeline:
-    records: list[TaskRecord] = field(default_factory=list)
+    """Task records of the runs made while attached to a layer (``layer.timeline``).
+
+    On CUDA the stamps are events; reading ``records`` synchronises once and converts them to
+    seconds on the host clock (anchored at the first event), so only the reader waits.
+    """
+
+    _records: list[TaskRecord] = field(default_factory=list)
+    _pending: list[tuple] = field(default_factory=list)
+    _anchor: tuple | None = None
+
+    def add(self, task: Task, phase: str, lane: str, start, end, size: int) -> None:
+        if isinstance(start, float):
+            self._records.append(TaskRecord(task, phase, lane, start, end, size))
+        else:
+            self._pending.append((task, phase, lane, start, end, size))
+
+    @property
+    def records(self) -> list[TaskRecord]:
+        if self._pending:
+            import time
+
+            torch.cuda.synchronize()
+            if self._anchor is None:
+                self._anchor = (self._pending[0][3], time.perf_counter())
+            ev0, t0 = self._anchor
+            for task, phase, lane, s, e, size in self._pending:
+                self._records.append(TaskRecord(task, phase, lane,
+                                                t0 + ev0.elapsed_time(s) / 1e3,
+                                                t0 + ev0.elapsed_time(e) / 1e3, size))
+            self._pending.clear()
+            self._records.sort(key=lambda rec: rec.start)
+        return self._records
 
     def clear(self) -> None:
-        self.records.clear()
+        self._records.clear()
+        self._pending.clear()
 
-
-class CommLane:
-    """One communication lane: a single background thread (created on first use)."""
-
-    def __init__(self):
-        self._pool: ThreadPoolExecutor | None = None
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-comm")
-        return self._pool.submit(fn)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    # A lane is a resource, not state: copies and pickles of a layer get a fresh one.
-    def __deepcopy__(self, memo) -> "CommLane":
-        return CommLane()
-
-    def __getstate__(self) -> dict:
-        return {"_pool": None}
-
-
-def _done(value: Any) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
+    def overlap_fraction(self, phase: str | None = None) -> float:
+        """Fraction of communication time during which a computing task also ran (0 when no
+        communication was recorded): how much of the all-to-all the schedule hid."""
+        recs = [r for r in self.records if phase is None or r.phase == phase]
+        comm = [(r.start, r.end) for r in recs if r.lane == "comm"]
+        comp = sorted((r.start, r.end) for r in recs if r.lane == "compute")
+        total = sum(e - s for s, e in comm)
+        if total <= 0:
+            return 0.0
+        hidden = 0.0
+        for s, e in comm:
+            for cs, ce in comp:
+                hidden += max(0.0, min(e, ce) - max(s, cs))
+        return min(1.0, hidden / total)
 
 
 @dataclass
@@ -77,36 +106,59 @@ class Stage:
     fns: dict[str, Callable[[int, Any], tuple[Any, int]]]
 
 
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _drain(pending: dict[Task, Future]) -> None:
+    for fut in pending.values():
+        try:
+            fut.result()
+        except BaseException:       # the first error is the one that propagates
+            pass
+    pending.clear()
+
+
 def run_schedule(stage: Stage, r: int, scheduler: Scheduler, lane: CommLane,
-                 timeline: Timeline | None, phase: str) -> list[Any]:
+                 timeline: Timeline | None, phase: str,
+                 device: torch.device | None = None) -> list[Any]:
     """Execute the 7r tasks; return the D2 results of the r chunks in chunk order."""
+    device = device or torch.device("cpu")
+    handoff, clock = Handoff(lane, device), Clock(device)
     results: dict[Task, Any] = {}
     pending: dict[Task, Future] = {}
 
-    def record(task: Task, lane_name: str, t0: float, size: int) -> None:
-        if timeline is not None:
-            timeline.records.append(TaskRecord(task, phase, lane_name, t0,
-                                               time.perf_counter(), size))
-
-    def comm(task: Task, arg: Any) -> Any:
-        t0 = time.perf_counter()
+    def timed(task: Task, lane_name: str, arg: Any) -> Any:
+        t0 = clock.stamp()
         out, size = stage.fns[task.kind](task.chunk, arg)
-        record(task, "comm", t0, size)
+        if timeline is not None:
+            timeline.add(task, phase, lane_name, t0, clock.stamp(), size)
         return out
 
-    for task in scheduler.order(r):
-        pred = task.predecessor()
-        if pred is not None and pred.is_comm:
-            arg = pending.pop(pred).result()
-        else:
-            arg = results.pop(pred, None) if pred is not None else None
-        t0 = time.perf_counter()
-        out, size = stage.fns[task.kind](task.chunk, arg)
-        record(task, "compute", t0, size)
-        if task.kind in ("C1", "C2"):
-            a = Task("A1" if task.kind == "C1" else "A2", task.chunk)
-            pending[a] = (lane.submit(lambda a=a, out=out: comm(a, out)) if scheduler.overlap
-                          else _done(comm(a, out)))
-        else:
-            results[task] = out
+    def comm(task: Task, payload: Any, ready) -> tuple[Any, Any]:
+        handoff.enter(ready, payload)
+        out = timed(task, "comm", payload)
+        return out, handoff.leave()
+
+    try:
+        for task in scheduler.order(r):
+            pred = task.predecessor()
+            if pred is not None and pred.is_comm:
+                arg, done = pending.pop(pred).result()
+                handoff.consume(done, arg)
+            else:
+                arg = results.pop(pred, None) if pred is not None else None
+            out = timed(task, "compute", arg)
+            if task.kind in ("C1", "C2"):
+                a = Task("A1" if task.kind == "C1" else "A2", task.chunk)
+                fn = (lambda a=a, out=out, ready=handoff.ready(): comm(a, out, ready))
+                pending[a] = (lane.submit(fn, device) if scheduler.overlap
+                              else _done(lane.run(fn, device)))
+            else:
+                results[task] = out
+    except BaseException:
+        _drain(pending)
+        raise
     return [results[Task("D2", i)] for i in range(r)]

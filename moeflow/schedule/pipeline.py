@@ -1,62 +1,51 @@
 """The exchange + experts block of the MoE layer as 7r scheduled tasks, forward and backward.
 
-The send buffer (expert-major rows) is cut into r chunks: each expert's block of ``c_e`` rows
-contributes rows ``[floor(i c_e / r), floor((i+1) c_e / r))`` to chunk i, so every chunk is a
-valid all-to-all of its own and every expert sees a slice of its tokens (ScheMoE section 4,
-"the input tensor is uniformly partitioned"). Forward runs C1 A1 D1 E C2 A2 D2 per chunk;
-backward runs the mirrored tasks: the output gradient is compressed, sent to the experts,
-decompressed, pushed through the experts' saved graph, compressed, sent back and decompressed.
-Experts are row-wise, so any r and any scheduler give the same function.
+The send buffer (expert-major rows) is cut into r chunks (:mod:`.chunks`; ScheMoE section 4).
+Forward runs C1 A1 D1 E C2 A2 D2 per chunk; backward runs the mirrored tasks: the output
+gradient is compressed, sent to the experts, decompressed, pushed through the experts' saved
+graph, compressed, sent back and decompressed. Experts are row-wise, so any r and any scheduler
+give the same function; a chunk may be empty (r larger than a rank's rows is legal).
+
+* A codec's payloads travel in one collective: several payloads (int8's values, scales and
+  offsets) are packed into one byte buffer in C and unpacked in D.
+* Decompression restores the dtype the payload had before compression, so under autocast the
+  experts' output dtype reaches ``combine`` whatever the codec (a dense FFN's dtype).
+* Codecs that cannot represent inf/NaN (``Codec.represents_nonfinite``) carry them through as
+  they encode them; the count of such values is reported in the layer's ``stats``
+  (``nonfinite_payload``) instead of raising on one rank while the others wait.
+* Without autograd (eval, ``torch.no_grad``) the experts run without building a graph.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from moeflow.comm.alltoall.base import AllToAll
 from moeflow.comm.codecs.base import Codec
-from moeflow.dispatch.permute import group_by_expert, ungroup
 from moeflow.dispatch.plan import DispatchPlan
+from moeflow.schedule.chunks import ChunkPlan
 from moeflow.schedule.executor import CommLane, Stage, Timeline, run_schedule
 from moeflow.schedule.schedulers import Scheduler
 
 
-def chunk_bounds(counts: torch.Tensor, r: int) -> list[torch.Tensor]:
-    """Per chunk, the rows each block contributes: ``floor((i+1)c/r) - floor(i c/r)``."""
-    edges = [torch.div(counts * i, r, rounding_mode="floor") for i in range(r + 1)]
-    return [edges[i + 1] - edges[i] for i in range(r)]
+def pack(payloads: list[torch.Tensor]) -> tuple[torch.Tensor, list | None]:
+    """A codec's payloads (same rows) -> one tensor for one collective, and its layout."""
+    if len(payloads) == 1:
+        return payloads[0], None
+    parts = [p.reshape(p.shape[0], -1).contiguous().view(torch.uint8) for p in payloads]
+    layout = [(p.dtype, tuple(p.shape[1:]), part.shape[1]) for p, part in zip(payloads, parts)]
+    return torch.cat(parts, 1), layout
 
 
-def chunk_rows(counts: torch.Tensor, r: int) -> list[torch.Tensor]:
-    """Row indices (into the expert-major buffer) of each chunk."""
-    starts = torch.cumsum(counts, 0) - counts
-    out = []
-    for i, n in enumerate(chunk_bounds(counts, r)):
-        first = starts + torch.div(counts * i, r, rounding_mode="floor")
-        block_start = torch.repeat_interleave(first - (torch.cumsum(n, 0) - n), n)
-        out.append(block_start + torch.arange(int(n.sum())))
+def unpack(buf: torch.Tensor, layout: list | None) -> list[torch.Tensor]:
+    if layout is None:
+        return [buf]
+    out, off = [], 0
+    for dtype, tail, nbytes in layout:
+        part = buf.narrow(1, off, nbytes).contiguous().view(dtype)
+        out.append(part.reshape((buf.shape[0],) + tail))
+        off += nbytes
     return out
-
-
-@dataclass
-class ChunkPlan:
-    rows: list[torch.Tensor] | None      # send-buffer rows of chunk i (None at r = 1: all)
-    send_splits: list[list[int]]
-    recv_splits: list[list[int]]
-    recv_counts: list[torch.Tensor]      # (ep, E_local) per chunk
-
-    @classmethod
-    def build(cls, plan: DispatchPlan, r: int, device: torch.device) -> "ChunkPlan":
-        ep, e_local = plan.recv_counts.shape
-        recv = chunk_bounds(plan.recv_counts.reshape(-1), r)
-        send = chunk_bounds(plan.send_counts, r)
-        rows = None if r == 1 else [x.to(device) for x in chunk_rows(plan.send_counts, r)]
-        return cls(rows=rows,
-                   send_splits=[s.view(ep, e_local).sum(1).tolist() for s in send],
-                   recv_splits=[c.view(ep, e_local).sum(1).tolist() for c in recv],
-                   recv_counts=[c.view(ep, e_local) for c in recv])
 
 
 class ScheduledExperts:
@@ -64,44 +53,64 @@ class ScheduledExperts:
 
     def __init__(self, experts: torch.nn.Module, algo: AllToAll, codec: Codec,
                  backward_codec: Codec, scheduler: Scheduler, r: int, lane: CommLane,
-                 timeline: Timeline | None):
+                 timeline: Timeline | None, nonfinite: torch.Tensor | None = None):
         self.experts, self.algo, self.codec = experts, algo, codec
         self.backward_codec, self.scheduler, self.r = backward_codec, scheduler, r
         self.lane, self.timeline = lane, timeline
+        self.nonfinite = nonfinite       # 0-dim counter, in place; None: not counted
 
-    def _exchange(self, payloads, send, recv, combine=False):
-        out = [self.algo.exchange(p, send, recv, combine) for p in payloads]
-        return out, sum(p.numel() * p.element_size() for p in payloads)
+    def _encode(self, codec: Codec, x: torch.Tensor):
+        if self.nonfinite is not None and not codec.represents_nonfinite:
+            self.nonfinite.add_(torch.isfinite(x).logical_not().sum())
+        buf, layout = pack(codec.encode(x))
+        return (buf, layout, x.dtype), x.numel()
+
+    def _exchange(self, packed, cp: ChunkPlan, i: int, combine: bool):
+        buf, layout, dtype = packed
+        send, recv = ((cp.recv_splits[i], cp.send_splits[i]) if combine
+                      else (cp.send_splits[i], cp.recv_splits[i]))
+        matrix = cp.transposed(i) if combine else cp.matrix[i]
+        got = self.algo.exchange(buf, send, recv, combine, matrix=matrix)
+        return (got, layout, dtype), buf.numel() * buf.element_size()
+
+    @staticmethod
+    def _decode(codec: Codec, packed, width: int):
+        buf, layout, dtype = packed
+        return codec.decode(unpack(buf, layout), dtype), buf.shape[0] * width
 
     def _run(self, source: torch.Tensor, cp: ChunkPlan, codec: Codec, expert, phase: str
              ) -> torch.Tensor:
         """Run the 7r tasks over the rows of ``source`` (the send buffer in forward, the
         gradient of the returned rows in backward); ``expert(i, rows)`` is task E."""
-        dtype, width = source.dtype, source.shape[1]
+        width = source.shape[1]
 
         def rows(i: int) -> torch.Tensor:
             return source if self.r == 1 else source.index_select(0, cp.rows[i])
 
         stage = Stage({
-            "C1": lambda i, _: (lambda x: (codec.encode(x), x.numel()))(rows(i)),
-            "A1": lambda i, p: self._exchange(p, cp.send_splits[i], cp.recv_splits[i]),
-            "D1": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * width),
+            "C1": lambda i, _: self._encode(codec, rows(i)),
+            "A1": lambda i, p: self._exchange(p, cp, i, False),
+            "D1": lambda i, p: self._decode(codec, p, width),
             "E": expert,
-            "C2": lambda i, y: (codec.encode(y), y.numel()),
-            "A2": lambda i, p: self._exchange(p, cp.recv_splits[i], cp.send_splits[i], True),
-            "D2": lambda i, p: (codec.decode(p, dtype), p[0].shape[0] * width),
+            "C2": lambda i, y: self._encode(codec, y),
+            "A2": lambda i, p: self._exchange(p, cp, i, True),
+            "D2": lambda i, p: self._decode(codec, p, width),
         })
-        chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline, phase)
+        chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline, phase,
+                              source.device)
         return _assemble(chunks, cp, source)
 
-    def forward(self, send: torch.Tensor, cp: ChunkPlan) -> tuple[torch.Tensor, list]:
+    def forward(self, send: torch.Tensor, cp: ChunkPlan, keep_graph: bool = True
+                ) -> tuple[torch.Tensor, list]:
         saved: list = [None] * self.r
 
         def expert(i, x):
+            g = cp.groupings[i]
+            if not keep_graph:
+                return g.ungroup(self.experts(g.group(x), g.counts, g.offsets)), x.numel()
             with torch.enable_grad():
                 inp = x.detach().requires_grad_()
-                grouped, counts, perm = group_by_expert(inp, cp.recv_counts[i])
-                out = ungroup(self.experts(grouped, counts), perm)
+                out = g.ungroup(self.experts(g.group(inp), g.counts, g.offsets))
             saved[i] = (inp, out)
             return out.detach(), inp.numel()
 
@@ -126,7 +135,7 @@ class ScheduledExperts:
 def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> torch.Tensor:
     if len(chunks) == 1:
         return chunks[0]
-    out = like.new_empty((like.shape[0],) + tuple(chunks[0].shape[1:]))
+    out = chunks[0].new_empty((like.shape[0],) + tuple(chunks[0].shape[1:]))
     return out.index_copy_(0, torch.cat(cp.rows), torch.cat(chunks))
 
 
@@ -148,4 +157,7 @@ def scheduled_experts(send: torch.Tensor, plan: DispatchPlan,
                       runner: ScheduledExperts) -> torch.Tensor:
     """Differentiable: the send buffer -> rows returned from the experts (same order)."""
     cp = ChunkPlan.build(plan, runner.r, send.device)
-    return _Scheduled.apply(send, runner, cp, *runner.experts.parameters())
+    params = list(runner.experts.parameters())
+    if torch.is_grad_enabled() and (send.requires_grad or any(p.requires_grad for p in params)):
+        return _Scheduled.apply(send, runner, cp, *params)
+    return runner.forward(send, cp, keep_graph=False)[0]

@@ -4,6 +4,15 @@ An algorithm is built for a :class:`~moeflow.topology.Topology` and exchanges a 
 topology's expert-parallel group: rank ``i`` sends rows ``[sum(send[:j]), sum(send[:j+1]))`` to
 rank ``j`` and receives ``recv[j]`` rows from rank ``j``, stacked in source-rank order. ``start``
 returns a :class:`Pending` handle so that a scheduler can overlap the exchange with compute.
+
+``matrix`` is the whole split matrix ``S[src][dst]`` of the exchange when the caller knows it
+(the MoE layer learns every rank's counts once per call): multi-step algorithms derive their
+intermediate layouts from it instead of all-gathering the splits again. Without it they gather
+it themselves (one small collective and a host copy).
+
+On CUDA the MoE layer calls ``start(...).wait()`` on its communication lane with the lane's
+stream current: collectives are issued ``async_op`` and a ``wait()`` is a stream dependency, so
+an algorithm's layout copies between its steps run on that stream and the host never blocks.
 """
 
 from __future__ import annotations
@@ -42,21 +51,23 @@ class AllToAll(ABC):
         """Raise ConfigError if this algorithm cannot run on ``topo`` (e.g. needs several nodes)."""
 
     @abstractmethod
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         """Begin the exchange of ``x`` (rows split by ``send_splits``)."""
 
     def start_combine(self, x: torch.Tensor, send_splits: list[int],
-                      recv_splits: list[int]) -> Pending:
+                      recv_splits: list[int], matrix: list[list[int]] | None = None
+                      ) -> Pending:
         """The exchange from the experts back to the tokens' ranks (and, in backward, the
         gradient of the dispatch). Same contract as ``start``; an algorithm whose stages have a
         direction (SMILE's bi-level: inter then intra to dispatch, intra then inter back)
         overrides it. By default it is ``start``."""
-        return self.start(x, send_splits, recv_splits)
+        return self.start(x, send_splits, recv_splits, matrix)
 
-    def exchange(self, x: torch.Tensor, send_splits: list[int],
-                 recv_splits: list[int], combine: bool = False) -> torch.Tensor:
+    def exchange(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                 combine: bool = False, matrix: list[list[int]] | None = None) -> torch.Tensor:
         start = self.start_combine if combine else self.start
-        return start(x, send_splits, recv_splits).wait()
+        return start(x, send_splits, recv_splits, matrix).wait()
 
 
 ALLTOALLS = Registry("alltoall", AllToAll)

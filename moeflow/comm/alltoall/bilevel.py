@@ -23,10 +23,11 @@ class BiLevelAllToAll(Hier2DAllToAll):
     def check_topology(cls, topo) -> None:
         require_nodes("bilevel", topo)
 
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         """Inter-node stage, then intra-node stage."""
         topo = self.topo
-        lay = Layout.of(topo, send_splits, x.device)
+        lay = Layout.of(topo, send_splits, x.device, matrix)
         N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         # 1: to (n2, l) the blocks for every (n2, l2): contiguous already (destination order)
         send1 = [sum(S[g(n, l)][g(n2, l2)] for l2 in range(L)) for n2 in range(N)]

@@ -13,7 +13,8 @@ from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
 
 @register_alltoall("direct")
 class DirectAllToAll(AllToAll):
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         if self.topo.ep_size == 1:
             return Pending(lambda: x)
         x = x.contiguous()

@@ -24,9 +24,10 @@ class Hier1DAllToAll(AllToAll):
     def check_topology(cls, topo) -> None:
         require_nodes("hier1d", topo)
 
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         topo = self.topo
-        lay = Layout.of(topo, send_splits, x.device)
+        lay = Layout.of(topo, send_splits, x.device, matrix)
         N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         P = N * L
         leader = l == 0

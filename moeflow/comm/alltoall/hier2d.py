@@ -33,9 +33,10 @@ class Hier2DAllToAll(AllToAll):
     def check_topology(cls, topo) -> None:
         require_nodes("hier2d", topo)
 
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         topo = self.topo
-        lay = Layout.of(topo, send_splits, x.device)
+        lay = Layout.of(topo, send_splits, x.device, matrix)
         N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         # 1-2: to local rank l' go the blocks for (n', l'), n' ascending
         step1 = take(x, send_splits, [g(n2, l2) for l2 in range(L) for n2 in range(N)])

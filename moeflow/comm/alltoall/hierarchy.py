@@ -30,9 +30,12 @@ class Layout:
         return node * self.L + local
 
     @classmethod
-    def of(cls, topo: Topology, send_splits: list[int], device: torch.device) -> "Layout":
+    def of(cls, topo: Topology, send_splits: list[int], device: torch.device,
+           matrix: list[list[int]] | None = None) -> "Layout":
+        """``matrix``: the split matrix when the caller knows it, else gathered here."""
         return cls(topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank,
-                   split_matrix(send_splits, topo.world_group, device))
+                   matrix if matrix is not None
+                   else split_matrix(send_splits, topo.world_group, device))
 
 
 def require_nodes(name: str, topo: Topology) -> None:

@@ -16,7 +16,8 @@ from moeflow.comm.alltoall.blocks import offsets
 
 @register_alltoall("pairwise")
 class PairwiseAllToAll(AllToAll):
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         topo = self.topo
         if topo.ep_size == 1:
             return Pending(lambda: x)

@@ -23,7 +23,8 @@ class PipeAllToAll(AllToAll):
     def check_topology(cls, topo) -> None:
         require_nodes("pipe", topo)
 
-    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+    def start(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              matrix: list[list[int]] | None = None) -> Pending:
         topo = self.topo
         L, n = topo.local_size, topo.node_rank
         P = topo.world_size

@@ -21,6 +21,9 @@ class Codec(ABC):
     lossless: bool = False
     #: Plain-language error bound of a lossy codec (shown by ``moeflow bench codecs``).
     error_bound: str = "exact"
+    #: False for codecs whose encoding garbles inf/NaN (quantizers, ZFP); the MoE layer then
+    #: counts such values in ``stats["nonfinite_payload"]`` instead of failing mid-exchange.
+    represents_nonfinite: bool = True
     #: Floating dtypes ``encode`` accepts; ``check_input`` rejects others with a clear error.
     dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 

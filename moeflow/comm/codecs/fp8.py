@@ -30,6 +30,7 @@ class _Fp8Base(Codec):
     """
 
     block: int | None = 128
+    represents_nonfinite = False
     error_bound = "|err| <= 2^-4 |x| + 2^-10 * (block amax) / 448"
 
     def _nblocks(self, cols: int) -> int:

@@ -25,6 +25,7 @@ class Int8Codec(Codec):
     Wire size: ``rows * cols`` bytes + 8 bytes per row (float32 scale and offset).
     """
 
+    represents_nonfinite = False
     error_bound = "|err| <= (row max - row min) / 510 (+ float32 rounding)"
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -36,13 +36,16 @@ class _ZfpBase(Codec):
     ``|err| <= 2^emax * min(4, 2^(4 - (4 rate - 9) / 4))`` (rate 8: ``2^(emax - 1.75)``); the
     worst case measured on Gaussian, uniform, heavy-tailed and sparse rows is ``2^-0.6`` below
     it for rates 6-24. Decoded values equal zfpy's bit for bit. Non-finite values are not
-    representable in ZFP: ``check_finite`` (default True) rejects them with a ``ValueError``
-    (with ``check_finite=False`` they are sent as zfp sends them, garbling their block).
+    representable in ZFP: by default they are sent as zfp sends them, garbling their block
+    (the MoE layer counts them in ``stats["nonfinite_payload"]``, on every rank alike, rather
+    than raising on one rank while its peers wait in the all-to-all); ``check_finite=True``
+    rejects them with a ``ValueError`` for standalone use.
     """
 
     lossless = False
     rate: float = 8.0
-    check_finite: bool = True
+    check_finite: bool = False
+    represents_nonfinite = False
     dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     error_bound = "|err| <= 2^emax_block * min(4, 2^(4 - (4*rate - 9)/4)) per block of 4"
 

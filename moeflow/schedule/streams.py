@@ -1,0 +1,138 @@
+"""Where scheduled tasks run and how their data crosses between the two lanes.
+
+ScheMoE section 3.2 runs computing tasks (compress, decompress, experts) and communication tasks
+(all-to-all) on two lanes. Here:
+
+* The computing lane is the caller's thread and, on CUDA, its current stream.
+* The communication lane is one worker thread (collectives are issued in the same order on every
+  rank, so they stay matched) and, on CUDA, a dedicated communication stream per device. The
+  thread sets the device before it runs anything and makes the stream current, so collectives
+  (NCCL enqueues on its own stream after waiting for the current one) and the algorithms'
+  layout copies run there, and every ``work.wait()`` inside an algorithm is a stream
+  dependency, not a host block.
+
+A hand-off from the computing lane to the communication lane records an event on the compute
+stream that the communication stream waits for, and marks the payload tensors as used on the
+communication stream (``record_stream``), so the caching allocator cannot reuse them early.
+The way back records an event on the communication stream that the compute stream waits for,
+and marks the received tensors as used on the compute stream. The host never waits for the
+device. On CPU (gloo) all of this is a no-op: gloo's work handles block the lane thread, the
+future carries the result.
+
+Timing stamps follow the same rule: ``perf_counter`` on CPU, CUDA events recorded on the lane's
+stream on GPUs, resolved to seconds only when a timeline is read.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+class CommLane:
+    """One communication lane: a single background thread (created on first use) and, per CUDA
+    device, one communication stream."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def stream(self, device: torch.device) -> "torch.cuda.Stream | None":
+        if device.type != "cuda":
+            return None
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = torch.cuda.Stream(device=idx)
+        return self._streams[idx]
+
+    def run(self, fn: Callable[[], Any], device: torch.device) -> Any:
+        """Run ``fn`` as a communication task of ``device`` on the calling thread."""
+        stream = self.stream(device)
+        if stream is None:
+            return fn()
+        torch.cuda.set_device(stream.device)
+        with torch.cuda.stream(stream):
+            return fn()
+
+    def submit(self, fn: Callable[[], Any], device: torch.device) -> Future:
+        """Queue ``fn`` on the lane thread (FIFO: the issue order is the execution order)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-comm")
+        return self._pool.submit(self.run, fn, device)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # A lane is a resource, not state: copies and pickles of a layer get a fresh one.
+    def __deepcopy__(self, memo) -> "CommLane":
+        return CommLane()
+
+    def __getstate__(self) -> dict:
+        return {"_pool": None, "_streams": {}}
+
+
+class Handoff:
+    """Stream discipline for data crossing between the lanes of one device (no-op on CPU)."""
+
+    def __init__(self, lane: CommLane, device: torch.device):
+        self.comm = lane.stream(device)
+        self.compute = torch.cuda.current_stream(device) if self.comm is not None else None
+
+    def ready(self) -> "torch.cuda.Event | None":
+        """On the compute lane, after the producer: the point the comm lane must wait for."""
+        if self.comm is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.compute)
+        return ev
+
+    def enter(self, ready: "torch.cuda.Event | None", payload: Any) -> None:
+        """On the comm lane, before using ``payload`` made on the compute lane."""
+        if self.comm is None:
+            return
+        self.comm.wait_event(ready)
+        for t in _tensors(payload):
+            t.record_stream(self.comm)
+
+    def leave(self) -> "torch.cuda.Event | None":
+        """On the comm lane, after the task: the point the compute lane must wait for."""
+        if self.comm is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.comm)
+        return ev
+
+    def consume(self, done: "torch.cuda.Event | None", result: Any) -> None:
+        """On the compute lane, before using ``result`` made on the comm lane."""
+        if self.comm is None:
+            return
+        self.compute.wait_event(done)
+        for t in _tensors(result):
+            t.record_stream(self.compute)
+
+
+class Clock:
+    """Timestamps of the current lane: host seconds on CPU, CUDA events on GPUs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def stamp(self) -> "float | torch.cuda.Event":
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
