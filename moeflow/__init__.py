@@ -1,6 +1,6 @@
 """moeflow: Mixture-of-Experts training across many devices.
 
-Public API (see DESIGN.md): ``MoEConfig``, ``Topology``, ``MoELayer``, ``sync_gradients``,
+Public API (see docs/design.md): ``MoEConfig``, ``Topology``, ``MoELayer``, ``sync_gradients``,
 and the registries through which routers, codecs and all-to-all algorithms plug in.
 """
 

@@ -1,6 +1,6 @@
 """MoELayer: route -> plan -> permute -> encode/all-to-all/decode -> experts -> back -> combine.
 
-The steps of DESIGN.md "One MoE layer"; each part is chosen by name in ``MoEConfig`` from its
+The steps of docs/design.md, "The path of a token through MoELayer"; each part is chosen by name in ``MoEConfig`` from its
 registry (router, codec, all-to-all algorithm), so later parts plug in without changing this file.
 """
 
