@@ -34,6 +34,7 @@ from moeflow.devices import autocast, resolve_device, resolve_dtype
 from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.grad_sync import sync_gradients
+from moeflow.parallel.replicas import prepare_model
 from moeflow.topology import Topology
 
 
@@ -97,7 +98,8 @@ class Trainer:
         self.corpus = Corpus.load(data)
         self.device = resolve_device(train_cfg.device, "TrainConfig.device")
         self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
-        self.model = GPT(model_cfg, topo).to(self.device)
+        # replicas start equal (broadcast from rank 0 of each replica group)
+        self.model = prepare_model(GPT(model_cfg, topo).to(self.device), topo)
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.history: list[dict] = []

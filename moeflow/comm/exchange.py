@@ -3,7 +3,7 @@
 Every rank learns the whole count matrix ``N[p][e]`` (rows rank p sends to global expert e), so
 every all-to-all of the call, every pipelined chunk and every hierarchical algorithm can derive
 its split sizes on the host without further messages (ScheMoE section 5 needs the whole split
-matrix for its multi-step algorithms; DESIGN.md: "counts travel first when sizes vary").
+matrix for its multi-step algorithms; docs/design.md, "The path of a token", step 4).
 
 * Dropless: the counts live on the device. One ``all_gather_into_tensor`` of ``E`` integers,
   then one device-to-host copy: the layer's single host synchronisation.
