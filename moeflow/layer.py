@@ -141,7 +141,7 @@ class MoELayer(nn.Module):
                 h = self.dcca.down(t.mark(h, "project"))
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
-            plan = make_plan(routing.experts, cfg.num_experts, cap, self.topo)
+            plan = make_plan(routing.experts, cfg.num_experts, cap)
             send = permute(t.mark(h, "permute"), plan)
         counted = not (self.codec.represents_nonfinite and self.backward_codec.represents_nonfinite)
         nonfinite = h.new_zeros((), dtype=torch.long) if counted else None

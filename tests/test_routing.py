@@ -83,7 +83,7 @@ def test_drop_order_first_choices_before_second():
 
     # 4 tokens; expert 0 is the first choice of tokens 2,3 and second choice of tokens 0,1
     experts = torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1]])
-    plan = make_plan(experts, 2, capacity=3, topo=mf.Topology.single())
+    plan = make_plan(experts, 2, capacity=3)
     T = 4                                     # choice a = j*T + t; slot E*C = 6 means dropped
     slots = {(a % T, a // T): s for a, s in enumerate(plan.slot.tolist())}
     kept = sorted(k for k, s in slots.items() if s < plan.send_rows)

@@ -13,8 +13,9 @@ in token order, then all second choices, ...), which is GShard's priority order.
 * Dropless: every choice gets a row, sorted stably by expert; the only host synchronisation
   of the layer is learning the counts (:func:`moeflow.comm.exchange.gather_device_counts`).
 
-Either way every rank ends up with the count matrix ``N[p][e]`` on the host, from which the
-split sizes of every exchange of the call follow (:mod:`moeflow.schedule.chunks`).
+Building the plan touches only the device (``torch.compile`` traces it); :func:`exchange_counts`
+then gives every rank the count matrix ``N[p][e]`` on the host, from which the split sizes of
+every exchange of the call follow (:mod:`moeflow.schedule.chunks`).
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ from moeflow.topology import Topology
 
 @dataclass
 class DispatchPlan:
+    num_experts: int
     num_tokens: int
     top_k: int
     capacity: int | None
     slot: torch.Tensor           # capacity: (T*k,) row of choice a, E*C when dropped;
                                  # dropless: (T*k,) choice held by row i (expert-major order)
     send_rows: int
-    counts: np.ndarray           # (ep, E) rows EP rank p sends to global expert e (host)
-    ep_rank: int
     dropped: torch.Tensor        # 0-dim: choices dropped by capacity (on the device)
+    local_counts: torch.Tensor | None = None   # dropless: (E,) rows per expert, on the device
+    counts: np.ndarray | None = None  # (ep, E) rows EP rank p sends to expert e (host; set by
+    ep_rank: int = 0                  # exchange_counts)
 
     @property
     def dense_slots(self) -> bool:
@@ -73,16 +76,14 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
 
 
-def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
-              topo: Topology) -> DispatchPlan:
-    """Build the plan for ``experts: (T, k)``; collective over the EP group (the counts)."""
+def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None) -> DispatchPlan:
+    """Build the plan for ``experts: (T, k)`` (device work only, no communication)."""
     T, k = experts.shape
     flat = experts.t().reshape(-1)                       # priority order: choice-major
     if capacity is None:
         order = torch.argsort(flat, stable=True)         # expert-major, priority kept inside
-        counts = gather_device_counts(expert_counts(flat, num_experts), topo)
-        return DispatchPlan(T, k, None, order, flat.numel(), counts, topo.ep_rank,
-                            flat.new_zeros(()))
+        return DispatchPlan(num_experts, T, k, None, order, flat.numel(), flat.new_zeros(()),
+                            local_counts=expert_counts(flat, num_experts))
     # Slot of choice a inside its expert = how many earlier choices picked the same expert:
     # its rank in a stable sort by expert minus the expert's first rank (GShard's cumsum).
     order = torch.argsort(flat, stable=True)
@@ -94,7 +95,16 @@ def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
     keep = position < capacity
     send_rows = num_experts * capacity
     slot = torch.where(keep, flat * capacity + position, send_rows)
-    caps = gather_host_ints([capacity], topo, experts.device)       # C_p of every EP rank
-    counts = np.repeat(caps, num_experts, axis=1)
-    return DispatchPlan(T, k, capacity, slot, send_rows, counts, topo.ep_rank,
-                        (~keep).sum())
+    return DispatchPlan(num_experts, T, k, capacity, slot, send_rows, (~keep).sum())
+
+
+def exchange_counts(plan: DispatchPlan, topo: Topology, device: torch.device) -> None:
+    """Give every rank the count matrix (collective over the EP group): dropless gathers the
+    device counts (the one host synchronisation), capacity mode each rank's ``C_p`` as host
+    integers, since rank p sends ``C_p`` rows to every expert."""
+    if plan.capacity is None:
+        plan.counts = gather_device_counts(plan.local_counts, topo)
+    else:
+        caps = gather_host_ints([plan.capacity], topo, device)     # (ep, 1)
+        plan.counts = np.repeat(caps, plan.num_experts, axis=1)
+    plan.ep_rank = topo.ep_rank

@@ -22,7 +22,7 @@ import torch
 
 from moeflow.comm.alltoall.base import AllToAll
 from moeflow.comm.codecs.base import Codec
-from moeflow.dispatch.plan import DispatchPlan
+from moeflow.dispatch.plan import DispatchPlan, exchange_counts
 from moeflow.schedule.chunks import ChunkPlan
 from moeflow.schedule.executor import CommLane, Stage, Timeline, run_schedule
 from moeflow.schedule.schedulers import Scheduler
@@ -153,9 +153,18 @@ class _Scheduled(torch.autograd.Function):
         return (grad_send, None, None, *param_grads)
 
 
+@torch.compiler.disable
 def scheduled_experts(send: torch.Tensor, plan: DispatchPlan,
                       runner: ScheduledExperts) -> torch.Tensor:
-    """Differentiable: the send buffer -> rows returned from the experts (same order)."""
+    """Differentiable: the send buffer -> rows returned from the experts (same order).
+
+    Collective: learns the count matrix first. This is where ``torch.compile`` breaks the
+    graph (once per MoE layer): everything before (routing, plan, permute) and after (combine,
+    projections) compiles; inside, host bookkeeping, collectives and the scheduled tasks run
+    eagerly (the expert math is one batched or grouped GEMM per weight already).
+    """
+    if plan.counts is None:
+        exchange_counts(plan, runner.algo.topo, send.device)
     cp = ChunkPlan.build(plan, runner.r, send.device)
     params = list(runner.experts.parameters())
     if torch.is_grad_enabled() and (send.requires_grad or any(p.requires_grad for p in params)):
