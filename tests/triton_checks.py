@@ -67,7 +67,8 @@ def on_device(launchers: list[tuple[object, str]], device: str):
             out = fn(*to_device(args, device),
                      **{k: to_device(v, device) for k, v in kwargs.items()})
             for t in (out if isinstance(out, (list, tuple)) else [out]):
-                assert t.device.type == torch.device(device).type, (name, t.device)
+                if isinstance(t, torch.Tensor):
+                    assert t.device.type == torch.device(device).type, (name, t.device)
             return to_device(out, "cpu")
         return run
 
