@@ -1,6 +1,6 @@
 """moeflow: Mixture-of-Experts training across many devices.
 
-Public API (see DESIGN.md): ``MoEConfig``, ``Topology``, ``MoELayer``, ``sync_gradients``,
+Public API (see docs/design.md): ``MoEConfig``, ``Topology``, ``MoELayer``, ``sync_gradients``,
 and the registries through which routers, codecs and all-to-all algorithms plug in.
 """
 
@@ -9,11 +9,13 @@ from moeflow.comm.codecs import Codec, register_codec
 from moeflow.config import ConfigError, ModelConfig, MoEConfig, TrainConfig, model_preset
 from moeflow.layer import MoELayer
 from moeflow.parallel.grad_sync import sync_gradients
+from moeflow.parallel.replicas import ReplicaMismatchError, check_replicas, prepare_model
 from moeflow.routing import Router, Routing, register_router
 from moeflow.topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = ["AllToAll", "Codec", "ConfigError", "ModelConfig", "MoEConfig", "MoELayer",
-           "Pending", "Router", "Routing", "Topology", "TrainConfig", "model_preset",
-           "register_alltoall", "register_codec", "register_router", "sync_gradients"]
+           "Pending", "ReplicaMismatchError", "Router", "Routing", "Topology", "TrainConfig",
+           "check_replicas", "model_preset", "prepare_model", "register_alltoall",
+           "register_codec", "register_router", "sync_gradients"]

@@ -29,12 +29,78 @@ def _positive_int(owner: str, name: str, value) -> None:
              owner, name, value, "must be a positive integer")
 
 
-ACTIVATIONS = ("gelu", "swiglu", "relu")
+ACTIVATIONS = ("gelu", "swiglu", "relu")     # built in; any elementwise F function also works
+# How f_e of the load-balancing loss counts top-k choices (see moeflow/routing/losses.py):
+# all k choices (Megatron-core) or each token's first choice (GShard, DeepSpeed-MoE, Tutel).
+BALANCE_LOSSES = ("all_choices", "first_choice")
 # MoE structures (BigMac section "Analysis of Different MoE Structures"); see
 # moeflow/experts/structure.py for what each one computes.
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
 DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
 DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
+
+
+def _elementwise_in_F(name) -> bool:
+    """Whether ``torch.nn.functional.<name>`` is a deterministic elementwise function of one
+    tensor: applied to a (4, 8) tensor it must equal itself applied to the 32 values as a
+    column (this refuses reductions such as softmax, shape changes such as glu, functions that
+    need more arguments such as threshold, random ones such as dropout, in-place variants)."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    if (not isinstance(name, str) or name.startswith("_") or name.endswith("_")
+            or "dropout" in name):       # identity at training=False: not an activation
+        return False
+    fn = getattr(F, name, None)
+    if not callable(fn) or isinstance(fn, type):
+        return False
+    t = torch.linspace(-3.0, 2.5, 32, dtype=torch.float64)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = fn(t.reshape(4, 8))
+            col = fn(t.reshape(32, 1))
+    except Exception:                    # any failure means: not usable as an activation
+        return False
+    return (isinstance(y, torch.Tensor) and isinstance(col, torch.Tensor)
+            and y.shape == (4, 8) and col.shape == (32, 1) and y.is_floating_point()
+            and torch.equal(y.reshape(-1), col.reshape(-1)))
+
+
+def _check_activation(o: str, name) -> None:
+    if name in ACTIVATIONS or _elementwise_in_F(name):
+        return
+    import difflib
+
+    import torch.nn.functional as F
+
+    names = sorted(set(ACTIVATIONS) | {n for n in dir(F) if not n.startswith("_")})
+    close = [n for n in difflib.get_close_matches(str(name), names, n=6, cutoff=0.6)
+             if n in ACTIVATIONS or _elementwise_in_F(n)][:3]
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    known = (f"torch.nn.functional.{name} is not an elementwise function of one tensor; "
+             if isinstance(name, str) and hasattr(F, name) else "")
+    raise config_error(o, "activation", name,
+                       f"{known}choose one of {', '.join(ACTIVATIONS)} or the name of an elementwise "
+                       f"function of one tensor in torch.nn.functional (e.g. silu, mish, "
+                       f"leaky_relu, tanh){hint}")
+
+
+class _FromConfig:
+    """The default of a per-call option of ``MoELayer.forward``: use the config's value."""
+
+    def __repr__(self) -> str:
+        return "FROM_CONFIG"
+
+
+FROM_CONFIG = _FromConfig()
+
+
+def _resolve_capacity_factor(structure: str, capacity_factor):
+    return (DEFAULT_CAPACITY_FACTOR if structure == "vanilla" else None) \
+        if capacity_factor == "auto" else capacity_factor
 
 
 def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_model: int,
@@ -46,8 +112,7 @@ def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_mod
     """
     _require(structure in STRUCTURES, o, "structure", structure,
              f"choose one of {', '.join(STRUCTURES)}")
-    if capacity_factor == "auto":
-        capacity_factor = DEFAULT_CAPACITY_FACTOR if structure == "vanilla" else None
+    capacity_factor = _resolve_capacity_factor(structure, capacity_factor)
     if structure != "bigmac":
         _require(downscale_factor is None, o, "downscale_factor", downscale_factor,
                  "only structure='bigmac' descends before the all-to-all; set "
@@ -97,6 +162,15 @@ class MoEConfig:
     ``structure`` (BigMac, Fig. 2): ``vanilla`` few large experts, ``fine_grained`` many small
     ones (both communicate at ``d_model``), ``bigmac`` descend to ``downscale_factor *
     d_model`` before the all-to-all and ascend after it (default ``downscale_factor`` 0.25).
+
+    ``activation`` is ``gelu``, ``relu``, ``swiglu`` or the name of any elementwise function
+    of ``torch.nn.functional`` (``silu``, ``mish``, ``leaky_relu``, ...); ``expert_bias`` adds
+    biases to the expert projections (Tutel's ``has_fc1_bias`` / ``has_fc2_bias``).
+
+    ``balance_loss`` chooses how the load-balancing loss ``E sum_e f_e P_e`` counts top-k
+    choices in ``f_e``: ``"all_choices"`` (Megatron-core) or ``"first_choice"`` (GShard,
+    DeepSpeed-MoE, Tutel); see ``moeflow/routing/losses.py``. With ``router="bilevel"`` it
+    applies per level of SMILE's Eq. (4), whose ``f`` is the first choice (argmax).
     """
 
     d_model: int
@@ -106,11 +180,13 @@ class MoEConfig:
     capacity_factor: float | None | str = "auto"
     router: str = "topk"
     activation: str = "gelu"
+    expert_bias: bool = False
     structure: str = "vanilla"
     downscale_factor: float | None = None
     gate_noise: float = 0.0
     renormalize: bool | None = None
     aux_loss_coef: float = 0.01
+    balance_loss: str = "all_choices"
     z_loss_coef: float = 0.0
     # SMILE bi-level routing (router="bilevel"): experts in `bilevel_nodes` equal groups, one
     # per node; top `node_top_k` nodes x top `local_top_k` experts of a node per token
@@ -145,13 +221,19 @@ class MoEConfig:
                      and self.capacity_factor > 0,
                      o, "capacity_factor", self.capacity_factor,
                      "must be > 0 (e.g. 1.25), None for dropless routing, or 'auto'")
-        _require(self.activation in ACTIVATIONS, o, "activation", self.activation,
-                 f"choose one of {', '.join(ACTIVATIONS)}")
+        _check_activation(o, self.activation)
+        _require(isinstance(self.expert_bias, bool), o, "expert_bias", self.expert_bias,
+                 "must be True (experts W2 act(W1 x + b1) + b2, Tutel's has_fc1_bias / "
+                 "has_fc2_bias) or False")
         _require(isinstance(self.gate_noise, (int, float)) and self.gate_noise >= 0, o,
                  "gate_noise", self.gate_noise, "must be >= 0 (0 disables router noise)")
         for name in ("aux_loss_coef", "z_loss_coef"):
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and v >= 0, o, name, v, "must be >= 0")
+        _require(self.balance_loss in BALANCE_LOSSES, o, "balance_loss", self.balance_loss,
+                 "choose 'all_choices' (f_e counts all top-k choices, Megatron-core) or "
+                 "'first_choice' (f_e counts each token's first choice, GShard / DeepSpeed-MoE "
+                 "/ Tutel)")
         _require(isinstance(self.seed, int) and self.seed >= 0, o, "seed", self.seed,
                  "must be a non-negative integer")
         _require(isinstance(self.layer_id, int) and self.layer_id >= 0, o, "layer_id",
@@ -210,7 +292,33 @@ class MoEConfig:
         Default: yes for k >= 2 (GShard), no for k = 1 (Switch: the raw probability scales the
         output, which is what trains the router).
         """
-        return self.top_k > 1 if self.renormalize is None else self.renormalize
+        return self.renormalizes(self.top_k)
+
+    def renormalizes(self, k: int) -> bool:
+        """:attr:`renormalize_topk` for a call routed with top-``k`` (a per-call override)."""
+        return k > 1 if self.renormalize is None else self.renormalize
+
+    def per_call(self, top_k=None, capacity_factor=FROM_CONFIG) -> tuple[int, float | None]:
+        """``(top_k, capacity_factor)`` for one call of the layer: the config's values, or the
+        per-call overrides of ``MoELayer.forward`` (Tutel's ``moe(x, top_k=...,
+        capacity_factor=...)``), validated like the fields. ``capacity_factor`` may be a
+        factor > 0, None (dropless) or "auto" (the structure's default)."""
+        if top_k is None and capacity_factor is FROM_CONFIG:
+            return self.top_k, self.capacity_factor
+        o = "MoELayer(x, ...)"
+        k = self.top_k if top_k is None else top_k
+        if top_k is not None:
+            _require(isinstance(k, int) and not isinstance(k, bool) and 0 < k <= self.num_experts,
+                     o, "top_k", k, f"must be an integer in [1, num_experts={self.num_experts}], "
+                     "or None for MoEConfig.top_k")
+        if capacity_factor is FROM_CONFIG:
+            return k, self.capacity_factor
+        f = _resolve_capacity_factor(self.structure, capacity_factor)
+        _require(f is None or (isinstance(f, (int, float)) and not isinstance(f, bool)
+                               and f > 0), o, "capacity_factor", capacity_factor,
+                 "must be > 0 (e.g. 1.25), None for dropless routing, 'auto' for the "
+                 "structure's default, or left out for MoEConfig.capacity_factor")
+        return k, f
 
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)
@@ -237,9 +345,11 @@ class ModelConfig:
     capacity_factor: float | None | str = "auto"
     router: str = "topk"
     activation: str = "gelu"
+    expert_bias: bool = False
     structure: str = "vanilla"
     downscale_factor: float | None = None
     aux_loss_coef: float = 0.01
+    balance_loss: str = "all_choices"
     z_loss_coef: float = 0.0
     bilevel_nodes: int | None = None
     node_top_k: int = 1
@@ -309,6 +419,10 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
+DEVICES = ("auto", "cpu", "cuda")     # auto: cuda when a GPU is visible, else cpu
+DTYPES = ("auto", "bf16", "fp32")     # autocast dtype; auto: bf16 on cuda, fp32 on cpu
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and bookkeeping for ``moeflow train``."""
@@ -327,6 +441,8 @@ class TrainConfig:
     seed: int = 0
     collective_timeout_s: float = 300.0
     ep_size: int | None = None    # None = all ranks (pure expert parallelism)
+    device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
+    dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
 
     def __post_init__(self) -> None:
         o = "TrainConfig"
@@ -346,3 +462,7 @@ class TrainConfig:
                  self.collective_timeout_s, "must be > 0 seconds")
         if self.ep_size is not None:
             _positive_int(o, "ep_size", self.ep_size)
+        _require(self.device in DEVICES, o, "device", self.device,
+                 f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
+        _require(self.dtype in DTYPES, o, "dtype", self.dtype,
+                 f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 on cpu)")

@@ -23,3 +23,11 @@ def seeded_normal(shape: tuple[int, ...], std: float, *identity,
     """Normal(0, std) values of ``shape`` drawn from the generator of ``identity``, on CPU."""
     gen = torch.Generator().manual_seed(derive_seed(*identity))
     return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(dtype)
+
+
+def seeded_uniform(shape: tuple[int, ...], bound: float, *identity,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uniform(-bound, bound) values of ``shape`` from the generator of ``identity``, on CPU
+    (``nn.Linear``'s bias init with ``bound = 1/sqrt(fan_in)``)."""
+    gen = torch.Generator().manual_seed(derive_seed(*identity))
+    return ((torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1) * bound).to(dtype)

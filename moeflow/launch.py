@@ -2,8 +2,9 @@
 the job torchrun started.
 
 ``launch_local(fn, nproc, *args)`` runs ``fn(*args)`` in ``nproc`` fresh processes with
-torch.distributed initialised (gloo on CPU, NCCL when CUDA is present and asked for) and
-returns ``{rank: result}``. ``init_from_env`` is what each rank (ours or torchrun's) calls.
+torch.distributed initialised (gloo on CPU; ``cpu:gloo,cuda:nccl`` on GPUs, so that CPU tensors
+still travel, over gloo, next to NCCL's device tensors) and returns ``{rank: result}``.
+``init_from_env`` is what each rank (ours or torchrun's) calls.
 Every collective is bounded by ``timeout_s``: a rank that dies makes the others fail with an
 error instead of hanging.
 """
@@ -18,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moeflow.devices import pg_backend
+
 
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another launcher setting its env)."""
@@ -27,14 +30,15 @@ def under_torchrun() -> bool:
 def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> None:
     """Initialise torch.distributed from the launcher's environment (no-op if already done).
 
-    backend: ``None`` picks NCCL when CUDA is available, else gloo. With NCCL the rank's device
-    is ``LOCAL_RANK``.
+    backend: ``None`` picks ``cpu:gloo,cuda:nccl`` when CUDA is available, else gloo
+    (:func:`moeflow.devices.pg_backend`). With NCCL in the backend the rank's current device
+    is ``cuda:LOCAL_RANK``.
     """
     if dist.is_initialized():
         return
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+        backend = pg_backend("cuda" if torch.cuda.is_available() else "cpu")
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -1,6 +1,6 @@
 """MoELayer: route -> plan -> permute -> encode/all-to-all/decode -> experts -> back -> combine.
 
-The steps of DESIGN.md "One MoE layer"; each part is chosen by name in ``MoEConfig`` from its
+The steps of docs/design.md, "The path of a token through MoELayer"; each part is chosen by name in ``MoEConfig`` from its
 registry (router, codec, all-to-all algorithm), so later parts plug in without changing this file.
 """
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
-from moeflow.config import ConfigError, MoEConfig
+from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.dispatch import capacity, combine, make_plan, permute
 from moeflow.experts import ExpertFFN
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
@@ -20,6 +20,7 @@ from moeflow.routing import ROUTERS
 from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
+from moeflow.schedule.tasks import check_order
 from moeflow.topology import Topology
 
 
@@ -54,16 +55,38 @@ class MoELayer(nn.Module):
         self.dcca = build_projections(cfg)      # BigMac's W_d / W_u; None for other structures
         self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
                                  topo.ep_rank * self.num_local, self.num_local, cfg.activation,
-                                 cfg.seed, cfg.layer_id)
+                                 cfg.seed, cfg.layer_id, bias=cfg.expert_bias)
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
         self.scheduler = SCHEDULERS[cfg.schedule]()
+        self._checked_schedule: tuple | None = None
+        self._check_schedule()
         self.lane = CommLane()
         self.timer: PhaseTimer | None = None
         self.timeline: Timeline | None = None     # set to a Timeline to record every task
         self.aux_loss: torch.Tensor | None = None
         self._stats: dict[str, torch.Tensor | float] = {}
+
+    def _check_schedule(self) -> None:
+        """Validate the scheduler's order at the configured pipelining degree (ScheMoE Eq. 4-9
+        dependencies), once per (scheduler, degree): at construction, and again in forward
+        after ``cfg`` or ``scheduler`` was replaced (the profiler changes the degree)."""
+        key = (self.scheduler, self.cfg.pipeline_degree)
+        if self._checked_schedule == key:
+            return
+        r, s = self.cfg.pipeline_degree, self.scheduler
+        where = f"{type(s).__module__}.{type(s).__qualname__}.order({r})"
+        try:
+            order = list(s.order(r))
+            check_order(order, r)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(
+                f"MoEConfig.schedule={self.cfg.schedule!r} is invalid at pipeline_degree={r}: "
+                f"{where} must return each computing task (C1, D1, E, C2, D2 of every chunk) "
+                f"once, after its same-chunk predecessors: {e}; fix the scheduler's order() or "
+                "choose another schedule") from e
+        self._checked_schedule = key
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the last forward's aux_loss (it belongs to that graph)."""
@@ -88,23 +111,35 @@ class MoELayer(nn.Module):
         """The last forward's statistics as floats (a device sync on GPU: read when logging)."""
         return {k: float(v) for k, v in self._stats.items()}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, top_k: int | None = None,
+                capacity_factor: float | None | str = FROM_CONFIG) -> torch.Tensor:
+        """``x: (..., d_model)``. ``top_k`` and ``capacity_factor`` override the config's for
+        this call only (no rebuild; ``capacity_factor=None`` is dropless, ``"auto"`` the
+        structure's default), as Tutel's ``moe(x, top_k=..., capacity_factor=...)``."""
         cfg, t = self.cfg, self.timer or NULL_TIMER
+        if not x.is_floating_point():
+            raise TypeError(f"MoELayer input has dtype {x.dtype}; it must be floating point "
+                            "(token embeddings, e.g. float32 or bfloat16): convert token ids "
+                            "with an nn.Embedding first, or cast with x.float()")
         if x.shape[-1] != cfg.d_model:
             raise ValueError(f"MoELayer input has last dimension {x.shape[-1]} but "
                              f"MoEConfig.d_model={cfg.d_model}; reshape the input or build the "
                              f"layer with d_model={x.shape[-1]}")
+        self._check_schedule()
+        k, factor = cfg.per_call(top_k, capacity_factor)
+        if k != cfg.top_k:
+            self.router.check_top_k(cfg, k)
+        route_k = {} if k == cfg.top_k else {"top_k": k}
         shape = x.shape
         h = x.reshape(-1, cfg.d_model)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
         with t.phase("route", h):
-            routing = self.router(t.mark(h, "route"))     # the router reads x (pre-descend)
+            routing = self.router(t.mark(h, "route"), **route_k)   # reads x (pre-descend)
         if self.dcca is not None:                          # BigMac: descend before dispatch
             with t.phase("project", h):
                 h = self.dcca.down(t.mark(h, "project"))
-        cap = (None if cfg.dropless else
-               capacity(h.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor))
+        cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
             plan = make_plan(routing.experts, cfg.num_experts, cap, self.topo)
             send = permute(t.mark(h, "permute"), plan)

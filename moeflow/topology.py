@@ -5,7 +5,9 @@ numbering). Expert parallelism (EP) groups are blocks of ``ep_size`` consecutive
 expert-data-parallel group of a rank holds the ranks at the same position in the other EP
 groups (they hold the same experts). Groups are created once per (world, ep_size, local_size)
 and reused: ``torch.distributed.new_group`` is collective, so every rank creates every group in
-the same order here and nowhere else.
+the same order here and nowhere else. Every subgroup gets the world group's backend configuration
+(``cpu:gloo,cuda:nccl`` on GPUs, see :mod:`moeflow.devices`), so CPU tensors (timings, counts)
+and device tensors both travel on every group.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from moeflow.config import ConfigError
+from moeflow.devices import group_backend
 
 _CACHE: dict[tuple, "Topology"] = {}
 
@@ -110,7 +113,8 @@ class Topology:
                        intra_node_group=_partition(world, rank, local_size, consecutive=True),
                        inter_node_group=_partition(world, rank, world // local_size,
                                                    consecutive=False),
-                       lane_group=dist.new_group(list(range(world))))
+                       lane_group=dist.new_group(list(range(world)),
+                                                       backend=group_backend()))
         _CACHE[key] = topo
         return topo
 
@@ -128,7 +132,7 @@ def _partition(world: int, rank: int, size: int, consecutive: bool):
     for g in range(n):
         ranks = (list(range(g * size, (g + 1) * size)) if consecutive
                  else list(range(g, world, n)))
-        pg = dist.new_group(ranks)
+        pg = dist.new_group(ranks, backend=group_backend())
         if rank in ranks:
             mine = pg
     return mine

@@ -4,6 +4,16 @@ Runs on every rank (torch.distributed initialised, or a world of one). AdamW wit
 warm-up and cosine decay, global-norm gradient clipping that counts each expert once, periodic
 validation, metrics as JSON lines, a progress bar on rank 0, and DCP checkpoints that resume
 exactly (the batch of step s depends only on (seed, s, rank)).
+
+Devices: ``TrainConfig.device`` (``--device``) puts the model and the batches on
+``cuda:LOCAL_RANK`` or the CPU; ``TrainConfig.dtype`` (``--dtype``) runs forward passes under
+bf16 autocast (the default on CUDA) or in fp32 (the default on CPU). Checkpoints load in place
+into the live tensors, so a run saved on one device type resumes on the other.
+
+Host synchronisation: a training step leaves its loss, auxiliary loss and balance loss on the
+device as tensors and clips gradients with tensor ops, so no step waits for the device except
+at logging intervals, where the accumulated statistics are averaged over ranks in one
+all-reduce and read once.
 """
 
 from __future__ import annotations
@@ -20,9 +30,11 @@ import torch.distributed as dist
 from moeflow import checkpoint
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
+from moeflow.devices import autocast, resolve_device, resolve_dtype
 from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.grad_sync import sync_gradients
+from moeflow.parallel.replicas import prepare_model
 from moeflow.topology import Topology
 
 
@@ -45,24 +57,36 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
                              lr=cfg.lr, betas=(0.9, 0.95), foreach=False)
 
 
-def _world_mean(values: list[float], topo: Topology) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _world_mean(values: torch.Tensor, topo: Topology) -> list[float]:
+    """The mean over ranks of a 1-D tensor of statistics: one all-reduce (on the tensor's
+    device) and one device-to-host read."""
+    t = values.detach().to(torch.float64)
     if topo.distributed:
         dist.all_reduce(t)
         t /= topo.world_size
     return t.tolist()
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on ``device``; on CUDA copied from pinned memory without blocking."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @torch.no_grad()
-def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology) -> float:
+def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology,
+             device: torch.device = torch.device("cpu"),
+             dtype: torch.dtype = torch.float32) -> float:
     """Mean validation cross-entropy (nats/byte) over ``eval_batches`` batches per rank."""
     model.eval()
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(cfg.eval_batches):
         x, y = corpus.batch("val", cfg.batch_size, model.cfg.seq_len, cfg.seed, i, topo.rank)
-        total += float(model(x, y)[1])
+        with autocast(device, dtype):
+            total += model(_to_device(x, device), _to_device(y, device))[1].double()
     model.train()
-    return _world_mean([total / cfg.eval_batches], topo)[0]
+    return _world_mean((total / cfg.eval_batches).reshape(1), topo)[0]
 
 
 class Trainer:
@@ -72,7 +96,10 @@ class Trainer:
         self.out = Path(out_dir)
         self.progress = progress and topo.rank == 0
         self.corpus = Corpus.load(data)
-        self.model = GPT(model_cfg, topo)
+        self.device = resolve_device(train_cfg.device, "TrainConfig.device")
+        self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
+        # replicas start equal (broadcast from rank 0 of each replica group)
+        self.model = prepare_model(GPT(model_cfg, topo).to(self.device), topo)
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.history: list[dict] = []
@@ -117,22 +144,31 @@ class Trainer:
                                     self.model, self.opt)
 
     # ---- the loop -------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float, float]:
+    def _evaluate(self) -> float:
+        return evaluate(self.model, self.corpus, self.cfg, self.topo, self.device, self.dtype)
+
+    def train_step(self) -> torch.Tensor:
+        """One optimisation step; returns ``[loss, aux_loss, balance_loss]`` as a float64
+        tensor on the device (reading it is the caller's choice: it waits for the device)."""
         cfg, topo = self.cfg, self.topo
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, cfg)
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.seq_len, cfg.seed,
                                  self.step, topo.rank)
-        _, ce = self.model(x, y)
-        aux = self.model.aux_loss
+        with autocast(self.device, self.dtype):
+            _, ce = self.model(_to_device(x, self.device), _to_device(y, self.device))
+            aux = self.model.aux_loss
         self.opt.zero_grad(set_to_none=True)
         (ce + aux).backward()
         sync_gradients(self.model, topo)
         clip_gradients(self.model, topo, cfg.grad_clip)
         self.opt.step()
         self.step += 1
-        balance = sum(m.stat_tensors["balance_loss"] for m in self.model.moe_layers())
-        return ce.item(), aux.item(), float(balance)
+        balance = [torch.as_tensor(m.stat_tensors["balance_loss"], device=self.device).double()
+                   for m in self.model.moe_layers()]
+        return torch.stack([ce.detach().double(), aux.detach().double().to(self.device),
+                            torch.stack(balance).sum() if balance
+                            else torch.zeros((), dtype=torch.float64, device=self.device)])
 
     def run(self, resume: bool = False) -> dict:
         cfg, topo = self.cfg, self.topo
@@ -149,15 +185,16 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True, mininterval=1.0)
         if self.step == 0:
-            self._log({"step": 0, "val_loss": evaluate(self.model, self.corpus, cfg, topo)})
-        t_last, steps_last, sums = time.perf_counter(), 0, [0.0, 0.0, 0.0]
+            self._log({"step": 0, "val_loss": self._evaluate()})
+        zeros = torch.zeros(3, dtype=torch.float64, device=self.device)
+        t_last, steps_last, sums = time.perf_counter(), 0, zeros.clone()
         start_time = time.perf_counter()
         while self.step < cfg.steps:
-            sums = [a + b for a, b in zip(sums, self.train_step())]
+            sums += self.train_step()               # stays on the device between log points
             steps_last += 1
             done = self.step == cfg.steps
             if self.step % cfg.log_every == 0 or done:
-                loss, aux_mean, balance = _world_mean([v / steps_last for v in sums], topo)
+                loss, aux_mean, balance = _world_mean(sums / steps_last, topo)
                 now = time.perf_counter()
                 rec = {"step": self.step, "loss": loss, "aux_loss": aux_mean,
                        "balance_loss": balance,
@@ -165,14 +202,14 @@ class Trainer:
                        "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
                        "elapsed_s": now - start_time}
                 if self.step % cfg.eval_every == 0 or done:
-                    rec["val_loss"] = evaluate(self.model, self.corpus, cfg, topo)
+                    rec["val_loss"] = self._evaluate()
                 self._log(rec)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", aux=f"{aux_mean:.4f}",
                                     tok_s=f"{rec['tokens_per_s']:.0f}",
                                     **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec
                                        else {}))
-                t_last, steps_last, sums = time.perf_counter(), 0, [0.0, 0.0, 0.0]
+                t_last, steps_last, sums = time.perf_counter(), 0, zeros.clone()
             if bar is not None:
                 bar.update(1)
             if done or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):

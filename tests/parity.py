@@ -28,6 +28,23 @@ CASES: dict[str, dict] = {
     "zero_token_rank": dict(num_experts=8, top_k=2, capacity_factor=1.5, tokens=(5, 0, 7, 4)),
     "z_loss_relu": dict(num_experts=4, top_k=2, capacity_factor=2.0, activation="relu",
                         z_loss_coef=0.1),
+    # Tutel's options: expert biases (has_fc1_bias / has_fc2_bias), activations by name
+    "expert_bias_capacity": dict(num_experts=8, top_k=2, capacity_factor=1.0, expert_bias=True),
+    "expert_bias_swiglu_dropless": dict(num_experts=8, top_k=2, capacity_factor=None,
+                                        activation="swiglu", expert_bias=True),
+    "mish_dropless": dict(num_experts=8, top_k=2, capacity_factor=None, activation="mish"),
+    "leaky_relu_bias_k1": dict(num_experts=4, top_k=1, capacity_factor=1.5,
+                               activation="leaky_relu", expert_bias=True),
+    # per-call overrides of top_k / capacity_factor ("call": the layer(x, **call) arguments)
+    "call_top3_capacity2": dict(num_experts=8, top_k=2, capacity_factor=1.25,
+                                call=dict(top_k=3, capacity_factor=2.0)),
+    "call_dropless_top1": dict(num_experts=8, top_k=2, capacity_factor=1.0,
+                               call=dict(top_k=1, capacity_factor=None)),
+    "call_capacity_on_bigmac": dict(num_experts=8, top_k=2, structure="bigmac",
+                                    downscale_factor=0.5, call=dict(capacity_factor=0.75)),
+    # the GShard / DeepSpeed-MoE / Tutel balancing loss (f_e from first choices)
+    "first_choice_loss_k2": dict(num_experts=8, top_k=2, capacity_factor=1.25,
+                                 balance_loss="first_choice"),
     # structures (BigMac): fine-grained and BigMac default to dropless routing
     "fine_grained_k4": dict(num_experts=8, top_k=4, structure="fine_grained"),
     "bigmac_k8": dict(num_experts=8, top_k=8, structure="bigmac"),       # r = 0.25: width 2
@@ -52,7 +69,7 @@ def _spec(name: str) -> dict:
 
 
 def make_config(name: str, **overrides) -> MoEConfig:
-    spec = {k: v for k, v in _spec(name).items() if k not in ("hot", "tokens")}
+    spec = {k: v for k, v in _spec(name).items() if k not in ("hot", "tokens", "call")}
     return MoEConfig(d_model=D_MODEL, d_expert=D_EXPERT, seed=7, layer_id=3,
                      **{**spec, **overrides})
 
@@ -97,7 +114,7 @@ def run_rank(name: str, topo: Topology, **overrides) -> dict:
     layer = make_layer(name, topo, **overrides)
     x, g = make_batch(name, topo.rank)
     x.requires_grad_()
-    y = layer(x)
+    y = layer(x, **_spec(name).get("call", {}))
     local_loss(y, g, layer).backward()
     sync_gradients(layer, topo)
     grads, params = _snapshot(layer)
@@ -130,7 +147,7 @@ def reference(name: str, world: int) -> dict:
     for r in range(world):
         x, g = make_batch(name, r)
         x.requires_grad_()
-        y = layer(x)
+        y = layer(x, **_spec(name).get("call", {}))
         total = total + local_loss(y, g, layer)
         ys.append(y.detach())
         xs.append(x)

@@ -78,3 +78,26 @@ def test_topology_must_match_the_node_groups():
     with pytest.raises(ConfigError, match="ep_size=2"):
         mf.MoELayer(mf.MoEConfig(**BASE), mf.Topology(rank=0, world_size=4, local_size=2,
                                                       ep_size=2))
+
+
+@pytest.mark.parametrize("choices", ["all_choices", "first_choice"])
+def test_additive_loss_per_level_choices(choices):
+    """With top-2 per level, ``first_choice`` is Eq. (4) as written (f from argmax p, argmax q);
+    ``all_choices`` counts both choices of each level."""
+    cfg = mf.MoEConfig(**{**BASE, "top_k": 4, "node_top_k": 2, "local_top_k": 2,
+                          "balance_loss": choices, "aux_loss_coef": 0.5,
+                          "local_loss_coef": 0.25})
+    r = mf.MoELayer(cfg).router.double()
+    x = torch.randn(12, 8, dtype=torch.float64)
+    out = r(x)
+    p, q = torch.softmax(x @ r.node_weight, -1), torch.softmax(x @ r.local_weight, -1)
+    if choices == "first_choice":
+        f_node = torch.nn.functional.one_hot(p.argmax(-1), 2).double().mean(0)
+        f_local = torch.nn.functional.one_hot(q.argmax(-1), 4).double().mean(0)
+    else:                                       # 2 of 2 nodes, 2 of 4 local experts each
+        f_node = torch.full((2,), 0.5, dtype=torch.float64)
+        f_local = torch.zeros(12, 4, dtype=torch.float64).scatter(
+            1, q.topk(2, -1).indices, 1.0).mean(0) / 2
+    expect = 2 * (f_node * p.mean(0)).sum(), 4 * (f_local * q.mean(0)).sum()
+    torch.testing.assert_close(out.balance_loss, expect[0] + expect[1])
+    torch.testing.assert_close(out.aux_loss, 0.5 * expect[0] + 0.25 * expect[1])

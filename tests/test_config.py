@@ -21,9 +21,13 @@ BASE = dict(d_model=8, d_expert=16, num_experts=4, top_k=2)
     (dict(router="nope"), "router='nope'", "registered: bilevel, topk"),
     (dict(codec="zip"), "codec='zip'", "register_codec"),
     (dict(a2a="magic"), "a2a='magic'", "registered: bilevel, direct"),
-    (dict(activation="tanh"), "activation='tanh'", "gelu"),
+    (dict(activation="tanhh"), "activation='tanhh'", "did you mean 'tanh'"),
+    (dict(activation="softmax"), "activation='softmax'", "not an elementwise function"),
+    (dict(activation="dropout"), "activation='dropout'", "not an elementwise function"),
+    (dict(expert_bias="yes"), "expert_bias='yes'", "has_fc1_bias"),
     (dict(gate_noise=-0.1), "gate_noise=-0.1", ">= 0"),
     (dict(aux_loss_coef=-1.0), "aux_loss_coef=-1.0", ">= 0"),
+    (dict(balance_loss="top1"), "balance_loss='top1'", "'first_choice' (f_e counts each"),
 ])
 def test_moe_config_errors(change, field, hint):
     with pytest.raises(ConfigError) as err:

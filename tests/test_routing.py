@@ -120,3 +120,48 @@ def test_layer_stats_stay_tensors_until_read():
     s = layer.stats
     assert s["balance_loss"] == float(t["balance_loss"]) > 0
     assert s["z_loss"] == float(t["z_loss"]) > 0 and 0 <= s["dropped_fraction"] < 1
+
+
+def test_all_choices_balance_loss_is_megatron_cores():
+    """Megatron-core's switch_load_balancing_loss_func: E / (k T^2) * sum_e sum_t p_{t,e} *
+    tokens_per_expert_e, tokens counted over the top-k routing map (all choices)."""
+    r = _router(num_experts=4, top_k=2)
+    x = torch.randn(9, 4, dtype=torch.float64)
+    out = r(x)
+    probs = torch.softmax(x @ r.weight, -1)
+    T, E, k = 9, 4, 2
+    routing_map = torch.zeros(T, E, dtype=torch.float64).scatter(1, out.experts, 1.0)
+    expect = E / (k * T * T) * torch.sum(probs.sum(0) * routing_map.sum(0))
+    torch.testing.assert_close(out.balance_loss, expect)
+
+
+def test_first_choice_balance_loss_is_gshard_deepspeed_tutel():
+    """GShard / DeepSpeed-MoE top2gating: me = mean gates, ce = mean(mask1) (first choice
+    only), l_aux = mean(me * ce) * E^2; Tutel's gshard_loss: sum(me * ce) * E."""
+    r = _router(num_experts=4, top_k=2, balance_loss="first_choice")
+    x = torch.randn(9, 4, dtype=torch.float64)
+    out = r(x)
+    probs = torch.softmax(x @ r.weight, -1)
+    E = 4
+    me = probs.mean(0)
+    mask1 = torch.nn.functional.one_hot(probs.argmax(-1), E).to(torch.float64)
+    ce = mask1.mean(0)
+    torch.testing.assert_close(out.balance_loss, torch.mean(me * ce) * E * E)
+    torch.testing.assert_close(out.balance_loss, torch.sum(me * ce) * E)
+    torch.testing.assert_close(out.aux_loss, 0.01 * out.balance_loss)
+    # for k = 1 both definitions are Switch's
+    for choices in ("first_choice", "all_choices"):
+        torch.testing.assert_close(
+            _router(num_experts=4, top_k=1, balance_loss=choices)(x).balance_loss,
+            torch.sum(me * ce) * E)
+
+
+def test_balance_loss_choices_differ_for_top2():
+    probs = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.4, 0.35, 0.15, 0.1]], dtype=torch.float64)
+    experts = torch.tensor([[0, 1], [0, 1]])
+    P = probs.mean(0)
+    torch.testing.assert_close(balance_loss(probs, experts, 4, "first_choice"), 4 * P[0])
+    torch.testing.assert_close(balance_loss(probs, experts, 4, "all_choices"),
+                               4 * 0.5 * (P[0] + P[1]))
+    with pytest.raises(ValueError, match="choices='top1'"):
+        balance_loss(probs, experts, 4, "top1")

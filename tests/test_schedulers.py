@@ -84,8 +84,9 @@ def test_user_scheduler_plugs_into_the_layer():
     layer = mf.MoELayer(cfg).double()
     ref = mf.MoELayer(cfg.replace(schedule="sequential", pipeline_degree=1)).double()
     x = torch.randn(9, 8, dtype=torch.float64)
+    assert calls == [3]                         # validated at construction (check_order)
     torch.testing.assert_close(layer(x), ref(x))
-    assert calls == [3]
+    assert calls == [3, 3]
 
 
 def test_bad_schedule_inputs():

@@ -30,13 +30,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
+from moeflow.bench.timing import slowest, start_aligned
 from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.config import ConfigError
+from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 
 DEFAULT_SIZES = "1K,64K,512K,4M,32M,128M,256M"
@@ -54,9 +54,12 @@ def _shape(nbytes: int, world: int) -> tuple[int, int]:
     return rows, max(1, elems // (world * rows))
 
 
-def a2a_worker(names: list[str] | None, sizes: list[int], warmup: int, reps: int) -> dict | None:
-    """On every rank: time each algorithm at each size; rank 0 returns the results."""
+def a2a_worker(names: list[str] | None, sizes: list[int], warmup: int, reps: int,
+               device: str = "cpu") -> dict | None:
+    """On every rank: time each algorithm at each size (buffers on ``device``, timed with CUDA
+    events there); rank 0 returns the results."""
     topo = Topology.from_env()
+    dev = resolve_device(device)
     world = topo.world_size
     results, skipped = [], {}
     for name in (names or sorted(ALLTOALLS)):
@@ -68,20 +71,14 @@ def a2a_worker(names: list[str] | None, sizes: list[int], warmup: int, reps: int
             continue
         for nbytes in sizes:
             rows, cols = _shape(nbytes, world)
-            x = torch.ones(world * rows, cols)
+            x = torch.ones(world * rows, cols, device=dev)
             splits = [rows] * world
             times = []
             n_reps = 3 * reps if nbytes < (1 << 20) else reps   # small: cheap and noisier
             for i in range(warmup + n_reps):
-                if topo.distributed:
-                    dist.barrier()
-                t0 = time.perf_counter()
+                watch = start_aligned(topo, dev)
                 algo.exchange(x, splits, splits)
-                elapsed = time.perf_counter() - t0
-                if topo.distributed:
-                    t = torch.tensor([elapsed], dtype=torch.float64)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    elapsed = float(t)
+                elapsed = slowest(watch.stop(), topo)
                 if i >= warmup:
                     times.append(elapsed)
             del x
@@ -91,7 +88,8 @@ def a2a_worker(names: list[str] | None, sizes: list[int], warmup: int, reps: int
     if topo.rank != 0:
         return None
     return {"layout": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size,
-                       "world": world}, "results": results, "skipped": skipped}
+                       "world": world}, "device": dev.type, "results": results,
+            "skipped": skipped}
 
 
 def bandwidths(inter_bw: float | None, intra_bw: float | None,

@@ -21,11 +21,11 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
 from moeflow.bench import a2a_count  # noqa: F401  (registers "counting")
-from moeflow.bench.timing import slowest
+from moeflow.bench.timing import slowest, start_aligned
 from moeflow.config import MoEConfig
+from moeflow.devices import host_all_reduce, resolve_device
 from moeflow.dispatch import capacity
 from moeflow.experts.structure import comm_width
 from moeflow.layer import MoELayer
@@ -78,7 +78,7 @@ class _Runner:
     """One case on this rank: its layer, input, timer and collected samples."""
 
     def __init__(self, case: StructureCase, topo: Topology, tokens: int, d_model: int,
-                 device: str):
+                 device: torch.device):
         self.case, self.topo, self.tokens = case, topo, tokens
         self.cfg = MoEConfig(d_model=d_model, d_expert=case.d_expert,
                              num_experts=case.num_experts, top_k=case.top_k,
@@ -98,17 +98,13 @@ class _Runner:
         layer.timer = timer
         timer.reset()
         layer.algo.reset()
-        if topo.distributed:
-            dist.barrier()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        t0, c0 = time.perf_counter(), time.process_time()
+        watch = start_aligned(topo, x.device)
+        c0 = time.process_time()
         y = layer(x)
         (y.square().mean() + layer.aux_loss).backward()
-        if x.is_cuda:
-            torch.cuda.synchronize()
+        seconds = watch.stop()                      # waits for the device on CUDA
         cpu = time.process_time() - c0
-        elapsed = slowest(time.perf_counter() - t0, topo)
+        elapsed = slowest(seconds, topo)
         if self.counted is None:
             self.counted = (layer.algo.payload_bytes, layer.algo.offrank_bytes)
         layer.zero_grad(set_to_none=True)
@@ -122,13 +118,11 @@ class _Runner:
 
     def result(self) -> dict:
         topo, cfg, case = self.topo, self.cfg, self.case
-        sums = torch.tensor([float(v) for v in self.counted] + [
-            float(self.tokens), float(expected_a2a_bytes(cfg, self.tokens,
-                                                         self.x.element_size()))],
-            dtype=torch.float64)
-        if topo.distributed:
-            dist.all_reduce(sums)
-        payload, offrank, all_tokens, expect = sums.tolist()
+        payload, offrank, all_tokens, expect = host_all_reduce(
+            [float(v) for v in self.counted]
+            + [float(self.tokens),
+               float(expected_a2a_bytes(cfg, self.tokens, self.x.element_size()))],
+            "sum", topo.world_group)
         step = statistics.median(self.totals)
         return {**asdict(case), "name": case.name, "capacity_factor": cfg.capacity_factor,
                 "world_size": topo.world_size, "tokens_per_rank": self.tokens,
@@ -148,11 +142,7 @@ class _Runner:
 
 
 def _sum(value: float, topo: Topology) -> float:
-    if not topo.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t)
+    return host_all_reduce([value], "sum", topo.world_group)[0]
 
 
 def bench_worker(cases: list[StructureCase], tokens: int, d_model: int, warmup: int,
@@ -163,6 +153,7 @@ def bench_worker(cases: list[StructureCase], tokens: int, d_model: int, warmup: 
     if threads is not None:
         torch.set_num_threads(threads)
     topo = Topology.from_env()
+    device = resolve_device(device)
     torch.manual_seed(0)
     runners = [_Runner(c, topo, tokens, d_model, device) for c in cases]
     for i in range(warmup + reps):

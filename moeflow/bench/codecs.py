@@ -21,11 +21,11 @@ import json
 import math
 import platform
 import statistics
-import time
 
 import torch
 
 from moeflow.comm.codecs import CODECS
+from moeflow.devices import Stopwatch, synchronize
 
 DEFAULT_CODECS = ["fp16", "bf16", "int8", "fp8", "fp8-row", "zfp", "zfpy"]
 ZFP_CODECS = ("zfp", "zfpy")
@@ -45,20 +45,19 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
 
 
 def _time(fn, device, warmup: int, reps: int) -> float:
+    """Median seconds of ``fn`` on ``device`` (CUDA events on GPUs, the host clock on CPU)."""
     for _ in range(warmup):
         fn()
     _sync(device)
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        watch = Stopwatch(device).start()
         fn()
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
+        ts.append(watch.stop())
     return statistics.median(ts)
 
 

@@ -1,25 +1,24 @@
 """``moeflow bench layer``: one MoE layer's forward + backward, split into its phases.
 
-For each config: warm-up steps, then timed repetitions (ranks aligned by a barrier before each);
-a repetition's time is the slowest rank's. Reports medians: tokens/s over all ranks and
-milliseconds per phase (route / permute / all_to_all / experts / combine, forward + backward,
-as charged by :class:`~moeflow.phases.PhaseTimer`). This is the baseline later work improves on.
+For each config: warm-up steps, then timed repetitions (ranks aligned by a barrier before each;
+timed with CUDA events on GPUs); a repetition's time is the slowest rank's. Reports medians:
+tokens/s over all ranks and milliseconds per phase (route / permute / all_to_all / experts /
+combine, forward + backward, as charged by :class:`~moeflow.phases.PhaseTimer`). This is the baseline later work improves on.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseTimer
-from moeflow.bench.timing import slowest
+from moeflow.bench.timing import slowest, start_aligned
+from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 
 PHASES = ("route", "permute", "all_to_all", "experts", "combine")
@@ -44,7 +43,7 @@ DEFAULT_CASES = [
 
 
 def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_expert: int,
-               warmup: int, reps: int, device: str = "cpu") -> dict:
+               warmup: int, reps: int, device: str | torch.device = "cpu") -> dict:
     cfg = MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
                     top_k=case.top_k, capacity_factor=case.capacity_factor,
                     activation=case.activation, seed=1)
@@ -56,16 +55,10 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
     for i in range(warmup + reps):
         layer.timer = timer
         timer.reset()
-        if topo.distributed:
-            dist.barrier()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        watch = start_aligned(topo, x.device)
         y = layer(x)
         (y.square().mean() + layer.aux_loss).backward()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        elapsed = slowest(time.perf_counter() - t0, topo)
+        elapsed = slowest(watch.stop(), topo)
         layer.zero_grad(set_to_none=True)
         x.grad = None
         if i >= warmup:
@@ -84,6 +77,7 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
 def bench_worker(cases: list[BenchCase], tokens: int, d_model: int, d_expert: int,
                  warmup: int, reps: int, device: str = "cpu") -> list[dict]:
     topo = Topology.from_env()
+    device = resolve_device(device)
     return [bench_case(c, topo, tokens, d_model, d_expert, warmup, reps, device)
             for c in cases]
 

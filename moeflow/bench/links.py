@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from moeflow.bench.linkmodel import fit_record
+from moeflow.bench.timing import slowest, start_aligned
+from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 
 OPS = ("p2p", "all_to_all", "all_gather", "reduce_scatter", "all_reduce")
@@ -59,18 +60,12 @@ def _groups(topo: Topology) -> list[tuple[str, object, int, int]]:
     return out
 
 
-def _slowest(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _collective(op: str, group, g: int, nbytes: int):
+def _collective(op: str, group, g: int, nbytes: int, device: torch.device):
     """A closure running ``op`` on ``nbytes`` (nccl-tests convention) over ``group``."""
     n = max(g, nbytes // 4 // g * g)           # float32 elements, a multiple of g
-    big = torch.ones(n)
-    small = torch.ones(n // g)
-    out_big = torch.empty(n)
+    big = torch.ones(n, device=device)
+    small = torch.ones(n // g, device=device)
+    out_big = torch.empty(n, device=device)
     if op == "all_to_all":
         return lambda: dist.all_to_all_single(out_big, big, group=group)
     if op == "all_gather":
@@ -84,8 +79,8 @@ def _collective(op: str, group, g: int, nbytes: int):
     raise ValueError(op)
 
 
-def _ping_pong(a: int, b: int, nbytes: int):
-    buf = torch.ones(max(1, nbytes // 4))
+def _ping_pong(a: int, b: int, nbytes: int, device: torch.device):
+    buf = torch.ones(max(1, nbytes // 4), device=device)
     me = dist.get_rank()
 
     def run():
@@ -98,24 +93,28 @@ def _ping_pong(a: int, b: int, nbytes: int):
     return run
 
 
-def _time(run, warmup: int, reps: int, nbytes: int, scale: float = 1.0) -> float:
-    """Median of the slowest rank's time; 3x the repetitions below 1 MiB (cheap, noisier)."""
+def _time(run, warmup: int, reps: int, nbytes: int, topo: Topology, device: torch.device,
+          scale: float = 1.0) -> float:
+    """Median of the slowest rank's time (CUDA events on GPUs); 3x the repetitions below 1 MiB
+    (cheap, noisier)."""
     times = []
     if nbytes < (1 << 20):
         reps *= 3
     for i in range(warmup + reps):
-        dist.barrier()
-        t0 = time.perf_counter()
+        watch = start_aligned(topo, device)
         run()
-        elapsed = _slowest(time.perf_counter() - t0)
+        elapsed = slowest(watch.stop(), topo)
         if i >= warmup:
             times.append(elapsed * scale)
     return statistics.median(times)
 
 
-def links_worker(sizes: list[int], warmup: int, reps: int) -> dict | None:
-    """On every rank: measure everything; rank 0 returns ``{"layout", "fits"}``, others None."""
+def links_worker(sizes: list[int], warmup: int, reps: int,
+                 device: str = "cpu") -> dict | None:
+    """On every rank: measure everything with buffers on ``device``; rank 0 returns
+    ``{"layout", "fits"}``, others None."""
     topo = Topology.from_env()
+    dev = resolve_device(device)
     if not topo.distributed:
         raise ValueError("moeflow bench links needs at least 2 ranks: start it under "
                          "`moeflow cluster run` or torchrun, or pass --nproc 2")
@@ -128,12 +127,13 @@ def links_worker(sizes: list[int], warmup: int, reps: int) -> dict | None:
                     peer = 1 if cls == "intra" else topo.local_size
                     if cls == "world":
                         continue
-                    run = _ping_pong(0, peer, nbytes)
-                    points.append((max(4, nbytes // 4 * 4), _time(run, warmup, reps, nbytes, 0.5)))
+                    run = _ping_pong(0, peer, nbytes, dev)
+                    points.append((max(4, nbytes // 4 * 4),
+                                   _time(run, warmup, reps, nbytes, topo, dev, 0.5)))
                 else:
-                    run = _collective(op, group, g, nbytes)
+                    run = _collective(op, group, g, nbytes, dev)
                     n = max(g, nbytes // 4 // g * g)
-                    points.append((4 * n, _time(run, warmup, reps, nbytes)))
+                    points.append((4 * n, _time(run, warmup, reps, nbytes, topo, dev)))
             if len(points) >= 2:
                 fits.append(fit_record(cls, op, 2 if op == "p2p" else g,
                                        1 if op == "p2p" else concurrent, points))

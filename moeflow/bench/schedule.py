@@ -10,16 +10,15 @@ timeline of the last variant (Chrome trace JSON, PNG like the paper's Fig. 5).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.schedule.executor import Timeline
-from moeflow.bench.timing import slowest
+from moeflow.bench.timing import slowest, start_aligned
+from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 
 
@@ -37,14 +36,12 @@ def ablation_variants(codec: str, multi_node: bool, r: int) -> list[tuple[str, d
 
 
 def step_once(layer: MoELayer, x: torch.Tensor, topo: Topology) -> float:
-    if topo.distributed:
-        dist.barrier()
-    t0 = time.perf_counter()
+    """One forward + backward, ranks aligned, timed on ``x``'s device (CUDA events on GPUs);
+    the slowest rank's seconds."""
+    watch = start_aligned(topo, x.device)
     y = layer(x)
     (y.square().mean() + layer.aux_loss).backward()
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    elapsed = slowest(time.perf_counter() - t0, topo)
+    elapsed = slowest(watch.stop(), topo)
     layer.zero_grad(set_to_none=True)
     return elapsed
 
@@ -52,8 +49,9 @@ def step_once(layer: MoELayer, x: torch.Tensor, topo: Topology) -> float:
 def time_variants(base: MoEConfig, variants: list[tuple[str, dict]], topo: Topology,
                   x: torch.Tensor, warmup: int, reps: int) -> list[dict]:
     """Median forward + backward time of each variant (round-robin repetitions), and the
-    median time its all-to-all tasks took (forward + backward, slowest rank)."""
-    layers = [MoELayer(base.replace(**v), topo) for _, v in variants]
+    median time its all-to-all tasks took (forward + backward, slowest rank). The layers are
+    built on ``x``'s device."""
+    layers = [MoELayer(base.replace(**v), topo).to(x.device) for _, v in variants]
     times: list[list[float]] = [[] for _ in variants]
     comm: list[list[float]] = [[] for _ in variants]
     for layer in layers:
@@ -94,15 +92,17 @@ def bench_worker(opts: dict) -> dict:
     base = MoEConfig(d_model=opts["d_model"], d_expert=opts["d_expert"],
                      num_experts=opts["experts_per_rank"] * topo.ep_size, top_k=opts["top_k"],
                      capacity_factor=opts["capacity_factor"], seed=1)
+    device = resolve_device(opts.get("device", "cpu"))
     gen = torch.Generator().manual_seed(2000 + topo.rank)
-    x = torch.randn(opts["tokens"], opts["d_model"], generator=gen).to(opts["device"])
+    x = torch.randn(opts["tokens"], opts["d_model"], generator=gen).to(device)
     variants = ablation_variants(opts["codec"], topo.num_nodes > 1, opts["r"])
     rows = time_variants(base, variants, topo, x, opts["warmup"], opts["reps"])
     result = {"topology": repr(topo), "rows": rows, "config": vars(base).copy()}
     if opts.get("choose"):
         from moeflow.schedule.chooser import choose, explain
 
-        best, cands, _ = choose(lambda c, a: MoELayer(base.replace(codec=c, a2a=a), topo), x,
+        best, cands, _ = choose(lambda c, a: MoELayer(base.replace(codec=c, a2a=a),
+                                                      topo).to(device), x,
                                 ["none", opts["codec"]], usable_algorithms(topo), [1, 2, 4],
                                 ["sequential", "pipelined", "optsche"], reps=opts["reps"])
         measured = time_variants(base, [("chosen", dict(
@@ -111,7 +111,7 @@ def bench_worker(opts: dict) -> dict:
         result["choice"] = {"candidates": [vars(c) for c in cands], "explain": explain(cands),
                             "best": vars(best), "measured_ms": measured[0]["step_ms"]}
     if opts.get("trace") or opts.get("gantt"):
-        layer = MoELayer(base.replace(**variants[-1][1]), topo)
+        layer = MoELayer(base.replace(**variants[-1][1]), topo).to(device)
         step_once(layer, x, topo)
         layer.timeline = Timeline()
         step_once(layer, x, topo)

@@ -12,6 +12,7 @@ import torch
 
 from moeflow.bench.schedule import time_variants
 from moeflow.config import ConfigError, MoEConfig
+from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 
 
@@ -30,10 +31,11 @@ def bench_worker(opts: dict) -> dict:
     base = MoEConfig(d_model=opts["d_model"], d_expert=opts["d_expert"],
                      num_experts=opts["experts_per_rank"] * topo.world_size, top_k=1,
                      capacity_factor=opts["capacity_factor"], aux_loss_coef=0.005, seed=1)
+    device = resolve_device(opts.get("device", "cpu"))
     rows = []
     for tokens in opts["tokens"]:
         gen = torch.Generator().manual_seed(3000 + topo.rank)
-        x = torch.randn(tokens, opts["d_model"], generator=gen)
+        x = torch.randn(tokens, opts["d_model"], generator=gen).to(device)
         for row in time_variants(base, smile_variants(topo.num_nodes), topo, x,
                                  opts["warmup"], opts["reps"]):
             row["tokens_per_rank"] = tokens

@@ -1,17 +1,36 @@
-"""Timing helpers shared by the benchmarks: a repetition's time is the slowest rank's."""
+"""Timing helpers shared by the benchmarks: ranks start a repetition together, the work is
+timed on its device (:class:`moeflow.devices.Stopwatch`: CUDA events on CUDA, the host clock on
+CPU), and a repetition's time is the slowest rank's."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from moeflow.devices import Stopwatch, host_all_reduce, synchronize
 from moeflow.topology import Topology
 
 
 def slowest(seconds: float, topo: Topology) -> float:
-    """The maximum of ``seconds`` over all ranks (itself on a world of one)."""
+    """The maximum of ``seconds`` over all ranks (itself on a world of one); a host-side
+    collective that works on any group (gloo, or ``cpu:gloo,cuda:nccl``)."""
     if not topo.distributed:
         return seconds
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return host_all_reduce([seconds], "max", topo.world_group)[0]
+
+
+def start_aligned(topo: Topology, device: torch.device) -> Stopwatch:
+    """Wait for this rank's queued work, align the ranks on a barrier, start a stopwatch."""
+    synchronize(device)
+    if topo.distributed:
+        dist.barrier()
+    return Stopwatch(device).start()
+
+
+def time_aligned(fn: Callable[[], object], topo: Topology, device: torch.device) -> float:
+    """Run ``fn`` once with the ranks aligned; return the slowest rank's time of it."""
+    watch = start_aligned(topo, device)
+    fn()
+    return slowest(watch.stop(), topo)

@@ -1,4 +1,4 @@
-"""The emulated multi-node cluster (DESIGN.md, "Emulated cluster"): network namespaces as nodes,
+"""The emulated multi-node cluster (docs/design.md, "Emulated cluster"): network namespaces as nodes,
 shaped veth links between them, and torchrun started inside each (``moeflow cluster run``)."""
 
 from moeflow.cluster.netns import (ClusterError, EmulatedNetwork, Node, check_privileges,

@@ -1,4 +1,4 @@
-"""Emulated nodes: Linux network namespaces joined by shaped veth links (DESIGN.md, "Emulated cluster").
+"""Emulated nodes: Linux network namespaces joined by shaped veth links (docs/design.md, "Emulated cluster").
 
 Each node is a network namespace with ``lo`` up and one interface carrying the node's address.
 Two nodes are joined by one veth pair; more nodes hang off a bridge that lives in its own

@@ -3,7 +3,7 @@
 Every rank learns the whole count matrix ``N[p][e]`` (rows rank p sends to global expert e), so
 every all-to-all of the call, every pipelined chunk and every hierarchical algorithm can derive
 its split sizes on the host without further messages (ScheMoE section 5 needs the whole split
-matrix for its multi-step algorithms; DESIGN.md: "counts travel first when sizes vary").
+matrix for its multi-step algorithms; docs/design.md, "The path of a token", step 4).
 
 * Dropless: the counts live on the device. One ``all_gather_into_tensor`` of ``E`` integers,
   then one device-to-host copy: the layer's single host synchronisation.
@@ -20,10 +20,13 @@ import torch.distributed as dist
 
 from moeflow.topology import Topology
 
+# torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns there)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 
 def to_host(t: torch.Tensor) -> np.ndarray:
     """The one place device integers come to the host (a synchronisation on CUDA)."""
-    return t.detach().cpu().numpy()
+    return np.asarray(t.tolist(), dtype=np.int64)
 
 
 def gather_device_counts(counts: torch.Tensor, topo: Topology) -> np.ndarray:
@@ -31,7 +34,7 @@ def gather_device_counts(counts: torch.Tensor, topo: Topology) -> np.ndarray:
     if topo.ep_size == 1:
         return to_host(counts).reshape(1, -1)
     out = counts.new_empty(topo.ep_size * counts.numel())
-    dist.all_gather_into_tensor(out, counts.contiguous(), group=topo.ep_group)
+    _all_gather(out, counts.contiguous(), group=topo.ep_group)
     return to_host(out).reshape(topo.ep_size, -1)
 
 
@@ -47,11 +50,15 @@ def gather_host_ints(values: list[int], topo: Topology,
                      device: torch.device) -> np.ndarray:
     """Host integers of every EP rank, ``(ep, len(values))``, without touching the device when
     the group has a CPU backend (else through ``device``: one synchronisation)."""
-    mine = np.asarray(values, dtype=np.int64).reshape(1, -1)
+    mine = np.asarray(values, dtype=np.int64)
     if topo.ep_size == 1:
-        return mine
-    host = _has_cpu_backend(topo.ep_group)
-    t = torch.as_tensor(mine.reshape(-1), device="cpu" if host else device)
-    out = t.new_empty(topo.ep_size * t.numel())
-    dist.all_gather_into_tensor(out, t, group=topo.ep_group)
-    return (out.numpy() if host else to_host(out)).reshape(topo.ep_size, -1)
+        return mine.reshape(1, -1)
+    if not _has_cpu_backend(topo.ep_group):
+        t = torch.as_tensor(mine, device=device)
+        out = t.new_empty(topo.ep_size * t.numel())
+        _all_gather(out, t, group=topo.ep_group)
+        return to_host(out).reshape(topo.ep_size, -1)
+    got = np.empty(topo.ep_size * mine.size, dtype=np.int64)     # host memory throughout
+    _all_gather(torch.from_numpy(got), torch.from_numpy(mine),
+                                group=topo.ep_group)
+    return got.reshape(topo.ep_size, -1)

@@ -8,7 +8,7 @@ import sys
 
 from moeflow.bench.layer import DEFAULT_CASES, bench_worker, format_table, write_json
 from moeflow.commands import bench_bigmac, bench_net
-from moeflow.commands.common import add_launch_args, run_on_ranks
+from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
 
 
 def register(sub) -> None:
@@ -20,7 +20,7 @@ def register(sub) -> None:
     layer.add_argument("--d-expert", type=int, default=512)
     layer.add_argument("--warmup", type=int, default=2)
     layer.add_argument("--reps", type=int, default=7)
-    layer.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun on GPUs)")
+    add_device_arg(layer)
     layer.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
@@ -43,7 +43,7 @@ def register(sub) -> None:
                        help="also profile, choose codec/a2a/r/schedule, and measure the choice")
     sched.add_argument("--trace", default=None, help="Chrome trace JSON of the last variant")
     sched.add_argument("--gantt", default=None, help="PNG timeline of the last variant")
-    sched.add_argument("--device", default="cpu")
+    add_device_arg(sched)
     sched.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(sched, default_nproc=1)
     sched.set_defaults(func=run_schedule)
@@ -58,6 +58,7 @@ def register(sub) -> None:
     smile.add_argument("--capacity-factor", type=float, default=2.0)
     smile.add_argument("--warmup", type=int, default=2)
     smile.add_argument("--reps", type=int, default=5)
+    add_device_arg(smile)
     smile.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(smile, default_nproc=1)
     smile.set_defaults(func=run_smile)
@@ -118,7 +119,7 @@ def run_smile(args: argparse.Namespace) -> int:
                           "`moeflow cluster run --nodes N --ranks-per-node M -- python -m "
                           "moeflow.cli bench smile`, or torchrun on several nodes")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
-                                          "capacity_factor", "warmup", "reps")}
+                                          "capacity_factor", "warmup", "reps", "device")}
     return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
 def register_codecs_bench(bsub) -> None:
     p = bsub.add_parser("codecs", help="codec throughput vs copy bandwidth, bits/value, error")
@@ -128,7 +129,7 @@ def register_codecs_bench(bsub) -> None:
     p.add_argument("--sizes", default=None,
                    help="ROWSxCOLS,... (default: 2048x128,8192x512 on CPU; "
                         "8192x1024,65536x1024,65536x4096 on CUDA)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_device_arg(p)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: zfpy is single-threaded, and on a shared "
                         "machine more threads contend)")
@@ -149,14 +150,14 @@ def run_codecs(args: argparse.Namespace) -> int:
 
     from moeflow.bench import codecs as bc
     from moeflow.comm.codecs import CODECS
+    from moeflow.devices import check_device
 
     names = bc.DEFAULT_CODECS if args.codecs is None else args.codecs.split(",")
     for n in names:
         if n not in CODECS:
             raise SystemExit(f"moeflow bench codecs: unknown codec {n!r}; registered: "
                              f"{', '.join(sorted(CODECS))}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("moeflow bench codecs: --device cuda but no CUDA device is visible")
+    device = check_device(args.device)
     if args.reps < 1 or args.threads < 1 or args.error_rows < 1:
         raise SystemExit("moeflow bench codecs: --reps, --threads and --error-rows must be >= 1")
     if not args.zfp_rate >= 2.25:
@@ -164,12 +165,12 @@ def run_codecs(args: argparse.Namespace) -> int:
                          "rate of at least 2.25 bits per value (9 bits per block of 4)")
     try:
         sizes = (bc.parse_sizes(args.sizes) if args.sizes else
-                 bc.DEFAULT_SIZES_CUDA if args.device.startswith("cuda") else
+                 bc.DEFAULT_SIZES_CUDA if device == "cuda" else
                  bc.DEFAULT_SIZES_CPU)
     except ValueError as err:
         raise SystemExit(f"moeflow bench codecs: {err}")
     torch.set_num_threads(args.threads)
-    res = bc.run(names, sizes, args.device, args.warmup, args.reps, args.train_steps,
+    res = bc.run(names, sizes, device, args.warmup, args.reps, args.train_steps,
                  args.error_rows, args.zfp_rate)
     print(bc.format_table(res))
     if args.out:
@@ -185,7 +186,7 @@ def register_zfp_arrays_bench(bsub) -> None:
                    help="array shapes, 1 to 3 axes each (dims = axes), comma-separated "
                         "(1048576,1024x1024,64x128x128)")
     p.add_argument("--rate", type=float, default=8.0, help="bits per value (8)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (ours; zfpy runs on CPU)")
+    add_device_arg(p)                                   # ours; zfpy runs on CPU
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1, as zfpy)")
     p.add_argument("--warmup", type=int, default=1)
@@ -200,9 +201,9 @@ def run_zfp_arrays(args: argparse.Namespace) -> int:
     from moeflow.bench import zfp_arrays as za
     from moeflow.bench.codecs import write_json as write_json_codecs
     from moeflow.comm.codecs.zfp import maxbits_for
+    from moeflow.devices import check_device
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("moeflow bench zfp-arrays: --device cuda but no CUDA device is visible")
+    device = check_device(args.device)
     if args.reps < 1 or args.threads < 1 or args.warmup < 0:
         raise SystemExit("moeflow bench zfp-arrays: --reps and --threads must be >= 1, "
                          "--warmup >= 0")
@@ -217,7 +218,7 @@ def run_zfp_arrays(args: argparse.Namespace) -> int:
                          "at least 9 bits per block of 4 values in 1-D (rate >= 2.25)")
     torch.set_num_threads(args.threads)
     try:
-        res = za.run(shapes, args.rate, args.device, args.warmup, args.reps)
+        res = za.run(shapes, args.rate, device, args.warmup, args.reps)
     except RuntimeError as err:
         raise SystemExit(f"moeflow bench zfp-arrays: {err}")
     print(za.format_table(res))

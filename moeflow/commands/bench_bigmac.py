@@ -7,7 +7,7 @@ import argparse
 import shlex
 import sys
 
-from moeflow.commands.common import add_launch_args, run_on_ranks
+from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
 from moeflow.config import STRUCTURES
 
 
@@ -31,7 +31,7 @@ def register_bench(bsub) -> None:
                    help="vanilla row: E/g experts of width F*g, top k/g")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun on GPUs)")
+    add_device_arg(p)
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op CPU threads per rank (default: cores / ranks); 1 makes the "
                         "CPU-time column robust on a shared machine")
@@ -49,6 +49,9 @@ def register_bench(bsub) -> None:
 
 
 def run_bigmac(args: argparse.Namespace) -> int:
+    from moeflow.devices import check_device
+
+    check_device(args.device)            # fail fast, before the bench registers "counting"
     from moeflow.bench.bigmac import bench_worker, default_cases, format_table, write_json
 
     for name in ("tokens", "d_model", "d_expert", "num_experts", "reps", "granularity"):

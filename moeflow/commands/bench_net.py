@@ -16,7 +16,7 @@ import sys
 from moeflow.bench import a2a, links
 from moeflow.bench.linkmodel import save_fits
 from moeflow.cluster.shaping import parse_rate
-from moeflow.commands.common import add_launch_args, run_on_ranks
+from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
 from moeflow.config import ConfigError
 
 
@@ -28,6 +28,7 @@ def register_bench(bsub) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None, help="write the fits as JSON (moeflow.links/1) here")
+    add_device_arg(p)
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run_links)
 
@@ -45,6 +46,7 @@ def register_bench(bsub) -> None:
     p.add_argument("--links", default=None, help="a `bench links --out` file for the bound")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    add_device_arg(p)
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run_a2a)
 
@@ -74,7 +76,7 @@ def run_links(args: argparse.Namespace) -> int:
     sizes = _check(args, "warmup", "reps")
     if len(sizes) < 2:
         raise ConfigError(f"--sizes {args.sizes!r} is invalid: a fit needs at least 2 sizes")
-    res = run_on_ranks(links.links_worker, args, sizes, args.warmup, args.reps)
+    res = run_on_ranks(links.links_worker, args, sizes, args.warmup, args.reps, args.device)
     if res is not None:
         print(links.format_table(res["fits"]))
         if args.out:
@@ -95,7 +97,8 @@ def run_a2a(args: argparse.Namespace) -> int:
     bws = a2a.bandwidths(None if args.inter_bw is None else parse_rate(args.inter_bw, "--inter-bw"),
                          None if args.intra_bw is None else parse_rate(args.intra_bw, "--intra-bw"),
                          args.links)
-    res = run_on_ranks(a2a.a2a_worker, args, names, sizes, args.warmup, args.reps)
+    res = run_on_ranks(a2a.a2a_worker, args, names, sizes, args.warmup, args.reps,
+                       args.device)
     if res is not None:
         a2a.add_bounds(res, bws)
         a2a.add_pipe_summary(res, bws, args.links)

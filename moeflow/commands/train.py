@@ -1,5 +1,9 @@
 """``moeflow train``: train the MoE GPT (default: the tiny preset on the embedded corpus, on
-2 CPU ranks spawned here; under torchrun, the ranks torchrun started)."""
+2 CPU ranks spawned here; under torchrun, the ranks torchrun started).
+
+On GPUs, one rank per GPU, each on cuda:LOCAL_RANK, in bf16 autocast by default:
+  torchrun --nproc-per-node 8 -m moeflow.cli train --preset small --dtype bf16
+  moeflow train --device cuda --nproc 2 --preset small      (2 local ranks, 2 GPUs)"""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import json
 import time
 from pathlib import Path
 
-from moeflow.commands.common import add_launch_args, parse_overrides, run_on_ranks
-from moeflow.config import ModelConfig, PRESETS, TrainConfig, model_preset
+from moeflow.commands.common import (add_device_arg, add_launch_args, parse_overrides,
+                                     run_on_ranks)
+from moeflow.config import DTYPES, ModelConfig, PRESETS, TrainConfig, model_preset
 from moeflow.train import train_worker
 
 
@@ -30,11 +35,16 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
-        if f.name == "collective_timeout_s":
+        if f.name in ("collective_timeout_s", "device", "dtype"):
             continue
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=getattr(
             defaults, f.name), type=type(getattr(defaults, f.name)) if getattr(
             defaults, f.name) is not None else int, help=f"(default {getattr(defaults, f.name)})")
+    add_device_arg(p, default=defaults.device)
+    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPES,
+                   help=f"forward precision (default {defaults.dtype}): bf16 runs forward passes "
+                        "under bf16 autocast (weights, gradients and optimizer state stay fp32); "
+                        "auto is bf16 on cuda and fp32 on cpu")
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run)
 

@@ -1,4 +1,10 @@
-"""FFN experts ``E(h) = W2 act(W1 h)`` (GELU, ReLU) or SwiGLU ``W2 (silu(W1 h) * W3 h)``.
+"""FFN experts ``E(h) = W2 act(W1 h)`` or SwiGLU ``W2 (silu(W1 h) * W3 h)``.
+
+``act`` is GELU, ReLU or any elementwise function of ``torch.nn.functional`` named in
+``MoEConfig.activation`` (silu, mish, leaky_relu, ...). With ``bias=True`` (Tutel's
+``has_fc1_bias`` / ``has_fc2_bias``) the projections are affine: ``W2 act(W1 h + b1) + b2``
+(and ``W3 h + b3`` for SwiGLU); biases are initialised like ``nn.Linear``'s,
+``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, from the expert's global identity.
 
 One module holds the ``E_local`` experts of this rank as stacked weights ``(E_local, ...)``;
 expert ``first_expert + i`` is row ``i``, and its initial weights depend only on the seed, the
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.init import seeded_normal
+from moeflow.init import seeded_normal, seeded_uniform
 
 # Marks parameters whose copies live on a subset of ranks (expert shards), for sync_gradients.
 EXPERT_PARAM_ATTR = "_moeflow_expert"
@@ -27,14 +33,16 @@ EXPERT_PARAM_ATTR = "_moeflow_expert"
 
 class ExpertFFN(nn.Module):
     def __init__(self, d_model: int, d_hidden: int, first_expert: int, num_local: int,
-                 activation: str = "gelu", seed: int = 0, layer_id: int = 0):
+                 activation: str = "gelu", seed: int = 0, layer_id: int = 0,
+                 bias: bool = False):
         super().__init__()
         self.first_expert, self.num_local, self.activation = first_expert, num_local, activation
         ids = range(first_expert, first_expert + num_local)
 
-        def stack(name: str, shape: tuple[int, int], fan_in: int) -> nn.Parameter:
-            w = torch.stack([seeded_normal(shape, 1.0 / math.sqrt(fan_in), seed, "layer",
-                                           layer_id, "expert", e, name) for e in ids])
+        def stack(name: str, shape: tuple[int, ...], fan_in: int) -> nn.Parameter:
+            init = seeded_uniform if len(shape) == 1 else seeded_normal
+            w = torch.stack([init(shape, 1.0 / math.sqrt(fan_in), seed, "layer", layer_id,
+                                  "expert", e, name) for e in ids])
             p = nn.Parameter(w)
             setattr(p, EXPERT_PARAM_ATTR, True)
             return p
@@ -43,11 +51,27 @@ class ExpertFFN(nn.Module):
         if activation == "swiglu":
             self.w3 = stack("w3", (d_model, d_hidden), d_model)
         self.w2 = stack("w2", (d_hidden, d_model), d_hidden)
+        self.has_bias = bias
+        if bias:
+            self.b1 = stack("b1", (d_hidden,), d_model)
+            if activation == "swiglu":
+                self.b3 = stack("b3", (d_hidden,), d_model)
+            self.b2 = stack("b2", (d_model,), d_hidden)
 
-    def _act(self, h: torch.Tensor, x: torch.Tensor, w3: torch.Tensor | None) -> torch.Tensor:
+    def _add_bias(self, y: torch.Tensor, name: str, i: int | None) -> torch.Tensor:
+        """``y`` plus bias ``name`` of local expert ``i`` (of every expert, ``y`` stacked
+        ``(E_local, rows, .)``, when ``i`` is None); ``y`` itself without biases."""
+        if not self.has_bias:
+            return y
+        b = getattr(self, name).to(y.dtype)
+        return y + (b[i] if i is not None else b.unsqueeze(1))
+
+    def _act(self, h: torch.Tensor, x: torch.Tensor, w3: torch.Tensor | None,
+             i: int | None = None) -> torch.Tensor:
         if self.activation == "swiglu":
-            return F.silu(h) * (x @ w3 if x.dim() == 2 else torch.bmm(x, w3))
-        return F.gelu(h) if self.activation == "gelu" else F.relu(h)
+            gate = x @ w3 if x.dim() == 2 else torch.bmm(x, w3)
+            return F.silu(h) * self._add_bias(gate, "b3", i)
+        return getattr(F, self.activation)(h)     # gelu, relu or a validated F function
 
     def forward(self, x: torch.Tensor, counts: list[int],
                 offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,14 +84,16 @@ class ExpertFFN(nn.Module):
         w3 = self.w3.to(x.dtype) if self.activation == "swiglu" else None
         if len(set(counts)) == 1:                         # one batched matmul
             xs = x.reshape(self.num_local, counts[0], x.shape[1])
-            h = self._act(torch.bmm(xs, w1), xs, w3)
-            return torch.bmm(h, w2).reshape(x.shape[0], w2.shape[-1])
+            h = self._act(self._add_bias(torch.bmm(xs, w1), "b1", None), xs, w3)
+            y = self._add_bias(torch.bmm(h, w2), "b2", None)
+            return y.reshape(x.shape[0], w2.shape[-1])
         if grouped_mm_fits(x, w1):
             return self._grouped(x, counts, offsets, w1, w2, w3)
         outs = []
         for i, xi in enumerate(torch.split(x, counts)):
-            h = self._act(xi @ w1[i], xi, None if w3 is None else w3[i])
-            outs.append(h @ w2[i])
+            h = self._act(self._add_bias(xi @ w1[i], "b1", i), xi,
+                          None if w3 is None else w3[i], i)
+            outs.append(self._add_bias(h @ w2[i], "b2", i))
         return torch.cat(outs)
 
     def _grouped(self, x, counts, offsets, w1, w2, w3) -> torch.Tensor:
@@ -78,12 +104,21 @@ class ExpertFFN(nn.Module):
             dt = torch.get_autocast_dtype(x.device.type)
             x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
             w3 = None if w3 is None else w3.to(dt)
-        h = F.grouped_mm(x, w1, offs=offsets)
+        h = self._add_row_bias(F.grouped_mm(x, w1, offs=offsets), "b1", counts)
         if self.activation == "swiglu":
-            h = F.silu(h) * F.grouped_mm(x, w3, offs=offsets)
+            h = F.silu(h) * self._add_row_bias(F.grouped_mm(x, w3, offs=offsets), "b3", counts)
         else:
-            h = F.gelu(h) if self.activation == "gelu" else F.relu(h)
-        return _ContiguousGrad.apply(F.grouped_mm(h, w2, offs=offsets))
+            h = getattr(F, self.activation)(h)
+        y = self._add_row_bias(F.grouped_mm(h, w2, offs=offsets), "b2", counts)
+        return _ContiguousGrad.apply(y)
+
+    def _add_row_bias(self, y: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
+        """``y`` (rows grouped by expert) plus each row's expert bias ``name``."""
+        if not self.has_bias:
+            return y
+        b = getattr(self, name).to(y.dtype)
+        reps = torch.tensor(counts, device=b.device)
+        return y + b.repeat_interleave(reps, dim=0, output_size=y.shape[0])
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """MoE structures: vanilla, fine-grained (CDAC) and BigMac (DCCA).
 
 BigMac (``papers/bigmac.txt``, Fig. 2 and Eq. 2-4; the symbols lost from the text are in
-DESIGN.md "Notes on the papers"):
+docs/design.md, "Notes on the papers"):
 
 * ``vanilla`` (Fig. 2a): few large experts ``E(h) = W2 act(W1 h)``, ``W1: M -> F``.
 * ``fine_grained`` (Fig. 2b, DeepSeekMoE): many small experts of the same form; the all-to-all
@@ -63,11 +63,11 @@ class DCCAProjections(nn.Module):
         return f"{self.descend.shape[0]} -> {self.descend.shape[1]} -> {self.ascend.shape[1]}"
 
     def down(self, x: torch.Tensor) -> torch.Tensor:
-        """Step 1 of DESIGN.md "One MoE layer": ``z = x W_d``."""
+        """Step 3 of docs/design.md, "The path of a token": ``z = x W_d``."""
         return x @ self.descend.to(x.dtype)
 
     def up(self, y: torch.Tensor) -> torch.Tensor:
-        """Step 8: ``y W_u``."""
+        """Step 7 (ascend): ``y W_u``."""
         return y @ self.ascend.to(y.dtype)
 
 

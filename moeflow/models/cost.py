@@ -67,11 +67,12 @@ def model_cost(cfg: ModelConfig, bytes_per_element: int = 4, ep_size: int = 1) -
     n_moe = cfg.num_moe_layers
     n_dense = cfg.n_layers - n_moe
     block_common = 4 * M * M + 4 * M                    # attention + two LayerNorms
-    moe_layer = a * E * w * h + M * E + proj
+    bias = ((a - 1) * h + w) if cfg.expert_bias else 0     # b1 (and b3), b2 per expert
+    moe_layer = a * E * w * h + E * bias + M * E + proj
     dense_ffn = 2 * M * cfg.d_ff
     params = (V * M + S * M + cfg.n_layers * block_common + n_moe * moe_layer
               + n_dense * dense_ffn + 2 * M)
-    active = (V * M + S * M + cfg.n_layers * block_common + n_moe * (a * k * w * h + M * E + proj)
+    active = (V * M + S * M + cfg.n_layers * block_common + n_moe * (a * k * w * h + k * bias + M * E + proj)
               + n_dense * dense_ffn + 2 * M)
     fwd = (cfg.n_layers * (8 * M * M + 4 * S * M)
            + n_moe * (2 * M * E + 2 * a * k * w * h + 2 * proj)

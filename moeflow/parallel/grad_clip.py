@@ -4,6 +4,10 @@
 different norms and their replicated parameters would drift apart. Here the squared norm of the
 expert gradients is summed over the expert-parallel group (each expert counted once) and added
 to the replicated part (identical on every rank after sync_gradients).
+
+Everything stays on the device: the norms are ``foreach`` kernels, the scale is
+``min(1, max_norm / (norm + 1e-6))`` applied to every gradient as a tensor (multiplying by 1 when
+the norm is small, as ``clip_grad_norm_`` does), so clipping never waits for the device.
 """
 
 from __future__ import annotations
@@ -16,26 +20,30 @@ from moeflow.parallel.grad_sync import is_expert_param
 from moeflow.topology import Topology
 
 
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.nn.utils.get_total_norm(grads, 2.0).float().square()
+
+
 def global_grad_norm(model: nn.Module, topo: Topology) -> torch.Tensor:
+    """The L2 norm of all gradients, each expert counted once: a 0-dim float32 tensor on the
+    gradients' device (no host synchronisation)."""
     rep, exp = [], []
     for p in model.parameters():
         if p.grad is not None:
-            (exp if is_expert_param(p) else rep).append(p.grad.detach().double().square().sum())
-    zero = torch.zeros((), dtype=torch.float64)
-    rep_sq = torch.stack(rep).sum() if rep else zero
-    exp_sq = torch.stack(exp).sum() if exp else zero.clone()
+            (exp if is_expert_param(p) else rep).append(p.grad.detach())
+    device = (rep or exp)[0].device if rep or exp else torch.device("cpu")
+    rep_sq, exp_sq = _squared_norm(rep, device), _squared_norm(exp, device)
     if topo.ep_size > 1:
         dist.all_reduce(exp_sq, group=topo.ep_group)
     return (rep_sq + exp_sq).sqrt()
 
 
-def clip_gradients(model: nn.Module, topo: Topology, max_norm: float) -> float:
-    """Scale all gradients so their global norm is at most ``max_norm``; return the norm."""
+def clip_gradients(model: nn.Module, topo: Topology, max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm`` (0: no clipping);
+    return the norm before clipping as a 0-dim tensor (read it with ``float`` when logging)."""
     norm = global_grad_norm(model, topo)
     if max_norm > 0:
-        scale = min(1.0, max_norm / (float(norm) + 1e-6))
-        if scale < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-    return float(norm)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm

@@ -20,6 +20,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
+from moeflow.parallel.replicas import CHECKED_ATTR, check_replicas
 from moeflow.topology import Topology
 
 _BUCKET_BYTES = 32 * 1024 * 1024
@@ -33,10 +34,14 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
     """Average gradients over ranks as described in the module docstring (in place).
 
     Parameters without a gradient get a zero gradient first, so every rank issues the same
-    collectives even when one of them did not use a parameter this step.
+    collectives even when one of them did not use a parameter this step. The first call for a
+    model first checks that its replicas agree (``replicas.check_replicas``, one small
+    all-reduce) and raises ``ReplicaMismatchError`` if they don't: see ``prepare_model``.
     """
     if not topo.distributed:
         return
+    if not getattr(model, CHECKED_ATTR, False):
+        check_replicas(model, topo)
     replicated, experts = [], []
     for p in model.parameters():
         if not p.requires_grad:

@@ -28,13 +28,27 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Maps ``x: (T, d_model)`` to a :class:`Routing`; built from a ``MoEConfig``."""
+    """Maps ``x: (T, d_model)`` to a :class:`Routing`; built from a ``MoEConfig``.
+
+    A router that can route with another k than ``cfg.top_k`` for one call (``layer(x,
+    top_k=...)``) accepts ``forward(x, top_k=k)`` and overrides :meth:`check_top_k`; the layer
+    passes ``top_k`` only when it differs from the config's.
+    """
 
     name: str = "?"
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
+
+    @classmethod
+    def check_top_k(cls, cfg, k: int) -> None:
+        """Raise ConfigError unless this router can route one call with top-``k``."""
+        from moeflow.config import ConfigError
+
+        raise ConfigError(f"MoELayer(x, top_k={k}) is invalid: router {cfg.router!r} "
+                          f"({cls.__module__}.{cls.__qualname__}) takes no per-call top_k; "
+                          f"build a layer with MoEConfig.top_k={k} instead")
 
     @classmethod
     def check_topology(cls, cfg, topo) -> None:

@@ -18,11 +18,15 @@ from moeflow.routing.losses import balance_loss, z_loss
 
 
 def additive_balance_loss(p: torch.Tensor, nodes: torch.Tensor, q: torch.Tensor,
-                          locals_: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+                          locals_: torch.Tensor, alpha: float, beta: float,
+                          choices: str = "all_choices") -> torch.Tensor:
     """Eq. (4): ``alpha n sum_i f_i P_i + beta m sum_j f_j Q_j``; uniform routing gives
-    ``alpha + beta``. f counts the chosen nodes / local experts over all choices."""
-    return (alpha * balance_loss(p, nodes, p.shape[-1])
-            + beta * balance_loss(q, locals_, q.shape[-1]))
+    ``alpha + beta``. With ``choices="all_choices"`` f counts the chosen nodes / local experts
+    over all ``node_top_k`` / ``local_top_k`` choices of a level; with ``"first_choice"`` only
+    each token's best node / local expert (the paper's ``1{argmax p(x) = i}``). The two are the
+    same at top-1 per level, the paper's setting."""
+    return (alpha * balance_loss(p, nodes, p.shape[-1], choices)
+            + beta * balance_loss(q, locals_, q.shape[-1], choices))
 
 
 @register_router("bilevel")
@@ -51,6 +55,14 @@ class BiLevelRouter(Router):
                 f"{topo.ep_size}; set bilevel_nodes={topo.num_nodes} and keep expert "
                 "parallelism over all ranks (ep_size=None)")
 
+    @classmethod
+    def check_top_k(cls, cfg, k: int) -> None:
+        from moeflow.config import ConfigError
+
+        raise ConfigError(f"MoELayer(x, top_k={k}) is invalid: with router='bilevel' top_k is "
+                          f"node_top_k x local_top_k = {cfg.node_top_k} x {cfg.local_top_k}; "
+                          "build a layer with other node_top_k / local_top_k instead")
+
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.cfg
         dt = torch.promote_types(x.dtype, torch.float32)
@@ -68,8 +80,8 @@ class BiLevelRouter(Router):
         weights = (p_top.unsqueeze(2) * q_top.unsqueeze(1)).flatten(1)   # Eq. (3)
         alpha = cfg.aux_loss_coef
         beta = alpha if cfg.local_loss_coef is None else cfg.local_loss_coef
-        unscaled = additive_balance_loss(p, nodes, q, locals_, 1.0, 1.0)
-        lb = additive_balance_loss(p, nodes, q, locals_, alpha, beta)
+        unscaled = additive_balance_loss(p, nodes, q, locals_, 1.0, 1.0, cfg.balance_loss)
+        lb = additive_balance_loss(p, nodes, q, locals_, alpha, beta, cfg.balance_loss)
         zl = z_loss(node_logits) + z_loss(local_logits)
         return Routing(experts=experts, weights=weights, aux_loss=lb + cfg.z_loss_coef * zl,
                        balance_loss=unscaled.detach(), z_loss=zl.detach())

@@ -21,17 +21,24 @@ class TopKRouter(Router):
         self.weight = nn.Parameter(seeded_normal((cfg.d_model, cfg.num_experts), 0.02,
                                                  cfg.seed, "layer", cfg.layer_id, "router"))
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    @classmethod
+    def check_top_k(cls, cfg, k: int) -> None:
+        """Any k in [1, E] (checked by ``MoEConfig.per_call``)."""
+
+    def forward(self, x: torch.Tensor, top_k: int | None = None) -> Routing:
+        """Route with ``cfg.top_k``, or with ``top_k`` for this call (renormalised as a layer
+        built with that k would be)."""
         cfg = self.cfg
+        k = cfg.top_k if top_k is None else top_k
         dt = torch.promote_types(x.dtype, torch.float32)
         logits = x.to(dt) @ self.weight.to(dt)
         if self.training and cfg.gate_noise > 0:
             logits = logits + torch.randn_like(logits) * cfg.gate_noise
         probs = torch.softmax(logits, dim=-1)
-        weights, experts = probs.topk(cfg.top_k, dim=-1)
-        if cfg.renormalize_topk:
+        weights, experts = probs.topk(k, dim=-1)
+        if cfg.renormalizes(k):
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        lb = balance_loss(probs, experts, cfg.num_experts)
+        lb = balance_loss(probs, experts, cfg.num_experts, cfg.balance_loss)
         zl = z_loss(logits)
         aux = cfg.aux_loss_coef * lb + cfg.z_loss_coef * zl
         return Routing(experts=experts, weights=weights, aux_loss=aux,

@@ -6,7 +6,9 @@ two-lane model (``simulate``, ScheMoE section 4.1) predicts forward + backward t
 exchange + experts block; the rest of the layer (route, permute, combine) is added as the
 measured r = 1 step time minus the block's r = 1 prediction. The best
 prediction wins; ``explain`` prints every candidate's prediction, so the choice can be checked,
-and callers print the measured time beside it.
+and callers print the measured time beside it. On CUDA the profiler's step times are device
+times (CUDA events); the ranks agree on the predictions through a host-side all-reduce that
+works on gloo and on ``cpu:gloo,cuda:nccl`` groups (:func:`moeflow.devices.host_all_reduce`).
 """
 
 from __future__ import annotations
@@ -76,13 +78,11 @@ def choose(make_layer, x: torch.Tensor, codecs: list[str], algos: list[str],
 def _agree(candidates: list[Candidate]) -> None:
     """Average predictions over ranks so that every rank makes the same choice (each rank
     profiled its own tasks; divergent choices would mismatch collectives)."""
-    import torch.distributed as dist
+    from moeflow.devices import host_all_reduce
 
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or not candidates:
+    if not candidates:
         return
-    t = torch.tensor([c.predicted_s for c in candidates], dtype=torch.float64)
-    dist.all_reduce(t)
-    for c, v in zip(candidates, (t / dist.get_world_size()).tolist()):
+    for c, v in zip(candidates, host_all_reduce([c.predicted_s for c in candidates], "mean")):
         c.predicted_s = v
 
 

@@ -3,7 +3,9 @@
 Communication tasks get the alpha-beta model ``t = alpha + beta * bytes``; compress, decompress
 and expert tasks a per-element model ``t = a + b * elements`` (forward and backward experts
 separately). Fits are least squares (numpy) over the records of several runs at different
-pipelining degrees, so the sizes vary.
+pipelining degrees, so the sizes vary. Whole forward + backward steps are timed on the input's
+device (:class:`moeflow.devices.Stopwatch`: CUDA events on GPUs, where the host clock would
+time kernel launches rather than the work; the host clock on CPU).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeflow.devices import Stopwatch, synchronize
 from moeflow.schedule.executor import TaskRecord, Timeline
 
 
@@ -63,9 +66,7 @@ def profile(layer: torch.nn.Module, x: torch.Tensor, degrees: list[int], reps: i
             warmup: int = 1) -> tuple[list[TaskRecord], list[float]]:
     """Run forward + backward ``warmup + reps`` times per pipelining degree with the sequential
     scheduler (no overlap, so each task is timed alone); return the timed task records and the
-    whole forward + backward times."""
-    import time
-
+    whole forward + backward times (device time on CUDA)."""
     from moeflow.schedule import SCHEDULERS
 
     saved = (layer.cfg, layer.scheduler, layer.timeline)
@@ -78,12 +79,14 @@ def profile(layer: torch.nn.Module, x: torch.Tensor, degrees: list[int], reps: i
         for r in degrees:
             layer.cfg = layer.cfg.replace(pipeline_degree=r)
             for i in range(warmup + reps):
+                synchronize(x.device)               # earlier work is not this step's
                 timeline.clear()
-                t0 = time.perf_counter()
+                watch = Stopwatch(x.device).start()
                 y = layer(x)
                 (y.float().square().mean() + layer.aux_loss).backward()
+                seconds = watch.stop()
                 if i >= warmup:
-                    steps.append(time.perf_counter() - t0)
+                    steps.append(seconds)
                     records.extend(timeline.records)
     finally:
         layer.cfg, layer.scheduler, layer.timeline = saved

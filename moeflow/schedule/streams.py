@@ -57,13 +57,16 @@ class CommLane:
         return self._streams[idx]
 
     def run(self, fn: Callable[[], Any], device: torch.device) -> Any:
-        """Run ``fn`` as a communication task of ``device`` on the calling thread."""
+        """Run ``fn`` as a communication task of ``device`` on the calling thread. Autocast is
+        off: communication moves bytes and keeps their dtype (an inline task would otherwise
+        inherit the caller's autocast state)."""
         stream = self.stream(device)
-        if stream is None:
-            return fn()
-        torch.cuda.set_device(stream.device)
-        with torch.cuda.stream(stream):
-            return fn()
+        with torch.autocast(device.type, enabled=False):
+            if stream is None:
+                return fn()
+            torch.cuda.set_device(stream.device)
+            with torch.cuda.stream(stream):
+                return fn()
 
     def submit(self, fn: Callable[[], Any], device: torch.device) -> Future:
         """Queue ``fn`` on the lane thread (FIFO: the issue order is the execution order)."""

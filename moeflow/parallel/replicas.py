@@ -1,0 +1,161 @@
+"""Replicas start equal: broadcast them once, check them cheaply on the first gradient sync.
+
+``sync_gradients`` averages gradients the way DDP does, but DDP also broadcasts the module's
+parameters and buffers from rank 0 when it wraps a model; without that step a model whose own
+layers are not seeded identically on every rank trains with replicas that never agree. Two
+kinds of tensors are replicated (see ``grad_sync``):
+
+* replicated parameters and buffers (attention, dense layers, router, embeddings): one copy per
+  rank, equal over the world; the source is global rank 0;
+* expert shards: different on each rank of an expert-parallel (EP) group by design, equal over
+  the expert-data-parallel group (the ranks at the same EP position, which hold the same
+  experts); the source is that group's first rank, global rank ``ep_rank``.
+
+:func:`prepare_model` broadcasts both kinds from their source. :func:`check_replicas` compares
+them without moving them: one float64 checksum pair per tensor, all of them in one small
+``all_reduce(MAX)`` over the world (expert checksums sit in the slot of their EP position, so
+the maximum is taken over their own replica group), and raises :class:`ReplicaMismatchError`
+naming the first tensor whose replicas differ. ``sync_gradients`` runs it on its first call for
+each model. Only parameters are checked: buffers are broadcast by :func:`prepare_model`, but
+some (running statistics) legitimately differ between ranks once training has started.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from moeflow.experts.ffn import EXPERT_PARAM_ATTR
+from moeflow.topology import Topology
+
+CHECKED_ATTR = "_moeflow_replicas_checked"   # set on a model once check_replicas passed
+_REL_TOL = 1e-7     # float64 checksums of equal tensors agree to ~1e-13 whatever the thread count
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Copies of a replicated tensor differ between the ranks that should hold equal copies."""
+
+
+def _is_expert(t: torch.Tensor) -> bool:
+    return bool(getattr(t, EXPERT_PARAM_ATTR, False))
+
+
+def _split(model: nn.Module, buffers: bool) -> tuple[list, list]:
+    """(name, tensor) of the replicated and of the expert tensors, in module order."""
+    named = list(model.named_parameters())
+    if buffers:
+        named += list(model.named_buffers())
+    replicated = [(n, t) for n, t in named if not _is_expert(t)]
+    experts = [(n, t) for n, t in named if _is_expert(t)]
+    return replicated, experts
+
+
+@torch.no_grad()
+def _broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Broadcast ``tensors`` in place from global rank ``src``, one flat buffer per dtype and
+    device (booleans travel as bytes)."""
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, _), bucket in buckets.items():
+        views = [t.view(torch.uint8) if dtype == torch.bool else t for t in bucket]
+        flat = _flatten_dense_tensors([v.detach() for v in views])
+        dist.broadcast(flat, src=src, group=group)
+        for v, synced in zip(views, _unflatten_dense_tensors(flat, views)):
+            v.copy_(synced)
+
+
+def prepare_model(model: nn.Module, topo: Topology) -> nn.Module:
+    """Make every replica equal to its source before training (DDP's initial broadcast).
+
+    Replicated parameters and buffers are broadcast from global rank 0 over the world; expert
+    shards from the first rank of their expert-data-parallel group over that group (each EP
+    rank keeps its own experts). Call it once on every rank after building the model and before
+    creating the optimizer (or loading a checkpoint, which is already equal on every rank).
+    Returns ``model``. A world of one has nothing to do.
+    """
+    if not topo.distributed:
+        return model
+    replicated, experts = _split(model, buffers=True)
+    _broadcast([t for _, t in replicated], 0, topo.world_group)
+    if experts and topo.expert_dp_size > 1:
+        _broadcast([t for _, t in experts], topo.ep_rank, topo.expert_dp_group)
+    setattr(model, CHECKED_ATTR, False)        # the next sync_gradients checks again
+    return model
+
+
+@torch.no_grad()
+def _checksums(tensors: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
+    """Per tensor: (sum, row-position-weighted sum) in float64, and the scale sum |t|."""
+    sums, scales = [], []
+    for t in tensors:
+        t = t.detach()
+        t = t.to(torch.uint8) if t.dtype == torch.bool else t
+        rows = (t.flatten(1).sum(1, dtype=torch.float64) if t.dim() >= 2
+                else t.reshape(-1).to(torch.float64))
+        weights = torch.linspace(1.0, 2.0, rows.numel(), dtype=torch.float64,
+                                 device=rows.device)
+        scale = t.abs().sum(dtype=torch.float64).to(device)
+        sums += [rows.sum().to(device), (rows * weights).sum().to(device)]
+        scales += [scale, scale]
+    if not sums:
+        return (torch.zeros(0, dtype=torch.float64, device=device),) * 2
+    return torch.stack(sums), torch.stack(scales)
+
+
+def check_replicas(model: nn.Module, topo: Topology) -> None:
+    """Raise :class:`ReplicaMismatchError` if the replicas of any parameter differ.
+
+    Collective (every rank must call it): one ``all_reduce`` of ``3 * 2 * (n_replicated +
+    ep_size * n_expert)`` float64 values over the world. Marks the model as checked.
+    """
+    if not topo.distributed:
+        return
+    replicated, experts = _split(model, buffers=False)
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    rep_c, rep_s = _checksums([t for _, t in replicated], device)
+    exp_c, exp_s = _checksums([t for _, t in experts], device)
+    n_rep, n_exp, ep = rep_c.numel(), exp_c.numel(), topo.ep_size
+    length = n_rep + ep * n_exp
+    vec = torch.full((3, length), float("-inf"), dtype=torch.float64, device=device)
+    off = n_rep + topo.ep_rank * n_exp          # this EP position's slot for expert checksums
+    for row, rep, exp in ((0, rep_c, exp_c), (1, -rep_c, -exp_c), (2, rep_s, exp_s)):
+        vec[row, :n_rep] = rep
+        vec[row, off:off + n_exp] = exp
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=topo.world_group)
+    hi, lo, scale = vec[0], -vec[1], vec[2]
+    bad = ((hi - lo) > _REL_TOL * scale).nonzero().flatten().tolist()
+    if bad:
+        raise ReplicaMismatchError(_message(bad, replicated, experts, n_rep, n_exp, hi, lo,
+                                            topo))
+    setattr(model, CHECKED_ATTR, True)
+
+
+def _message(bad: list[int], replicated, experts, n_rep: int, n_exp: int, hi, lo,
+             topo: Topology) -> str:
+    def name(i: int) -> str:
+        if i < n_rep:
+            return f"replicated parameter {replicated[i // 2][0]!r}"
+        pos, j = divmod(i - n_rep, n_exp)
+        return f"expert parameter {experts[j // 2][0]!r} of expert-parallel rank {pos}"
+
+    def where(i: int) -> str:
+        if i < n_rep:
+            return "equal on every rank"
+        pos = (i - n_rep) // n_exp
+        return (f"equal over its expert-data-parallel group, the ranks {pos}, "
+                f"{pos + topo.ep_size}, ...")
+
+    names = list(dict.fromkeys(name(i) for i in bad))
+    i = bad[0]
+    more = f"; {len(names)} differ in all: {', '.join(names)}" if len(names) > 1 else ""
+    return (f"the replicas of {name(i)} ({where(i)}) differ between ranks (checksums from {lo[i]:.6g} to "
+            f"{hi[i]:.6g}){more}. sync_gradients averages gradients but cannot make unequal "
+            "copies equal: call moeflow.prepare_model(model, topo) on every rank after building "
+            "the model and before training (it broadcasts replicated parameters and buffers "
+            "from rank 0 and expert shards within their replica group), or initialise them "
+            "identically on every rank")
