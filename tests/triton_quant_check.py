@@ -57,10 +57,14 @@ def _store_kernel(v_ptr, out_ptr, n, SOFT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def _run(kernel, src: torch.Tensor, out_dtype: torch.dtype, soft: bool) -> torch.Tensor:
-    out = torch.empty(src.numel(), dtype=out_dtype)
+    from tests import triton_checks
+
+    dev = triton_checks.DEVICE                           # cpu (interpreter) or cuda
+    src = src.to(dev)
+    out = torch.empty(src.numel(), dtype=out_dtype, device=dev)
     block = 1 << 16
     kernel[(triton.cdiv(src.numel(), block),)](src, out, src.numel(), SOFT=soft, BLOCK=block)
-    return out
+    return out.cpu()
 
 
 def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -398,7 +402,9 @@ def compile_sm90() -> None:
     print("triton quant kernels compile")
 
 
+LAUNCHERS = [(tq, n) for n in ("fp8_encode", "fp8_decode", "int8_encode", "int8_decode")]
+
 if __name__ == "__main__":
     from tests.triton_checks import cli
 
-    cli(main, compile_sm90)
+    cli(main, compile_sm90, LAUNCHERS)

@@ -9,6 +9,7 @@ import torch
 
 from moeflow.comm.codecs import zfp
 from moeflow.comm.codecs.zfp import triton_backend as tb
+from moeflow.comm.codecs.zfp import triton_nd as tn
 
 
 def main() -> None:
@@ -77,7 +78,10 @@ def compile_sm90() -> None:
     print("triton kernels compile")
 
 
+LAUNCHERS = [(tb, "compress_rows"), (tb, "decompress_rows"), (tn, "compress"),
+             (tn, "decompress")]
+
 if __name__ == "__main__":
     from tests.triton_checks import cli
 
-    cli(main, compile_sm90)
+    cli(main, compile_sm90, LAUNCHERS)

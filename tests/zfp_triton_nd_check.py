@@ -154,7 +154,9 @@ def main() -> None:
     print("triton nd kernels match")
 
 
+LAUNCHERS = [(tn, "compress"), (tn, "decompress")]
+
 if __name__ == "__main__":
     from tests.triton_checks import cli
 
-    cli(main, compile_sm90)
+    cli(main, compile_sm90, LAUNCHERS)
