@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from moeflow.registry import did_you_mean
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and the fix."""
@@ -45,7 +47,7 @@ def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_mod
     ``fine_grained`` and ``bigmac`` (BigMac section "Enabling Dropless Token Routing").
     """
     _require(structure in STRUCTURES, o, "structure", structure,
-             f"choose one of {', '.join(STRUCTURES)}")
+             f"choose one of {', '.join(STRUCTURES)}{did_you_mean(structure, STRUCTURES)}")
     if capacity_factor == "auto":
         capacity_factor = DEFAULT_CAPACITY_FACTOR if structure == "vanilla" else None
     if structure != "bigmac":
@@ -146,7 +148,8 @@ class MoEConfig:
                      o, "capacity_factor", self.capacity_factor,
                      "must be > 0 (e.g. 1.25), None for dropless routing, or 'auto'")
         _require(self.activation in ACTIVATIONS, o, "activation", self.activation,
-                 f"choose one of {', '.join(ACTIVATIONS)}")
+                 f"choose one of {', '.join(ACTIVATIONS)}"
+                 f"{did_you_mean(self.activation, ACTIVATIONS)}")
         _require(isinstance(self.gate_noise, (int, float)) and self.gate_noise >= 0, o,
                  "gate_noise", self.gate_noise, "must be >= 0 (0 disables router noise)")
         for name in ("aux_loss_coef", "z_loss_coef"):
@@ -167,7 +170,8 @@ class MoEConfig:
             v = getattr(self, name)
             _require(v in registry, o, name, v,
                      f"unknown name; registered: {', '.join(sorted(registry))} "
-                     f"(register your own with moeflow.register_{registry.kind})")
+                     f"(register your own with moeflow.register_{registry.kind})"
+                     f"{did_you_mean(v, registry)}")
 
     def _check_bilevel(self, o: str) -> None:
         n = self.bilevel_nodes
@@ -301,11 +305,12 @@ PRESETS: dict[str, dict] = {
 def model_preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise config_error("ModelConfig", "preset", name,
-                           f"choose one of {', '.join(PRESETS)}")
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+                           f"choose one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(overrides) - set(fields))
     if unknown:
-        raise config_error("ModelConfig", sorted(unknown)[0], overrides[sorted(unknown)[0]],
-                           "not a ModelConfig field")
+        raise config_error("ModelConfig", unknown[0], overrides[unknown[0]],
+                           f"not a ModelConfig field{did_you_mean(unknown[0], fields)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 

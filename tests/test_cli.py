@@ -31,6 +31,8 @@ def test_overrides_parse_types():
     (["train", "--steps", "0"], "TrainConfig.steps=0"),
     (["train", "--nproc", "0"], "--nproc 0"),
     (["train", "--data", "/no/such/place"], "no such file"),
+    (["train", "--set", "topk=1"], "did you mean 'top_k'?"),
+    (["train", "--set", "router=topkk"], "did you mean 'topk'?"),
 ])
 def test_bad_arguments_are_clear_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:

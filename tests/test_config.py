@@ -75,3 +75,32 @@ def test_topology_without_distributed():
     assert (topo.world_size, topo.num_nodes, topo.ep_size) == (1, 1, 1)
     with pytest.raises(ConfigError, match="init_process_group"):
         mf.Topology.from_env(ep_size=2)
+
+
+@pytest.mark.parametrize("make,suggestion", [
+    (lambda: mf.MoEConfig(**BASE, router="topkk"), "did you mean 'topk'?"),
+    (lambda: mf.MoEConfig(**BASE, codec="fp61"), "did you mean 'fp16'?"),
+    (lambda: mf.MoEConfig(**BASE, a2a="direc"), "did you mean 'direct'?"),
+    (lambda: mf.MoEConfig(**BASE, schedule="sequental"), "did you mean 'sequential'?"),
+    (lambda: mf.MoEConfig(**BASE, activation="gelus"), "did you mean 'gelu'"),
+    (lambda: mf.MoEConfig(**BASE, structure="bigmack"), "did you mean 'bigmac'?"),
+    (lambda: model_preset("tiny", topk=1), "did you mean 'top_k'?"),
+    (lambda: model_preset("tinyy"), "did you mean 'tiny'?"),
+])
+def test_typos_get_suggestions(make, suggestion):
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert suggestion in str(err.value)
+
+
+def test_no_suggestion_for_a_name_far_from_every_choice():
+    with pytest.raises(ConfigError) as err:
+        mf.MoEConfig(**BASE, router="zzzzzz")
+    assert "did you mean" not in str(err.value)
+
+
+def test_registry_build_suggests_close_names():
+    from moeflow.routing import ROUTERS
+
+    with pytest.raises(KeyError, match="did you mean 'topk'"):
+        ROUTERS.build("top-k")

@@ -9,6 +9,7 @@ import sys
 from moeflow.bench.layer import DEFAULT_CASES, bench_worker, format_table, write_json
 from moeflow.commands import bench_bigmac, bench_net
 from moeflow.commands.common import add_launch_args, run_on_ranks
+from moeflow.registry import did_you_mean
 
 
 def register(sub) -> None:
@@ -101,7 +102,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
     if args.codec not in CODECS:
         raise ConfigError(f"--codec {args.codec!r} is not registered; registered: "
-                          f"{', '.join(sorted(CODECS))}")
+                          f"{', '.join(sorted(CODECS))}{did_you_mean(args.codec, CODECS)}")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "top_k", "capacity_factor", "codec", "r", "warmup",
                                           "reps", "choose", "trace", "gantt", "device")}
@@ -154,7 +155,7 @@ def run_codecs(args: argparse.Namespace) -> int:
     for n in names:
         if n not in CODECS:
             raise SystemExit(f"moeflow bench codecs: unknown codec {n!r}; registered: "
-                             f"{', '.join(sorted(CODECS))}")
+                             f"{', '.join(sorted(CODECS))}{did_you_mean(n, CODECS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("moeflow bench codecs: --device cuda but no CUDA device is visible")
     if args.reps < 1 or args.threads < 1 or args.error_rows < 1:

@@ -9,6 +9,7 @@ import sys
 
 from moeflow.commands.common import add_launch_args, run_on_ranks
 from moeflow.config import STRUCTURES
+from moeflow.registry import did_you_mean
 
 
 def _int_list(text: str) -> list[int]:
@@ -59,7 +60,8 @@ def run_bigmac(args: argparse.Namespace) -> int:
     bad = [s for s in structures if s not in STRUCTURES]
     if bad or not structures:
         raise SystemExit(f"moeflow bench bigmac: --structures {args.structures!r}: choose from "
-                         f"{', '.join(STRUCTURES)}")
+                         f"{', '.join(STRUCTURES)}"
+                         f"{did_you_mean(bad[0], STRUCTURES) if bad else ''}")
     cases = default_cases(args.num_experts, args.d_expert, args.top_k, args.downscale_factor,
                           structures, args.granularity)
     rows = run_on_ranks(bench_worker, args, cases, args.tokens, args.d_model, args.warmup,

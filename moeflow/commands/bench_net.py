@@ -18,6 +18,7 @@ from moeflow.bench.linkmodel import save_fits
 from moeflow.cluster.shaping import parse_rate
 from moeflow.commands.common import add_launch_args, run_on_ranks
 from moeflow.config import ConfigError
+from moeflow.registry import did_you_mean
 
 
 def register_bench(bsub) -> None:
@@ -91,7 +92,8 @@ def run_a2a(args: argparse.Namespace) -> int:
         unknown = [n for n in names if n not in a2a.ALLTOALLS]
         if unknown:
             raise ConfigError(f"--algorithms {unknown} unknown; registered: "
-                              f"{', '.join(sorted(a2a.ALLTOALLS))}")
+                              f"{', '.join(sorted(a2a.ALLTOALLS))}"
+                              f"{did_you_mean(unknown[0], a2a.ALLTOALLS)}")
     bws = a2a.bandwidths(None if args.inter_bw is None else parse_rate(args.inter_bw, "--inter-bw"),
                          None if args.intra_bw is None else parse_rate(args.intra_bw, "--intra-bw"),
                          args.links)
