@@ -33,6 +33,7 @@ def test_overrides_parse_types():
     (["train", "--data", "/no/such/place"], "no such file"),
     (["train", "--set", "topk=1"], "did you mean 'top_k'?"),
     (["train", "--set", "router=topkk"], "did you mean 'topk'?"),
+    (["train", "--steps", "10", "--warmup-steps", "50"], "--warmup-steps: "),
 ])
 def test_bad_arguments_are_clear_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:
@@ -71,3 +72,11 @@ def test_bench_layer_cli(tmp_path, capsys):
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["phase_ms"]["experts"] > 0
         assert sum(r["phase_ms"].values()) <= r["step_ms"] * 1.05
+
+
+def test_train_steps_5_needs_no_other_flag():
+    from moeflow.cli import build_parser
+    from moeflow.commands.train import configs_from_args
+
+    _, tcfg = configs_from_args(build_parser().parse_args(["train", "--steps", "5"]))
+    assert (tcfg.steps, tcfg.warmup_steps) == (5, 0)

@@ -104,3 +104,21 @@ def test_registry_build_suggests_close_names():
 
     with pytest.raises(KeyError, match="did you mean 'topk'"):
         ROUTERS.build("top-k")
+
+
+def test_warmup_default_is_relative_to_steps():
+    assert TrainConfig().warmup_steps == 30                 # min(30, steps // 10)
+    assert TrainConfig(steps=100).warmup_steps == 10
+    assert TrainConfig(steps=5).warmup_steps == 0           # `moeflow train --steps 5` works
+    assert TrainConfig(steps=5, warmup_steps=5).warmup_steps == 5
+
+
+@pytest.mark.parametrize("change,flag", [
+    (dict(steps=10, warmup_steps=50), "--warmup-steps: TrainConfig.warmup_steps=50"),
+    (dict(batch_size=0), "--batch-size: TrainConfig.batch_size=0"),
+    (dict(collective_timeout_s=0), "--timeout: TrainConfig.collective_timeout_s=0"),
+])
+def test_train_config_errors_name_the_flag(change, flag):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**change)
+    assert str(err.value).startswith(flag)

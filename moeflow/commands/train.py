@@ -14,36 +14,59 @@ from moeflow.config import ModelConfig, PRESETS, TrainConfig, model_preset
 from moeflow.train import train_worker
 
 
+# help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
+TRAIN_HELP = {
+    "steps": "optimizer steps in all; a resumed run continues up to this step",
+    "batch_size": "sequences per rank per step",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "the cosine decay ends at this fraction of --lr",
+    "warmup_steps": "steps of linear learning-rate warm-up (default: min(30, steps // 10))",
+    "weight_decay": "AdamW weight decay of the matrices (norms and biases get none)",
+    "grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "eval_every": "validate every this many steps (and at the end)",
+    "eval_batches": "validation batches per rank",
+    "log_every": "write a metrics line every this many steps (and at the end)",
+    "checkpoint_every": "also save a checkpoint every this many steps (0: at the end only)",
+    "seed": "seed of the batches and the router noise (the weights' seed is --set seed=N)",
+    "ep_size": "expert-parallel group size (default: all ranks); the experts are replicated "
+               "over nproc / ep-size groups",
+}
+
+
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train the MoE GPT",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("train", help="train the MoE GPT", description=__doc__)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="model size (default tiny: trains on 2 CPU cores in minutes)")
+                   help="model size (tiny trains on 2 CPU cores in minutes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field, e.g. --set top_k=1 --set "
-                        "capacity_factor=none (dropless); repeatable")
+                        "capacity_factor=none (dropless); repeatable (default: none)")
     p.add_argument("--data", default=None,
                    help="a text file or folder (default: CPython's embedded documentation)")
     p.add_argument("--out", default=None, help="run folder (default runs/<preset>-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         if f.name == "collective_timeout_s":
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=getattr(
-            defaults, f.name), type=type(getattr(defaults, f.name)) if getattr(
-            defaults, f.name) is not None else int, help=f"(default {getattr(defaults, f.name)})")
+        p.add_argument(TrainConfig.flag(f.name), dest=f.name, default=f.default,
+                       type=int if f.default is None else type(f.default),
+                       help=TRAIN_HELP.get(f.name, f"TrainConfig.{f.name}"))
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
+    """The model and train configs that ``moeflow train ARGS`` runs (validated)."""
     mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name != "collective_timeout_s"},
                        collective_timeout_s=args.timeout)
+    return mcfg, tcfg
+
+
+def run(args: argparse.Namespace) -> int:
+    mcfg, tcfg = configs_from_args(args)
     if args.data is not None and not Path(args.data).exists():
         raise FileNotFoundError(f"--data {args.data}: no such file or folder")
     if args.resume and args.out is None:
