@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from moeflow.commands import bench, cluster, model_info, train
+from moeflow.commands.common import Parser
 from moeflow.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moeflow", description="Mixture-of-Experts training across many devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (train, bench, cluster, model_info):

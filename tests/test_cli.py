@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -80,3 +81,32 @@ def test_train_steps_5_needs_no_other_flag():
 
     _, tcfg = configs_from_args(build_parser().parse_args(["train", "--steps", "5"]))
     assert (tcfg.steps, tcfg.warmup_steps) == (5, 0)
+
+
+def _walk(parser, path=("moeflow",)):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, path + (name,))
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from moeflow.cli import build_parser
+
+    bad, seen = [], 0
+    for path, parser in _walk(build_parser()):
+        parser.format_help()                        # every help string formats
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            seen += 1
+            name = " ".join(path) + " " + ("/".join(action.option_strings) or action.dest)
+            if not action.help or action.help == argparse.SUPPRESS:
+                bad.append(f"{name}: no help")
+            elif action.option_strings and action.required is False and \
+                    "default" not in formatter._get_help_string(action).lower():
+                bad.append(f"{name}: default not shown")
+    assert seen > 100
+    assert not bad, "\n".join(bad)

@@ -26,9 +26,10 @@ def register_bench(bsub) -> None:
                         description=links.__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=links.DEFAULT_SIZES,
                    help=f"bytes per rank buffer (default {links.DEFAULT_SIZES})")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=None, help="write the fits as JSON (moeflow.links/1) here")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size first")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per size")
+    p.add_argument("--out", default=None,
+                   help="write the fits as JSON (moeflow.links/1) here (default: print only)")
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run_links)
 
@@ -39,13 +40,18 @@ def register_bench(bsub) -> None:
                    help=f"bytes per rank send buffer (default {a2a.DEFAULT_SIZES})")
     p.add_argument("--algorithms", default=None,
                    help="comma-separated registered names (default: every registered one)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--inter-bw", default=None, help="inter-node bandwidth for the bound (1gbit)")
-    p.add_argument("--intra-bw", default=None, help="intra-node bandwidth for the bound")
-    p.add_argument("--links", default=None, help="a `bench links --out` file for the bound")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size first")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per size")
+    p.add_argument("--inter-bw", default=None,
+                   help="inter-node bandwidth for the bound, e.g. 1gbit (default: none given)")
+    p.add_argument("--intra-bw", default=None,
+                   help="intra-node bandwidth for the bound (default: none given)")
+    p.add_argument("--links", default=None,
+                   help="a `bench links --out` file for the bound (default: none)")
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON here (default: print only)")
+    p.add_argument("--plot", default=None,
+                   help="write a PNG plot here (needs matplotlib; default: no plot)")
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run_a2a)
 

@@ -1,4 +1,5 @@
-"""Helpers shared by CLI sub-commands: ``--set key=value`` overrides, running on ranks."""
+"""Helpers shared by CLI sub-commands: the parser (help shows every default), ``--set
+key=value`` overrides, running on ranks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ from typing import Any, Callable
 
 from moeflow.config import ConfigError
 from moeflow.launch import init_from_env, launch_local, under_torchrun
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written; each option's help ends with its default, unless the help
+    already says what the default is (``(default: cores / ranks)``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "default" in text.lower() else super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """``moeflow``'s parser: :class:`HelpFormatter` unless told otherwise, and sub-parsers
+    (``add_subparsers`` makes them of the parent's class) inherit it."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def parse_value(text: str, nullable: bool = True) -> Any:
@@ -40,10 +58,10 @@ def parse_overrides(items: list[str], target: type | None = None) -> dict[str, A
 
 def add_launch_args(p: argparse.ArgumentParser, default_nproc: int) -> None:
     p.add_argument("--nproc", type=int, default=default_nproc,
-                   help=f"CPU ranks to start on this machine (default {default_nproc}); "
-                        "ignored under torchrun, which sets the world itself")
+                   help="CPU ranks to start on this machine; ignored under torchrun, which sets "
+                        "the world itself")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds after which a stuck collective fails the job (default 300)")
+                   help="seconds after which a stuck collective fails the job")
 
 
 def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args) -> Any:
