@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from moeflow.commands import bench, cluster, model_info, train
-from moeflow.commands.common import Parser
+from moeflow.commands.common import Parser, RanksFailed
 from moeflow.config import ConfigError
 
 
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as err:
         parser.exit(2, f"moeflow {args.command}: error: {err}\n")
+    except RanksFailed as err:
+        parser.exit(1, f"moeflow {args.command}: {err}\n")
 
 
 if __name__ == "__main__":

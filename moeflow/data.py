@@ -54,17 +54,16 @@ def read_documents(path: str | Path, skipped: list[str] | None = None) -> dict[s
     docs = {k: v for k, v in docs.items() if v}
     if not docs:
         raise ValueError(f"--data {path}: found no non-empty text files (suffixes: "
-                         f"{', '.join(sorted(TEXT_SUFFIXES))}){skipped_note(binary)}")
+                         f"{', '.join(sorted(TEXT_SUFFIXES))})"
+                         f"{'; ' + skipped_note(binary) if binary else ''}")
     return docs
 
 
 def skipped_note(skipped: list[str] | tuple[str, ...]) -> str:
-    """``"; skipped 2 files that are not UTF-8 text: a.bin, b.txt"`` (or ``""``)."""
-    if not skipped:
-        return ""
+    """``"skipped 2 files that are not UTF-8 text: a.txt, b.md"``."""
     names = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
     files = "file that is" if len(skipped) == 1 else "files that are"
-    return f"; skipped {len(skipped)} {files} not UTF-8 text: {names}"
+    return f"skipped {len(skipped)} {files} not UTF-8 text: {names}"
 
 
 def _is_val(name: str) -> bool:

@@ -65,6 +65,27 @@ def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology) -> fl
     return _world_mean([total / cfg.eval_batches], topo)[0]
 
 
+def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
+    """The latest checkpoint of a run folder and its step (``FileNotFoundError`` if none)."""
+    root = Path(out_dir) / "checkpoint"
+    latest = root / "latest"
+    if not latest.exists():
+        raise FileNotFoundError(f"--resume: no checkpoint under {root} (expected "
+                                "a 'latest' file written by an earlier run with this --out)")
+    name = latest.read_text().strip()
+    return root / name, int(name.rpartition("-")[2])
+
+
+def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
+    """Raise ``ConfigError`` if the run folder's config.json holds another model config."""
+    saved = json.loads((Path(out_dir) / "config.json").read_text())["model"]
+    if saved != dataclasses.asdict(model_cfg):
+        diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model_cfg).items()
+                if saved.get(k) != v}
+        raise ConfigError(f"--resume: the model config differs from the checkpoint's "
+                          f"(field: (saved, now)) {diff}; resume with the same model options")
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | Path,
                  topo: Topology, data: str | None = None, progress: bool = True):
@@ -103,18 +124,9 @@ class Trainer:
             (self.ckpt_root / "latest").write_text(path.name)
 
     def resume(self) -> None:
-        latest = self.ckpt_root / "latest"
-        if not latest.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_root} (expected "
-                                    "a 'latest' file written by an earlier run with this --out)")
-        saved = json.loads((self.out / "config.json").read_text())["model"]
-        if saved != dataclasses.asdict(self.mcfg):
-            diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.mcfg).items()
-                    if saved.get(k) != v}
-            raise ConfigError(f"--resume: the model config differs from the checkpoint's "
-                              f"(field: (saved, now)) {diff}; resume with the same model options")
-        self.step = checkpoint.load(str(self.ckpt_root / latest.read_text().strip()),
-                                    self.model, self.opt)
+        path, _ = latest_checkpoint(self.out)
+        check_same_model(self.out, self.mcfg)
+        self.step = checkpoint.load(str(path), self.model, self.opt)
 
     # ---- the loop -------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, float]:

@@ -35,6 +35,11 @@ def test_overrides_parse_types():
     (["train", "--set", "topk=1"], "did you mean 'top_k'?"),
     (["train", "--set", "router=topkk"], "did you mean 'topk'?"),
     (["train", "--steps", "10", "--warmup-steps", "50"], "--warmup-steps: "),
+    # checked before any rank starts (no launcher traceback)
+    (["train", "--ep-size", "3"], "--ep-size 3 is invalid with 2 ranks"),
+    (["train", "--set", "num_experts=3"], "num_experts=3 is invalid with an expert-parallel "
+                                         "size of 2"),
+    (["train", "--nproc", "1", "--set", "seq_len=100000"], "seq_len"),
 ])
 def test_bad_arguments_are_clear_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:
@@ -110,3 +115,52 @@ def test_every_option_has_help_and_shows_its_default():
                 bad.append(f"{name}: default not shown")
     assert seen > 100
     assert not bad, "\n".join(bad)
+
+
+def test_data_and_resume_are_checked_before_the_ranks_start(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    cases = [(["--data", str(tmp_path / "empty")], "no non-empty text files"),
+             (["--resume", "--out", str(tmp_path / "none")], "no checkpoint under"),
+             (["--resume", "--out", str(run), "--set", "top_k=1"], "differs from the checkpoint")]
+    (run / "config.json").write_text(json.dumps({"model": {"top_k": 2}}))
+    (run / "checkpoint" / "latest").write_text("step-3")
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as err:
+            main(["train", *argv])
+        assert err.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_skipped_binary_files_are_counted(tmp_path, capsys, monkeypatch):
+    from moeflow.commands import train as train_cmd
+
+    (tmp_path / "a.txt").write_text("hello world " * 500)
+    (tmp_path / "b.txt").write_bytes(b"\x00\xff" * 100)
+    monkeypatch.setattr(train_cmd, "run_on_ranks", lambda *a, **k: None)   # no ranks
+    assert main(["train", "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 0
+    assert "skipped 1 file that is not UTF-8 text" in capsys.readouterr().out
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()
+
+
+@pytest.mark.multirank
+def test_a_failing_rank_is_reported_once_with_the_traceback_in_the_run_folder(tmp_path, capfd):
+    from moeflow.commands.common import RanksFailed, run_on_ranks
+
+    args = argparse.Namespace(nproc=2, timeout=30.0)
+    with pytest.raises(RanksFailed) as err:
+        run_on_ranks(_fail_on_rank_one, args, log_dir=str(tmp_path))
+    lines = str(err.value).splitlines()
+    assert lines[-1] == "rank 1: ValueError: rank one is broken"
+    assert str(tmp_path / "error.log") in lines[0]
+    log = (tmp_path / "error.log").read_text()
+    assert "Traceback" in log and "_fail_on_rank_one" in log and "rank one is broken" in log
+    assert "Traceback" not in capfd.readouterr().err     # the console gets the short form

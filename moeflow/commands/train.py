@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import time
 from pathlib import Path
 
 from moeflow.commands.common import add_launch_args, parse_overrides, run_on_ranks
-from moeflow.config import ModelConfig, PRESETS, TrainConfig, model_preset
-from moeflow.train import train_worker
+from moeflow.config import ConfigError, ModelConfig, PRESETS, TrainConfig, model_preset
+from moeflow.data import Corpus, skipped_note
+from moeflow.launch import under_torchrun
+from moeflow.train import check_same_model, latest_checkpoint, train_worker
 
 
 # help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
@@ -65,16 +69,49 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     return mcfg, tcfg
 
 
+def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int) -> None:
+    """The expert-parallel layout the ranks will build, checked before they start."""
+    ep = tcfg.ep_size or world
+    if world % ep:
+        raise ConfigError(f"--ep-size {ep} is invalid with {world} ranks (--nproc): it must "
+                          f"divide the number of ranks; pick one of "
+                          f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    if mcfg.num_moe_layers and mcfg.num_experts % ep:
+        raise ConfigError(
+            f"--set num_experts={mcfg.num_experts} is invalid with an expert-parallel size of "
+            f"{ep} (--ep-size; default: all ranks): every rank holds num_experts / ep-size "
+            f"experts; use {-(-mcfg.num_experts // ep) * ep} experts or --ep-size "
+            f"{math.gcd(mcfg.num_experts, world)}")
+
+
+def check_data(args: argparse.Namespace, mcfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """Load --data as the ranks will (errors here, not in every rank); report skipped files."""
+    try:
+        corpus = Corpus.load(args.data)
+        for split in ("train", "val"):
+            corpus.batch(split, 1, mcfg.seq_len, tcfg.seed, 0, 0)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if corpus.skipped and os.environ.get("RANK", "0") == "0":
+        print(f"--data {args.data}: {skipped_note(corpus.skipped)}")
+
+
 def run(args: argparse.Namespace) -> int:
     mcfg, tcfg = configs_from_args(args)
-    if args.data is not None and not Path(args.data).exists():
-        raise FileNotFoundError(f"--data {args.data}: no such file or folder")
     if args.resume and args.out is None:
         raise SystemExit("moeflow train: --resume needs --out (the run folder to continue)")
     out = args.out or str(Path("runs") / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # Everything that can fail before training is checked here, once, not in every rank.
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    if world >= 1:
+        check_layout(mcfg, tcfg, world)
+    check_data(args, mcfg, tcfg)
+    if args.resume:
+        latest_checkpoint(out)
+        check_same_model(out, mcfg)
     start = time.perf_counter()
     result = run_on_ranks(train_worker, args, mcfg, tcfg, out, args.data, args.resume,
-                          not args.no_progress)
+                          not args.no_progress, log_dir=out)
     if result is not None:
         vals = [(r["step"], r["val_loss"]) for r in result["history"] if "val_loss" in r]
         print(f"done: {result['step']} steps in {time.perf_counter() - start:.0f}s, "
