@@ -96,6 +96,9 @@ class Trainer:
         self.model = GPT(model_cfg, topo)
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
+        self.start_step = 0           # the step this run started from (resumed: the checkpoint's)
+        self.elapsed_before = 0.0     # training seconds before start_step (from the checkpoint)
+        self.start_time = time.perf_counter()    # of the training clock (elapsed_s)
         self.history: list[dict] = []
 
     # ---- bookkeeping ----------------------------------------------------------------------
@@ -115,18 +118,24 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(
             {"model": dataclasses.asdict(self.mcfg), "train": dataclasses.asdict(self.cfg),
-             "world_size": self.topo.world_size}, indent=2))
+             "world_size": self.topo.world_size,
+             **({"resumed_from_step": self.start_step} if self.start_step else {})}, indent=2))
 
     def save(self) -> None:
         path = self.ckpt_root / f"step-{self.step}"
         checkpoint.save(str(path), self.model, self.opt, self.step)
         if self.topo.rank == 0:                      # written after every rank finished
+            (path / "progress.json").write_text(json.dumps(
+                {"step": self.step, "elapsed_s": time.perf_counter() - self.start_time}))
             (self.ckpt_root / "latest").write_text(path.name)
 
     def resume(self) -> None:
         path, _ = latest_checkpoint(self.out)
         check_same_model(self.out, self.mcfg)
-        self.step = checkpoint.load(str(path), self.model, self.opt)
+        self.step = self.start_step = checkpoint.load(str(path), self.model, self.opt)
+        progress = path / "progress.json"            # absent in checkpoints of older versions
+        if progress.exists():
+            self.elapsed_before = json.loads(progress.read_text())["elapsed_s"]
 
     # ---- the loop -------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, float]:
@@ -150,7 +159,9 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         if resume:
             self.resume()
-        else:
+            if topo.distributed:                     # every rank has read config.json
+                dist.barrier()
+        if not resume or self.step < cfg.steps:      # record this run's options (new --steps)
             self._write_config()
         if topo.distributed:
             dist.barrier()
@@ -163,7 +174,7 @@ class Trainer:
         if self.step == 0:
             self._log({"step": 0, "val_loss": evaluate(self.model, self.corpus, cfg, topo)})
         t_last, steps_last, sums = time.perf_counter(), 0, [0.0, 0.0, 0.0]
-        start_time = time.perf_counter()
+        self.start_time = start_time = time.perf_counter() - self.elapsed_before
         while self.step < cfg.steps:
             sums = [a + b for a, b in zip(sums, self.train_step())]
             steps_last += 1
@@ -192,7 +203,8 @@ class Trainer:
         if bar is not None:
             bar.close()
         vals = [r["val_loss"] for r in self.history if "val_loss" in r]
-        return {"step": self.step, "final_val_loss": vals[-1] if vals else None,
+        return {"step": self.step, "start_step": self.start_step,
+                "final_val_loss": vals[-1] if vals else None,
                 "history": self.history, "out_dir": str(self.out)}
 
 

@@ -65,6 +65,15 @@ def test_train_cli_end_to_end(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records][-2:] == [4, 5]
+    assert records[-2]["elapsed_s"] > records[-3]["elapsed_s"]     # the clock continues
+    assert "done: 2 steps" in again.stdout and "resumed from step 3" in again.stdout
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 5
+    for steps in ("5", "2"):                   # at or below the checkpoint: nothing to do
+        idle = subprocess.run(cmd[:5] + [steps] + cmd[6:] + ["--resume"], capture_output=True,
+                              text=True, timeout=300)
+        assert idle.returncode == 0, idle.stderr[-3000:]
+        assert "nothing to do" in idle.stdout and "step 5" in idle.stdout
+        assert "--steps" in idle.stdout
 
 
 def test_bench_layer_cli(tmp_path, capsys):

@@ -107,14 +107,23 @@ def run(args: argparse.Namespace) -> int:
         check_layout(mcfg, tcfg, world)
     check_data(args, mcfg, tcfg)
     if args.resume:
-        latest_checkpoint(out)
+        _, step = latest_checkpoint(out)
         check_same_model(out, mcfg)
+        if step >= tcfg.steps:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"nothing to do: the checkpoint in {out} is at step {step} and --steps is "
+                      f"{tcfg.steps}; to train further, resume with a larger --steps (e.g. "
+                      f"--steps {2 * step})")
+            return 0
     start = time.perf_counter()
     result = run_on_ranks(train_worker, args, mcfg, tcfg, out, args.data, args.resume,
                           not args.no_progress, log_dir=out)
     if result is not None:
         vals = [(r["step"], r["val_loss"]) for r in result["history"] if "val_loss" in r]
-        print(f"done: {result['step']} steps in {time.perf_counter() - start:.0f}s, "
+        resumed = (f" (resumed from step {result['start_step']}, now at step {result['step']})"
+                   if result["start_step"] else "")
+        print(f"done: {result['step'] - result['start_step']} steps in "
+              f"{time.perf_counter() - start:.0f}s{resumed}, "
               f"validation loss {result['final_val_loss']:.3f} nats/byte")
         print("validation curve (step: nats/byte): "
               + ", ".join(f"{s}: {v:.3f}" for s, v in vals))
