@@ -48,11 +48,9 @@ def _entry(fn: Callable, args: tuple, timeout_s: float, backend: str | None,
     # whose error file is oldest (its peers fail when its connections close).
     try:
         result = fn(*args)
-    except (KeyboardInterrupt, SystemExit):
+    except (Exception, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:     # e.g. DCP's CheckpointException, which ``record`` misses
-        if isinstance(err, Exception):
-            raise
         raise RuntimeError(f"{type(err).__name__}: {err}") from err
     dist.destroy_process_group()
     return result

@@ -73,7 +73,7 @@ def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int) -> None:
     """The expert-parallel layout the ranks will build, checked before they start."""
     ep = tcfg.ep_size or world
     if world % ep:
-        raise ConfigError(f"--ep-size {ep} is invalid with {world} ranks (--nproc): it must "
+        raise ConfigError(f"--ep-size {ep} is invalid with {world} ranks: it must "
                           f"divide the number of ranks; pick one of "
                           f"{[d for d in range(1, world + 1) if world % d == 0]}")
     if mcfg.num_moe_layers and mcfg.num_experts % ep:
