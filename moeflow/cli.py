@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from moeflow.commands import bench, cluster, model_info, train
+from moeflow.commands.common import Parser, RanksFailed
 from moeflow.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moeflow", description="Mixture-of-Experts training across many devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (train, bench, cluster, model_info):
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as err:
         parser.exit(2, f"moeflow {args.command}: error: {err}\n")
+    except RanksFailed as err:
+        parser.exit(1, f"moeflow {args.command}: {err}\n")
 
 
 if __name__ == "__main__":

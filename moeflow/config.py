@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from moeflow.registry import did_you_mean
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and the fix."""
@@ -111,7 +113,7 @@ def _check_structure(o: str, structure, capacity_factor, downscale_factor, d_mod
     ``fine_grained`` and ``bigmac`` (BigMac section "Enabling Dropless Token Routing").
     """
     _require(structure in STRUCTURES, o, "structure", structure,
-             f"choose one of {', '.join(STRUCTURES)}")
+             f"choose one of {', '.join(STRUCTURES)}{did_you_mean(structure, STRUCTURES)}")
     capacity_factor = _resolve_capacity_factor(structure, capacity_factor)
     if structure != "bigmac":
         _require(downscale_factor is None, o, "downscale_factor", downscale_factor,
@@ -249,7 +251,8 @@ class MoEConfig:
             v = getattr(self, name)
             _require(v in registry, o, name, v,
                      f"unknown name; registered: {', '.join(sorted(registry))} "
-                     f"(register your own with moeflow.register_{registry.kind})")
+                     f"(register your own with moeflow.register_{registry.kind})"
+                     f"{did_you_mean(v, registry)}")
 
     def _check_bilevel(self, o: str) -> None:
         n = self.bilevel_nodes
@@ -411,11 +414,12 @@ PRESETS: dict[str, dict] = {
 def model_preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise config_error("ModelConfig", "preset", name,
-                           f"choose one of {', '.join(PRESETS)}")
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+                           f"choose one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(overrides) - set(fields))
     if unknown:
-        raise config_error("ModelConfig", sorted(unknown)[0], overrides[sorted(unknown)[0]],
-                           "not a ModelConfig field")
+        raise config_error("ModelConfig", unknown[0], overrides[unknown[0]],
+                           f"not a ModelConfig field{did_you_mean(unknown[0], fields)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
@@ -425,13 +429,18 @@ DTYPES = ("auto", "bf16", "fp32")     # autocast dtype; auto: bf16 on cuda, fp32
 
 @dataclass
 class TrainConfig:
-    """Optimisation and bookkeeping for ``moeflow train``."""
+    """Optimisation and bookkeeping for ``moeflow train``.
+
+    ``warmup_steps=None`` (the default) means ``min(30, steps // 10)``: 30 for the default 1000
+    steps, none for a 5-step smoke run. Each error names the ``moeflow train`` option first
+    (``--warmup-steps: TrainConfig.warmup_steps=50 is invalid: ...``).
+    """
 
     steps: int = 1000
     batch_size: int = 16          # sequences per rank per step
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int | None = None   # None = min(30, steps // 10)
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every: int = 100
@@ -444,25 +453,41 @@ class TrainConfig:
     device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
     dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
 
+    # the moeflow train option of each field: --field-name, except these
+    FLAGS = {"collective_timeout_s": "--timeout"}
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        return cls.FLAGS.get(name, "--" + name.replace("_", "-"))
+
+    def _require(self, cond: bool, name: str, fix: str) -> None:
+        if not cond:
+            err = config_error("TrainConfig", name, getattr(self, name), fix)
+            raise ConfigError(f"{self.flag(name)}: {err}")
+
     def __post_init__(self) -> None:
-        o = "TrainConfig"
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
-            _positive_int(o, name, getattr(self, name))
-        _require(self.lr > 0, o, "lr", self.lr, "must be > 0")
-        _require(0 <= self.min_lr_ratio <= 1, o, "min_lr_ratio", self.min_lr_ratio,
-                 "must be in [0, 1]")
-        _require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.steps,
-                 o, "warmup_steps", self.warmup_steps, f"must be in [0, steps={self.steps}]")
-        _require(self.weight_decay >= 0, o, "weight_decay", self.weight_decay, "must be >= 0")
-        _require(self.grad_clip >= 0, o, "grad_clip", self.grad_clip,
-                 "must be >= 0 (0 disables clipping)")
-        _require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0, o,
-                 "checkpoint_every", self.checkpoint_every, "must be >= 0 (0: at the end only)")
-        _require(self.collective_timeout_s > 0, o, "collective_timeout_s",
-                 self.collective_timeout_s, "must be > 0 seconds")
+            v = getattr(self, name)
+            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                          "must be a positive integer")
+        if self.warmup_steps is None:
+            self.warmup_steps = min(30, self.steps // 10)
+        self._require(self.lr > 0, "lr", "must be > 0")
+        self._require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        self._require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.steps,
+                      "warmup_steps", f"must be in [0, steps={self.steps}] (unset: "
+                      f"min(30, steps // 10) = {min(30, self.steps // 10)})")
+        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+        self._require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+                      "checkpoint_every", "must be >= 0 (0: at the end only)")
+        self._require(self.collective_timeout_s > 0, "collective_timeout_s",
+                      "must be > 0 seconds")
         if self.ep_size is not None:
-            _positive_int(o, "ep_size", self.ep_size)
-        _require(self.device in DEVICES, o, "device", self.device,
-                 f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
-        _require(self.dtype in DTYPES, o, "dtype", self.dtype,
-                 f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 on cpu)")
+            self._require(isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
+                          and self.ep_size > 0, "ep_size", "must be a positive integer")
+        self._require(self.device in DEVICES, "device",
+                      f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
+        self._require(self.dtype in DTYPES, "dtype",
+                      f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 "
+                      "on cpu)")

@@ -2,6 +2,8 @@
 
 The default corpus is the documentation text that ships inside CPython (``pydoc_data.topics``,
 about 0.46 MB), so it exists wherever Python does. Tokens are UTF-8 bytes (vocabulary 256).
+A file is text when it decodes as UTF-8; other files are skipped and listed in
+``Corpus.skipped`` (a single file that is not text is refused).
 The train/validation split is fixed per document (a hash of its name), and batches are drawn
 from a generator seeded by (seed, step, rank): training is reproducible and a resumed run
 draws exactly the batches the uninterrupted run would have.
@@ -27,19 +29,41 @@ def default_documents() -> dict[str, str]:
     return dict(sorted(pydoc_data.topics.topics.items()))
 
 
-def read_documents(path: str | Path) -> dict[str, str]:
-    """A text file, or every text file under a folder (by suffix), as name -> text."""
+def read_documents(path: str | Path, skipped: list[str] | None = None) -> dict[str, str]:
+    """A text file, or every text file under a folder (by suffix), as name -> text.
+
+    Files that do not decode as UTF-8 are left out and their names appended to ``skipped``;
+    a single such file, or a folder with no text left, raises ``ValueError``.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--data {path}: no such file or folder")
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-    docs = {str(p): p.read_text(encoding="utf-8", errors="replace") for p in files}
+    docs, binary = {}, []
+    for p in files:
+        try:
+            docs[str(p)] = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            if path.is_file():
+                raise ValueError(f"--data {path}: not UTF-8 text (byte {err.object[err.start]:#04x}"
+                                 f" at offset {err.start}); moeflow trains on text files") from None
+            binary.append(str(p))
+    if skipped is not None:
+        skipped.extend(binary)
     docs = {k: v for k, v in docs.items() if v}
     if not docs:
         raise ValueError(f"--data {path}: found no non-empty text files (suffixes: "
-                         f"{', '.join(sorted(TEXT_SUFFIXES))})")
+                         f"{', '.join(sorted(TEXT_SUFFIXES))})"
+                         f"{'; ' + skipped_note(binary) if binary else ''}")
     return docs
+
+
+def skipped_note(skipped: list[str] | tuple[str, ...]) -> str:
+    """``"skipped 2 files that are not UTF-8 text: a.txt, b.md"``."""
+    names = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+    files = "file that is" if len(skipped) == 1 else "files that are"
+    return f"skipped {len(skipped)} {files} not UTF-8 text: {names}"
 
 
 def _is_val(name: str) -> bool:
@@ -50,20 +74,22 @@ def _is_val(name: str) -> bool:
 class Corpus:
     train: torch.Tensor     # uint8 bytes
     val: torch.Tensor
+    skipped: tuple[str, ...] = ()       # files under --data left out: not UTF-8 text
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "Corpus":
-        docs = default_documents() if path is None else read_documents(path)
+        skipped: list[str] = []
+        docs = default_documents() if path is None else read_documents(path, skipped)
         if len(docs) == 1:                       # one file: last tenth is validation
             data = next(iter(docs.values())).encode()
             cut = len(data) * (VAL_EVERY - 1) // VAL_EVERY
-            return cls(_bytes(data[:cut]), _bytes(data[cut:]))
+            return cls(_bytes(data[:cut]), _bytes(data[cut:]), tuple(skipped))
         train = b"\n\n".join(v.encode() for k, v in docs.items() if not _is_val(k))
         val = b"\n\n".join(v.encode() for k, v in docs.items() if _is_val(k))
         if not val or not train:
             raise ValueError("the corpus needs at least two documents, or one file, to split "
                              "into training and validation")
-        return cls(_bytes(train), _bytes(val))
+        return cls(_bytes(train), _bytes(val), tuple(skipped))
 
     def batch(self, split: str, batch_size: int, seq_len: int, seed: int, step: int,
               rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,20 +47,31 @@ def _entry(fn: Callable, args: tuple, timeout_s: float, backend: str | None,
            threads: int) -> Any:
     torch.set_num_threads(threads)
     init_from_env(timeout_s, backend)
+    # On an exception the process group is left to the process's exit: the launcher's
+    # ``record`` writes this rank's error file first, so the rank that failed first is the one
+    # whose error file is oldest (its peers fail when its connections close).
     try:
-        return fn(*args)
-    finally:
-        dist.destroy_process_group()
+        result = fn(*args)
+    except (Exception, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:     # e.g. DCP's CheckpointException, which ``record`` misses
+        raise RuntimeError(f"{type(err).__name__}: {err}") from err
+    dist.destroy_process_group()
+    return result
 
 
 def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
-                 backend: str | None = "gloo", threads: int | None = None) -> dict[int, Any]:
+                 backend: str | None = "gloo", threads: int | None = None,
+                 log_dir: str | None = None) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks; return ``{rank: fn's return value}``.
 
     ``fn`` must be importable (a module-level function). A failing rank raises
     ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` here with its
-    traceback.
+    traceback (the launcher records each rank's exception in an error file: under
+    ``log_dir/<launch id>/attempt_0/<rank>/error.json`` when ``log_dir`` is given, else in a
+    temporary folder).
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc < 1:
@@ -70,5 +81,6 @@ def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
                           run_id=f"moeflow-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
+                          monitor_interval=0.1, start_method="spawn",
+                          logs_specs=DefaultLogsSpecs(log_dir=log_dir))
     return elastic_launch(config, _entry)(fn, args, timeout_s, backend, threads)

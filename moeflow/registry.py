@@ -6,9 +6,19 @@ A part registered from user code (``@moeflow.register_codec("mine")``) is accept
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import difflib
+from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
+
+
+def did_you_mean(name, choices: Iterable) -> str:
+    """``"; did you mean 'x'?"`` for the choices close to ``name`` (difflib), else ``""``.
+
+    The one place typo suggestions are made: config errors, registries and CLI options use it.
+    """
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 class Registry(dict):
@@ -32,5 +42,6 @@ class Registry(dict):
 
     def build(self, name: str, **kwargs):
         if name not in self:
-            raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self))}")
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self))}"
+                           f"{did_you_mean(name, self)}")
         return self[name](**kwargs)

@@ -89,6 +89,27 @@ def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology,
     return _world_mean((total / cfg.eval_batches).reshape(1), topo)[0]
 
 
+def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
+    """The latest checkpoint of a run folder and its step (``FileNotFoundError`` if none)."""
+    root = Path(out_dir) / "checkpoint"
+    latest = root / "latest"
+    if not latest.exists():
+        raise FileNotFoundError(f"--resume: no checkpoint under {root} (expected "
+                                "a 'latest' file written by an earlier run with this --out)")
+    name = latest.read_text().strip()
+    return root / name, int(name.rpartition("-")[2])
+
+
+def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
+    """Raise ``ConfigError`` if the run folder's config.json holds another model config."""
+    saved = json.loads((Path(out_dir) / "config.json").read_text())["model"]
+    if saved != dataclasses.asdict(model_cfg):
+        diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model_cfg).items()
+                if saved.get(k) != v}
+        raise ConfigError(f"--resume: the model config differs from the checkpoint's "
+                          f"(field: (saved, now)) {diff}; resume with the same model options")
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | Path,
                  topo: Topology, data: str | None = None, progress: bool = True):
@@ -102,6 +123,9 @@ class Trainer:
         self.model = prepare_model(GPT(model_cfg, topo).to(self.device), topo)
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
+        self.start_step = 0           # the step this run started from (resumed: the checkpoint's)
+        self.elapsed_before = 0.0     # training seconds before start_step (from the checkpoint)
+        self.start_time = time.perf_counter()    # of the training clock (elapsed_s)
         self.history: list[dict] = []
 
     # ---- bookkeeping ----------------------------------------------------------------------
@@ -121,27 +145,24 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(
             {"model": dataclasses.asdict(self.mcfg), "train": dataclasses.asdict(self.cfg),
-             "world_size": self.topo.world_size}, indent=2))
+             "world_size": self.topo.world_size,
+             **({"resumed_from_step": self.start_step} if self.start_step else {})}, indent=2))
 
     def save(self) -> None:
         path = self.ckpt_root / f"step-{self.step}"
         checkpoint.save(str(path), self.model, self.opt, self.step)
         if self.topo.rank == 0:                      # written after every rank finished
+            (path / "progress.json").write_text(json.dumps(
+                {"step": self.step, "elapsed_s": time.perf_counter() - self.start_time}))
             (self.ckpt_root / "latest").write_text(path.name)
 
     def resume(self) -> None:
-        latest = self.ckpt_root / "latest"
-        if not latest.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_root} (expected "
-                                    "a 'latest' file written by an earlier run with this --out)")
-        saved = json.loads((self.out / "config.json").read_text())["model"]
-        if saved != dataclasses.asdict(self.mcfg):
-            diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.mcfg).items()
-                    if saved.get(k) != v}
-            raise ConfigError(f"--resume: the model config differs from the checkpoint's "
-                              f"(field: (saved, now)) {diff}; resume with the same model options")
-        self.step = checkpoint.load(str(self.ckpt_root / latest.read_text().strip()),
-                                    self.model, self.opt)
+        path, _ = latest_checkpoint(self.out)
+        check_same_model(self.out, self.mcfg)
+        self.step = self.start_step = checkpoint.load(str(path), self.model, self.opt)
+        progress = path / "progress.json"            # absent in checkpoints of older versions
+        if progress.exists():
+            self.elapsed_before = json.loads(progress.read_text())["elapsed_s"]
 
     # ---- the loop -------------------------------------------------------------------------
     def _evaluate(self) -> float:
@@ -174,7 +195,9 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         if resume:
             self.resume()
-        else:
+            if topo.distributed:                     # every rank has read config.json
+                dist.barrier()
+        if not resume or self.step < cfg.steps:      # record this run's options (new --steps)
             self._write_config()
         if topo.distributed:
             dist.barrier()
@@ -188,7 +211,7 @@ class Trainer:
             self._log({"step": 0, "val_loss": self._evaluate()})
         zeros = torch.zeros(3, dtype=torch.float64, device=self.device)
         t_last, steps_last, sums = time.perf_counter(), 0, zeros.clone()
-        start_time = time.perf_counter()
+        self.start_time = start_time = time.perf_counter() - self.elapsed_before
         while self.step < cfg.steps:
             sums += self.train_step()               # stays on the device between log points
             steps_last += 1
@@ -217,7 +240,8 @@ class Trainer:
         if bar is not None:
             bar.close()
         vals = [r["val_loss"] for r in self.history if "val_loss" in r]
-        return {"step": self.step, "final_val_loss": vals[-1] if vals else None,
+        return {"step": self.step, "start_step": self.start_step,
+                "final_val_loss": vals[-1] if vals else None,
                 "history": self.history, "out_dir": str(self.out)}
 
 

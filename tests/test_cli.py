@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -31,6 +32,14 @@ def test_overrides_parse_types():
     (["train", "--steps", "0"], "TrainConfig.steps=0"),
     (["train", "--nproc", "0"], "--nproc 0"),
     (["train", "--data", "/no/such/place"], "no such file"),
+    (["train", "--set", "topk=1"], "did you mean 'top_k'?"),
+    (["train", "--set", "router=topkk"], "did you mean 'topk'?"),
+    (["train", "--steps", "10", "--warmup-steps", "50"], "--warmup-steps: "),
+    # checked before any rank starts (no launcher traceback)
+    (["train", "--ep-size", "3"], "--ep-size 3 is invalid with 2 ranks"),
+    (["train", "--set", "num_experts=3"], "num_experts=3 is invalid with an expert-parallel "
+                                         "size of 2"),
+    (["train", "--nproc", "1", "--set", "seq_len=100000"], "seq_len"),
 ])
 def test_bad_arguments_are_clear_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:
@@ -56,6 +65,15 @@ def test_train_cli_end_to_end(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records][-2:] == [4, 5]
+    assert records[-2]["elapsed_s"] > records[-3]["elapsed_s"]     # the clock continues
+    assert "done: 2 steps" in again.stdout and "resumed from step 3" in again.stdout
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 5
+    for steps in ("5", "2"):                   # at or below the checkpoint: nothing to do
+        idle = subprocess.run(cmd[:5] + [steps] + cmd[6:] + ["--resume"], capture_output=True,
+                              text=True, timeout=300)
+        assert idle.returncode == 0, idle.stderr[-3000:]
+        assert "nothing to do" in idle.stdout and "step 5" in idle.stdout
+        assert "--steps" in idle.stdout
 
 
 def test_bench_layer_cli(tmp_path, capsys):
@@ -69,3 +87,89 @@ def test_bench_layer_cli(tmp_path, capsys):
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["phase_ms"]["experts"] > 0
         assert sum(r["phase_ms"].values()) <= r["step_ms"] * 1.05
+
+
+def test_train_steps_5_needs_no_other_flag():
+    from moeflow.cli import build_parser
+    from moeflow.commands.train import configs_from_args
+
+    _, tcfg = configs_from_args(build_parser().parse_args(["train", "--steps", "5"]))
+    assert (tcfg.steps, tcfg.warmup_steps) == (5, 0)
+
+
+def _walk(parser, path=("moeflow",)):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, path + (name,))
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from moeflow.cli import build_parser
+
+    bad, seen = [], 0
+    for path, parser in _walk(build_parser()):
+        parser.format_help()                        # every help string formats
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            seen += 1
+            name = " ".join(path) + " " + ("/".join(action.option_strings) or action.dest)
+            if not action.help or action.help == argparse.SUPPRESS:
+                bad.append(f"{name}: no help")
+            elif action.option_strings and action.required is False and \
+                    "default" not in formatter._get_help_string(action).lower():
+                bad.append(f"{name}: default not shown")
+    assert seen > 100
+    assert not bad, "\n".join(bad)
+
+
+def test_data_and_resume_are_checked_before_the_ranks_start(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    cases = [(["--data", str(tmp_path / "empty")], "no non-empty text files"),
+             (["--resume", "--out", str(tmp_path / "none")], "no checkpoint under"),
+             (["--resume", "--out", str(run), "--set", "top_k=1"], "differs from the checkpoint")]
+    (run / "config.json").write_text(json.dumps({"model": {"top_k": 2}}))
+    (run / "checkpoint" / "latest").write_text("step-3")
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as err:
+            main(["train", *argv])
+        assert err.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_skipped_binary_files_are_counted(tmp_path, capsys, monkeypatch):
+    from moeflow.commands import train as train_cmd
+
+    (tmp_path / "a.txt").write_text("hello world " * 500)
+    (tmp_path / "b.txt").write_bytes(b"\x00\xff" * 100)
+    monkeypatch.setattr(train_cmd, "run_on_ranks", lambda *a, **k: None)   # no ranks
+    assert main(["train", "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 0
+    assert "skipped 1 file that is not UTF-8 text" in capsys.readouterr().out
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()
+
+
+@pytest.mark.multirank
+def test_a_failing_rank_is_reported_once_with_the_traceback_in_the_run_folder(tmp_path, capfd):
+    from moeflow.commands.common import RanksFailed, run_on_ranks
+
+    args = argparse.Namespace(nproc=2, timeout=30.0)
+    with pytest.raises(RanksFailed) as err:
+        run_on_ranks(_fail_on_rank_one, args, log_dir=str(tmp_path))
+    lines = str(err.value).splitlines()
+    assert lines[-1] == "rank 1: ValueError: rank one is broken"
+    assert str(tmp_path / "error.log") in lines[0]
+    log = (tmp_path / "error.log").read_text()
+    assert "Traceback" in log and "_fail_on_rank_one" in log and "rank one is broken" in log
+    assert "Traceback" not in capfd.readouterr().err     # the console gets the short form

@@ -79,3 +79,50 @@ def test_topology_without_distributed():
     assert (topo.world_size, topo.num_nodes, topo.ep_size) == (1, 1, 1)
     with pytest.raises(ConfigError, match="init_process_group"):
         mf.Topology.from_env(ep_size=2)
+
+
+@pytest.mark.parametrize("make,suggestion", [
+    (lambda: mf.MoEConfig(**BASE, router="topkk"), "did you mean 'topk'?"),
+    (lambda: mf.MoEConfig(**BASE, codec="fp61"), "did you mean 'fp16'?"),
+    (lambda: mf.MoEConfig(**BASE, a2a="direc"), "did you mean 'direct'?"),
+    (lambda: mf.MoEConfig(**BASE, schedule="sequental"), "did you mean 'sequential'?"),
+    (lambda: mf.MoEConfig(**BASE, activation="gelus"), "did you mean 'gelu'"),
+    (lambda: mf.MoEConfig(**BASE, structure="bigmack"), "did you mean 'bigmac'?"),
+    (lambda: model_preset("tiny", topk=1), "did you mean 'top_k'?"),
+    (lambda: model_preset("tinyy"), "did you mean 'tiny'?"),
+])
+def test_typos_get_suggestions(make, suggestion):
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert suggestion in str(err.value)
+
+
+def test_no_suggestion_for_a_name_far_from_every_choice():
+    with pytest.raises(ConfigError) as err:
+        mf.MoEConfig(**BASE, router="zzzzzz")
+    assert "did you mean" not in str(err.value)
+
+
+def test_registry_build_suggests_close_names():
+    from moeflow.routing import ROUTERS
+
+    with pytest.raises(KeyError, match="did you mean 'topk'"):
+        ROUTERS.build("top-k")
+
+
+def test_warmup_default_is_relative_to_steps():
+    assert TrainConfig().warmup_steps == 30                 # min(30, steps // 10)
+    assert TrainConfig(steps=100).warmup_steps == 10
+    assert TrainConfig(steps=5).warmup_steps == 0           # `moeflow train --steps 5` works
+    assert TrainConfig(steps=5, warmup_steps=5).warmup_steps == 5
+
+
+@pytest.mark.parametrize("change,flag", [
+    (dict(steps=10, warmup_steps=50), "--warmup-steps: TrainConfig.warmup_steps=50"),
+    (dict(batch_size=0), "--batch-size: TrainConfig.batch_size=0"),
+    (dict(collective_timeout_s=0), "--timeout: TrainConfig.collective_timeout_s=0"),
+])
+def test_train_config_errors_name_the_flag(change, flag):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**change)
+    assert str(err.value).startswith(flag)

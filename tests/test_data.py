@@ -42,3 +42,29 @@ def test_bad_data_paths(tmp_path):
     (tmp_path / "t.txt").write_text("short")
     with pytest.raises(ValueError, match="seq_len"):
         Corpus.load(tmp_path / "t.txt").batch("train", 1, 64, 0, 0, 0)
+
+
+BINARY = b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4
+
+
+def test_binary_files_are_skipped_and_counted(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    (tmp_path / "c.txt").write_bytes(BINARY)                    # a text suffix, binary content
+    corpus = Corpus.load(tmp_path)                              # one text file is left
+    assert corpus.skipped == (str(tmp_path / "c.txt"),)
+    assert corpus.train.numel() + corpus.val.numel() == 600     # a.txt only
+    (tmp_path / "b.md").write_text("more words " * 50)
+    skipped = []
+    assert sorted(read_documents(tmp_path, skipped)) == [str(tmp_path / "a.txt"),
+                                                         str(tmp_path / "b.md")]
+    assert skipped == [str(tmp_path / "c.txt")]
+
+
+def test_binary_only_data_is_refused(tmp_path):
+    import sys
+
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        Corpus.load(sys.executable)                             # the reproduction
+    (tmp_path / "c.txt").write_bytes(BINARY)
+    with pytest.raises(ValueError, match="skipped 1 file that is not UTF-8 text"):
+        Corpus.load(tmp_path)

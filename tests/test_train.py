@@ -62,6 +62,12 @@ def test_two_rank_training_learns_and_resumes_exactly(trained):
             assert torch.equal(p, out[rank]["resumed_params"][name]), name
     lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 8
+    # the resumed run's clock continues from the checkpoint's, and config.json says so
+    at_save = json.loads((tmp_path / "full" / "checkpoint" / "step-4" / "progress.json")
+                         .read_text())["elapsed_s"]
+    assert at_save > 0 and resumed[0]["elapsed_s"] > at_save
+    saved = json.loads((tmp_path / "resumed" / "config.json").read_text())
+    assert saved["resumed_from_step"] == 4
 
 
 @pytest.mark.multirank

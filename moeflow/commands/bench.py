@@ -9,19 +9,21 @@ import sys
 from moeflow.bench.layer import DEFAULT_CASES, bench_worker, format_table, write_json
 from moeflow.commands import bench_bigmac, bench_net
 from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
+from moeflow.registry import did_you_mean
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (tables + JSON)")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     layer = bsub.add_parser("layer", help="one MoE layer forward+backward, split by phase")
-    layer.add_argument("--tokens", type=int, default=2048, help="tokens per rank (2048)")
-    layer.add_argument("--d-model", type=int, default=256)
-    layer.add_argument("--d-expert", type=int, default=512)
-    layer.add_argument("--warmup", type=int, default=2)
-    layer.add_argument("--reps", type=int, default=7)
+    layer.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    layer.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
+    layer.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
+    layer.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    layer.add_argument("--reps", type=int, default=7, help="timed steps (the median is reported)")
     add_device_arg(layer)
-    layer.add_argument("--out", default=None, help="write the results as JSON here")
+    layer.add_argument("--out", default=None,
+                       help="write the results as JSON here (default: print only)")
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
@@ -29,22 +31,27 @@ def register(sub) -> None:
 
     sched = bsub.add_parser("schedule", help="ScheMoE ablation (codec, Pipe-A2A, OptSche) and "
                                              "the profiler-driven chooser on one MoE layer")
-    sched.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096)")
-    sched.add_argument("--d-model", type=int, default=512)
-    sched.add_argument("--d-expert", type=int, default=1024)
-    sched.add_argument("--experts-per-rank", type=int, default=1)
-    sched.add_argument("--top-k", type=int, default=1)
-    sched.add_argument("--capacity-factor", type=float, default=1.2)
+    sched.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    sched.add_argument("--d-model", type=int, default=512, help="model width (d_model)")
+    sched.add_argument("--d-expert", type=int, default=1024, help="hidden width of each expert")
+    sched.add_argument("--experts-per-rank", type=int, default=1,
+                       help="experts held by each rank (num_experts = this x ranks)")
+    sched.add_argument("--top-k", type=int, default=1, help="experts per token")
+    sched.add_argument("--capacity-factor", type=float, default=1.2,
+                       help="expert capacity as a multiple of the even share of tokens")
     sched.add_argument("--codec", default="fp16", help="the codec of the +codec variants")
     sched.add_argument("--r", type=int, default=2, help="pipelining degree of the last rows")
-    sched.add_argument("--warmup", type=int, default=2)
-    sched.add_argument("--reps", type=int, default=5)
+    sched.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    sched.add_argument("--reps", type=int, default=5, help="timed steps per variant")
     sched.add_argument("--choose", action="store_true",
                        help="also profile, choose codec/a2a/r/schedule, and measure the choice")
-    sched.add_argument("--trace", default=None, help="Chrome trace JSON of the last variant")
-    sched.add_argument("--gantt", default=None, help="PNG timeline of the last variant")
+    sched.add_argument("--trace", default=None,
+                       help="write a Chrome trace JSON of the last variant here (default: none)")
+    sched.add_argument("--gantt", default=None,
+                       help="write a PNG timeline of the last variant here (default: none)")
     add_device_arg(sched)
-    sched.add_argument("--out", default=None, help="write the results as JSON here")
+    sched.add_argument("--out", default=None,
+                       help="write the results as JSON here (default: print only)")
     add_launch_args(sched, default_nproc=1)
     sched.set_defaults(func=run_schedule)
 
@@ -52,14 +59,17 @@ def register(sub) -> None:
                                           "all-to-all time (needs several nodes)")
     smile.add_argument("--tokens", type=int, nargs="+", default=[256, 4096],
                        help="tokens per rank; several values = small and large messages")
-    smile.add_argument("--d-model", type=int, default=256)
-    smile.add_argument("--d-expert", type=int, default=512)
-    smile.add_argument("--experts-per-rank", type=int, default=1)
-    smile.add_argument("--capacity-factor", type=float, default=2.0)
-    smile.add_argument("--warmup", type=int, default=2)
-    smile.add_argument("--reps", type=int, default=5)
+    smile.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
+    smile.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
+    smile.add_argument("--experts-per-rank", type=int, default=1,
+                       help="experts held by each rank (num_experts = this x ranks)")
+    smile.add_argument("--capacity-factor", type=float, default=2.0,
+                       help="expert capacity as a multiple of the even share of tokens")
+    smile.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    smile.add_argument("--reps", type=int, default=5, help="timed steps")
     add_device_arg(smile)
-    smile.add_argument("--out", default=None, help="write the results as JSON here")
+    smile.add_argument("--out", default=None,
+                       help="write the results as JSON here (default: print only)")
     add_launch_args(smile, default_nproc=1)
     smile.set_defaults(func=run_smile)
     register_codecs_bench(bsub)
@@ -102,7 +112,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
     if args.codec not in CODECS:
         raise ConfigError(f"--codec {args.codec!r} is not registered; registered: "
-                          f"{', '.join(sorted(CODECS))}")
+                          f"{', '.join(sorted(CODECS))}{did_you_mean(args.codec, CODECS)}")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "top_k", "capacity_factor", "codec", "r", "warmup",
                                           "reps", "choose", "trace", "gantt", "device")}
@@ -133,15 +143,16 @@ def register_codecs_bench(bsub) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: zfpy is single-threaded, and on a shared "
                         "machine more threads contend)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    p.add_argument("--reps", type=int, default=5, help="timed calls")
     p.add_argument("--train-steps", type=int, default=0,
                    help="train the tiny GPT this many steps before taking its activations")
     p.add_argument("--error-rows", type=int, default=2048,
-                   help="rows (of 512 values) of the Gaussian and smooth error data (2048)")
+                   help="rows (of 512 values) of the Gaussian and smooth error data")
     p.add_argument("--zfp-rate", type=float, default=8.0,
-                   help="bits per value of the zfp and zfpy codecs (8)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+                   help="bits per value of the zfp and zfpy codecs")
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON here (default: print only)")
     p.set_defaults(func=run_codecs)
 
 
@@ -156,7 +167,7 @@ def run_codecs(args: argparse.Namespace) -> int:
     for n in names:
         if n not in CODECS:
             raise SystemExit(f"moeflow bench codecs: unknown codec {n!r}; registered: "
-                             f"{', '.join(sorted(CODECS))}")
+                             f"{', '.join(sorted(CODECS))}{did_you_mean(n, CODECS)}")
     device = check_device(args.device)
     if args.reps < 1 or args.threads < 1 or args.error_rows < 1:
         raise SystemExit("moeflow bench codecs: --reps, --threads and --error-rows must be >= 1")
@@ -183,15 +194,15 @@ def register_zfp_arrays_bench(bsub) -> None:
     p = bsub.add_parser("zfp-arrays", help="our ZFP vs zfpy on 1-, 2- and 3-D arrays: speed, "
                                            "same bytes")
     p.add_argument("--shapes", default="1048576,1024x1024,64x128x128",
-                   help="array shapes, 1 to 3 axes each (dims = axes), comma-separated "
-                        "(1048576,1024x1024,64x128x128)")
-    p.add_argument("--rate", type=float, default=8.0, help="bits per value (8)")
+                   help="array shapes, 1 to 3 axes each (dims = axes), comma-separated")
+    p.add_argument("--rate", type=float, default=8.0, help="bits per value")
     add_device_arg(p)                                   # ours; zfpy runs on CPU
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1, as zfpy)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    p.add_argument("--reps", type=int, default=5, help="timed calls")
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON here (default: print only)")
     p.set_defaults(func=run_zfp_arrays)
 
 

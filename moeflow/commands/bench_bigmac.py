@@ -9,6 +9,7 @@ import sys
 
 from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
 from moeflow.config import STRUCTURES
+from moeflow.registry import did_you_mean
 
 
 def _int_list(text: str) -> list[int]:
@@ -18,33 +19,37 @@ def _int_list(text: str) -> list[int]:
 def register_bench(bsub) -> None:
     p = bsub.add_parser("bigmac", help="fine-grained vs BigMac MoE layer: step time, phases, "
                                        "all-to-all bytes counted vs computed")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per rank (512)")
-    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    p.add_argument("--d-model", type=int, default=512, help="model width (d_model)")
     p.add_argument("--d-expert", type=int, default=128,
                    help="fine-grained expert width F (BigMac experts: F/r)")
-    p.add_argument("--num-experts", type=int, default=16)
-    p.add_argument("--top-k", type=_int_list, default=[4, 8], help="comma list (4,8)")
+    p.add_argument("--num-experts", type=int, default=16, help="fine-grained experts E")
+    p.add_argument("--top-k", type=_int_list, default=[4, 8],
+                   help="experts per token, a comma list: one row per value (default 4,8)")
     p.add_argument("--downscale-factor", type=float, default=0.25, help="BigMac's r")
     p.add_argument("--structures", default="fine_grained,bigmac",
                    help=f"comma list from {','.join(STRUCTURES)}")
     p.add_argument("--granularity", type=int, default=4,
                    help="vanilla row: E/g experts of width F*g, top k/g")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--reps", type=int, default=5, help="timed steps")
     add_device_arg(p)
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op CPU threads per rank (default: cores / ranks); 1 makes the "
                         "CPU-time column robust on a shared machine")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON here (default: print only)")
     add_launch_args(p, default_nproc=1)
     p.set_defaults(func=run_bigmac)
 
     c = bsub.add_parser("curves", help="validation loss of train runs vs steps and wall clock")
     c.add_argument("runs", nargs="+", help="moeflow train run folders (--out of each)")
     c.add_argument("--labels", default=None, help="comma list (default: each run's structure)")
-    c.add_argument("--out", default=None, help="write the curves as JSON here")
+    c.add_argument("--out", default=None,
+                   help="write the curves as JSON here (default: print only)")
     c.add_argument("--plot", default=None,
-                   help="write a PNG here (needs matplotlib: pip install 'moeflow[plot]')")
+                   help="write a PNG here (needs matplotlib: pip install 'moeflow[plot]'; "
+                        "default: no plot)")
     c.set_defaults(func=run_curves)
 
 
@@ -62,7 +67,8 @@ def run_bigmac(args: argparse.Namespace) -> int:
     bad = [s for s in structures if s not in STRUCTURES]
     if bad or not structures:
         raise SystemExit(f"moeflow bench bigmac: --structures {args.structures!r}: choose from "
-                         f"{', '.join(STRUCTURES)}")
+                         f"{', '.join(STRUCTURES)}"
+                         f"{did_you_mean(bad[0], STRUCTURES) if bad else ''}")
     cases = default_cases(args.num_experts, args.d_expert, args.top_k, args.downscale_factor,
                           structures, args.granularity)
     rows = run_on_ranks(bench_worker, args, cases, args.tokens, args.d_model, args.warmup,

@@ -18,6 +18,7 @@ from moeflow.bench.linkmodel import save_fits
 from moeflow.cluster.shaping import parse_rate
 from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
 from moeflow.config import ConfigError
+from moeflow.registry import did_you_mean
 
 
 def register_bench(bsub) -> None:
@@ -25,9 +26,10 @@ def register_bench(bsub) -> None:
                         description=links.__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=links.DEFAULT_SIZES,
                    help=f"bytes per rank buffer (default {links.DEFAULT_SIZES})")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=None, help="write the fits as JSON (moeflow.links/1) here")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size first")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per size")
+    p.add_argument("--out", default=None,
+                   help="write the fits as JSON (moeflow.links/1) here (default: print only)")
     add_device_arg(p)
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run_links)
@@ -39,13 +41,18 @@ def register_bench(bsub) -> None:
                    help=f"bytes per rank send buffer (default {a2a.DEFAULT_SIZES})")
     p.add_argument("--algorithms", default=None,
                    help="comma-separated registered names (default: every registered one)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--inter-bw", default=None, help="inter-node bandwidth for the bound (1gbit)")
-    p.add_argument("--intra-bw", default=None, help="intra-node bandwidth for the bound")
-    p.add_argument("--links", default=None, help="a `bench links --out` file for the bound")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size first")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per size")
+    p.add_argument("--inter-bw", default=None,
+                   help="inter-node bandwidth for the bound, e.g. 1gbit (default: none given)")
+    p.add_argument("--intra-bw", default=None,
+                   help="intra-node bandwidth for the bound (default: none given)")
+    p.add_argument("--links", default=None,
+                   help="a `bench links --out` file for the bound (default: none)")
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON here (default: print only)")
+    p.add_argument("--plot", default=None,
+                   help="write a PNG plot here (needs matplotlib; default: no plot)")
     add_device_arg(p)
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run_a2a)
@@ -93,7 +100,8 @@ def run_a2a(args: argparse.Namespace) -> int:
         unknown = [n for n in names if n not in a2a.ALLTOALLS]
         if unknown:
             raise ConfigError(f"--algorithms {unknown} unknown; registered: "
-                              f"{', '.join(sorted(a2a.ALLTOALLS))}")
+                              f"{', '.join(sorted(a2a.ALLTOALLS))}"
+                              f"{did_you_mean(unknown[0], a2a.ALLTOALLS)}")
     bws = a2a.bandwidths(None if args.inter_bw is None else parse_rate(args.inter_bw, "--inter-bw"),
                          None if args.intra_bw is None else parse_rate(args.intra_bw, "--intra-bw"),
                          args.links)

@@ -19,17 +19,19 @@ def register(sub) -> None:
                     "every rank; removes everything afterwards. Example: moeflow cluster run "
                     "--nodes 2 --ranks-per-node 2 --inter-bw 1gbit -- python -m moeflow.cli "
                     "bench links --out links.json")
-    run.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
-    run.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    run.add_argument("--nodes", type=int, default=2, help="emulated nodes")
+    run.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node")
     run.add_argument("--inter-bw", default="1gbit",
                      help="bandwidth of each node's link, each direction (tc units: 1gbit, "
                           "100mbit; 'none' = unlimited; default 1gbit)")
     run.add_argument("--inter-latency", default=None,
-                     help="one-way latency added on each link direction (e.g. 200us; needs netem)")
+                     help="one-way latency added on each link direction (e.g. 200us; needs "
+                          "netem; default: none)")
     run.add_argument("--intra-bw", default=None,
                      help="limit each node's loopback too (default: unlimited)")
-    run.add_argument("--intra-latency", default=None, help="latency added on loopback (netem)")
-    run.add_argument("--mtu", type=int, default=1500, help="MTU of the inter-node links (1500)")
+    run.add_argument("--intra-latency", default=None,
+                     help="latency added on loopback (netem; default: none)")
+    run.add_argument("--mtu", type=int, default=1500, help="MTU of the inter-node links")
     run.add_argument("command", nargs=argparse.REMAINDER,
                      help="after --: the command every rank runs, e.g. python train.py")
     run.set_defaults(func=run_run)

@@ -1,15 +1,36 @@
-"""Helpers shared by CLI sub-commands: ``--set key=value`` overrides, ``--device``, running on
-ranks (gloo on CPU, ``cpu:gloo,cuda:nccl`` with ``--device cuda``)."""
+"""Helpers shared by CLI sub-commands: the parser (help shows every default), ``--set
+key=value`` overrides, ``--device``, running on ranks (gloo on CPU, ``cpu:gloo,cuda:nccl`` with
+``--device cuda``) and reporting failed ranks briefly."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable
 
 from moeflow.config import ConfigError
 from moeflow.devices import DEVICES, check_device, check_local_ranks, pg_backend
 from moeflow.launch import init_from_env, launch_local, under_torchrun
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written; each option's help ends with its default, unless the help
+    already says what the default is (``(default: cores / ranks)``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "default" in text.lower() else super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """``moeflow``'s parser: :class:`HelpFormatter` unless told otherwise, and sub-parsers
+    (``add_subparsers`` makes them of the parent's class) inherit it."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def parse_value(text: str, nullable: bool = True) -> Any:
@@ -46,7 +67,7 @@ def add_launch_args(p: argparse.ArgumentParser, default_nproc: int) -> None:
                         "--device cuda at most one per GPU); ignored under torchrun, which sets "
                         "the world itself")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds after which a stuck collective fails the job (default 300)")
+                   help="seconds after which a stuck collective fails the job")
 
 
 def add_device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
@@ -57,14 +78,88 @@ def add_device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
                         "over gloo); auto is cuda when a GPU is visible, else cpu")
 
 
-def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args) -> Any:
+class RanksFailed(RuntimeError):
+    """Ranks started here failed. The message's first line says which and where the full
+    tracebacks are; its last line is the first error, prefixed by the rank(s) that raised it."""
+
+
+def _failure_text(failure) -> str:
+    """How a rank without an error file ended (killed by a signal, or exited)."""
+    if failure.exitcode < 0:
+        return f"killed by signal {failure.signal_name()}"
+    return f"exited with code {failure.exitcode} without a Python exception"
+
+
+def rank_errors(err) -> list[tuple[float, int, str, str]]:
+    """``(time, rank, "Type: message", traceback)`` of each failed rank, earliest first.
+
+    Read from the error files the elastic launcher has every rank write (its ``@record``) of
+    the whole launch, not only the one failure ``ChildFailedError`` carries: when one rank
+    raises, the others often fail next (a peer closed the connection), and the error written
+    first is the cause. Ranks that wrote none (killed, ``os._exit``) come from ``err``.
+    """
+    attempts = {Path(f.error_file).parent.parent for f in err.failures.values()
+                if f.error_file != "<N/A>"}
+    found: dict[int, tuple[float, int, str, str]] = {}
+    for attempt in attempts:
+        for path in attempt.glob("*/error.json"):
+            rank = int(path.parent.name)             # local rank = rank: one node here
+            message = json.loads(path.read_text())["message"]
+            if isinstance(message, dict):
+                text, trace = message["message"], message["extraInfo"]["py_callstack"]
+            else:
+                text = trace = str(message)
+            found[rank] = (path.stat().st_mtime, rank, text, trace)
+    for rank, failure in err.failures.items():
+        if rank not in found:
+            found[rank] = (float(failure.timestamp), rank, _failure_text(failure), "")
+    return sorted(found.values())
+
+
+def describe_failure(errors: list[tuple[float, int, str, str]], where: str) -> str:
+    """First line: which ranks failed and where the tracebacks are; last line: the first error
+    once, prefixed by every rank that raised the same."""
+    first = errors[0][2]
+    cause = sorted(r for _, r, text, _ in errors if text == first)
+    after = sorted(r for _, r, text, _ in errors if text != first)
+    lines = first.strip().splitlines()
+    if len(lines) > 3:                               # e.g. one traceback per rank inside
+        first = f"{lines[0]} [...] {lines[-1].strip()}"
+    ranks = ("rank " if len(cause) == 1 else "ranks ") + ", ".join(map(str, cause))
+    then = f" (then rank{'s' if len(after) > 1 else ''} {', '.join(map(str, after))})" \
+        if after else ""
+    return f"{ranks} failed{then}; full tracebacks: {where}\n{ranks}: {first}"
+
+
+@contextmanager
+def _quiet_launcher():
+    """The elastic launcher logs every failed rank's traceback; while it runs here, only its
+    critical messages show (the CLI reports failures briefly, see :class:`RanksFailed`)."""
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+               if n.startswith(prefixes)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
+                 log_dir: str | None = None) -> Any:
     """Run ``fn(*fn_args)`` on every rank; return rank 0's result (None on other ranks, so
     only rank 0 prints and writes files).
 
     Under torchrun this process is one rank; otherwise ``--nproc`` ranks are started here with
     torch's elastic launcher. The process group is ``cpu:gloo,cuda:nccl`` when the command's
     ``--device`` resolves to cuda, else gloo; a cuda device that is missing (or fewer GPUs than
-    local ranks) is an error naming the flag before any rank starts.
+    local ranks) is an error naming the flag before any rank starts. If ranks fail,
+    :class:`RanksFailed` is raised with the first error once; every failed rank's traceback is
+    written to ``log_dir/error.log``, and the launcher's per-rank error files stay under
+    ``log_dir/logs`` (with no ``log_dir``: in the launcher's temporary folder).
     """
     device_type = check_device(getattr(args, "device", "cpu"))
     backend = pg_backend(device_type)
@@ -81,4 +176,24 @@ def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args) -> Any:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is invalid: start at least one rank")
     check_local_ranks(device_type, args.nproc)
-    return launch_local(fn, args.nproc, *fn_args, timeout_s=args.timeout, backend=backend)[0]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        with _quiet_launcher():
+            return launch_local(fn, args.nproc, *fn_args, timeout_s=args.timeout,
+                                backend=backend,
+                                log_dir=None if log_dir is None else str(Path(log_dir) / "logs")
+                                )[0]
+    except ChildFailedError as err:
+        errors = rank_errors(err)
+        if log_dir is None:
+            where = ", ".join(sorted({str(Path(f.error_file).parent.parent)
+                                      for f in err.failures.values()
+                                      if f.error_file != "<N/A>"})) or "none recorded"
+        else:
+            log = Path(log_dir) / "error.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text("".join(f"rank {rank}: {text}\n{trace}\n"
+                                   for _, rank, text, trace in errors))
+            where = str(log)
+        raise RanksFailed(describe_failure(errors, where)) from None

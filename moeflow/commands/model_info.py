@@ -21,22 +21,24 @@ from moeflow.models.cost import format_costs, model_cost, structure_variants
 
 def register(sub) -> None:
     p = sub.add_parser("model-info", help="params / FLOPs / all-to-all bytes per structure",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+                       description=__doc__)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field, e.g. --set structure=fine_grained "
-                        "--set num_experts=32 --set d_expert=64 --set top_k=8")
+                        "--set num_experts=32 --set d_expert=64 --set top_k=8 (default: none)")
     p.add_argument("--granularity", type=int, default=4,
-                   help="fine-grained experts per vanilla expert (default 4)")
+                   help="fine-grained experts per vanilla expert")
     p.add_argument("--downscale-factor", type=float, default=None,
                    help="BigMac's r for the bigmac row (default: the config's, else 0.25)")
     p.add_argument("--bytes-per-element", type=int, default=4,
                    help="bytes of one communicated element (4 float32, 2 fp16/bf16)")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel size for the off-rank column (default 1)")
+                   help="expert-parallel size for the off-rank column")
     p.add_argument("--tokens", type=int, default=None,
-                   help="also print totals for a batch of this many tokens")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+                   help="also print totals for a batch of this many tokens (default: per "
+                        "token only)")
+    p.add_argument("--out", default=None,
+                   help="write the rows as JSON here (default: print only)")
     p.set_defaults(func=run)
 
 

@@ -10,61 +10,130 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import time
 from pathlib import Path
 
 from moeflow.commands.common import (add_device_arg, add_launch_args, parse_overrides,
                                      run_on_ranks)
-from moeflow.config import DTYPES, ModelConfig, PRESETS, TrainConfig, model_preset
-from moeflow.train import train_worker
+from moeflow.config import DTYPES, ConfigError, ModelConfig, PRESETS, TrainConfig, model_preset
+from moeflow.data import Corpus, skipped_note
+from moeflow.launch import under_torchrun
+from moeflow.train import check_same_model, latest_checkpoint, train_worker
+
+
+# help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
+TRAIN_HELP = {
+    "steps": "optimizer steps in all; a resumed run continues up to this step",
+    "batch_size": "sequences per rank per step",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "the cosine decay ends at this fraction of --lr",
+    "warmup_steps": "steps of linear learning-rate warm-up (default: min(30, steps // 10))",
+    "weight_decay": "AdamW weight decay of the matrices (norms and biases get none)",
+    "grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "eval_every": "validate every this many steps (and at the end)",
+    "eval_batches": "validation batches per rank",
+    "log_every": "write a metrics line every this many steps (and at the end)",
+    "checkpoint_every": "also save a checkpoint every this many steps (0: at the end only)",
+    "seed": "seed of the batches and the router noise (the weights' seed is --set seed=N)",
+    "ep_size": "expert-parallel group size (default: all ranks); the experts are replicated "
+               "over nproc / ep-size groups",
+}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train the MoE GPT",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("train", help="train the MoE GPT", description=__doc__)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="model size (default tiny: trains on 2 CPU cores in minutes)")
+                   help="model size (tiny trains on 2 CPU cores in minutes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field, e.g. --set top_k=1 --set "
-                        "capacity_factor=none (dropless); repeatable")
+                        "capacity_factor=none (dropless); repeatable (default: none)")
     p.add_argument("--data", default=None,
                    help="a text file or folder (default: CPython's embedded documentation)")
     p.add_argument("--out", default=None, help="run folder (default runs/<preset>-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("collective_timeout_s", "device", "dtype"):
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=getattr(
-            defaults, f.name), type=type(getattr(defaults, f.name)) if getattr(
-            defaults, f.name) is not None else int, help=f"(default {getattr(defaults, f.name)})")
-    add_device_arg(p, default=defaults.device)
-    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPES,
-                   help=f"forward precision (default {defaults.dtype}): bf16 runs forward passes "
-                        "under bf16 autocast (weights, gradients and optimizer state stay fp32); "
-                        "auto is bf16 on cuda and fp32 on cpu")
+        p.add_argument(TrainConfig.flag(f.name), dest=f.name, default=f.default,
+                       type=int if f.default is None else type(f.default),
+                       help=TRAIN_HELP.get(f.name, f"TrainConfig.{f.name}"))
+    add_device_arg(p, default=TrainConfig.device)
+    p.add_argument("--dtype", default=TrainConfig.dtype, choices=DTYPES,
+                   help="forward precision: bf16 runs forward passes under bf16 autocast "
+                        "(weights, gradients and optimizer state stay fp32); auto is bf16 on "
+                        "cuda and fp32 on cpu")
     add_launch_args(p, default_nproc=2)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
+    """The model and train configs that ``moeflow train ARGS`` runs (validated)."""
     mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name != "collective_timeout_s"},
                        collective_timeout_s=args.timeout)
-    if args.data is not None and not Path(args.data).exists():
-        raise FileNotFoundError(f"--data {args.data}: no such file or folder")
+    return mcfg, tcfg
+
+
+def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int) -> None:
+    """The expert-parallel layout the ranks will build, checked before they start."""
+    ep = tcfg.ep_size or world
+    if world % ep:
+        raise ConfigError(f"--ep-size {ep} is invalid with {world} ranks: it must "
+                          f"divide the number of ranks; pick one of "
+                          f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    if mcfg.num_moe_layers and mcfg.num_experts % ep:
+        raise ConfigError(
+            f"--set num_experts={mcfg.num_experts} is invalid with an expert-parallel size of "
+            f"{ep} (--ep-size; default: all ranks): every rank holds num_experts / ep-size "
+            f"experts; use {-(-mcfg.num_experts // ep) * ep} experts or --ep-size "
+            f"{math.gcd(mcfg.num_experts, world)}")
+
+
+def check_data(args: argparse.Namespace, mcfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """Load --data as the ranks will (errors here, not in every rank); report skipped files."""
+    try:
+        corpus = Corpus.load(args.data)
+        for split in ("train", "val"):
+            corpus.batch(split, 1, mcfg.seq_len, tcfg.seed, 0, 0)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if corpus.skipped and os.environ.get("RANK", "0") == "0":
+        print(f"--data {args.data}: {skipped_note(corpus.skipped)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    mcfg, tcfg = configs_from_args(args)
     if args.resume and args.out is None:
         raise SystemExit("moeflow train: --resume needs --out (the run folder to continue)")
     out = args.out or str(Path("runs") / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # Everything that can fail before training is checked here, once, not in every rank.
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    if world >= 1:
+        check_layout(mcfg, tcfg, world)
+    check_data(args, mcfg, tcfg)
+    if args.resume:
+        _, step = latest_checkpoint(out)
+        check_same_model(out, mcfg)
+        if step >= tcfg.steps:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"nothing to do: the checkpoint in {out} is at step {step} and --steps is "
+                      f"{tcfg.steps}; to train further, resume with a larger --steps (e.g. "
+                      f"--steps {2 * step})")
+            return 0
     start = time.perf_counter()
     result = run_on_ranks(train_worker, args, mcfg, tcfg, out, args.data, args.resume,
-                          not args.no_progress)
+                          not args.no_progress, log_dir=out)
     if result is not None:
         vals = [(r["step"], r["val_loss"]) for r in result["history"] if "val_loss" in r]
-        print(f"done: {result['step']} steps in {time.perf_counter() - start:.0f}s, "
+        resumed = (f" (resumed from step {result['start_step']}, now at step {result['step']})"
+                   if result["start_step"] else "")
+        print(f"done: {result['step'] - result['start_step']} steps in "
+              f"{time.perf_counter() - start:.0f}s{resumed}, "
               f"validation loss {result['final_val_loss']:.3f} nats/byte")
         print("validation curve (step: nats/byte): "
               + ", ".join(f"{s}: {v:.3f}" for s, v in vals))
