@@ -83,10 +83,28 @@ def test_bench_layer_cli(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "gshard-top2-cap1.25" in table and "all_to_all" in table
     rows = json.loads(out.read_text())["results"]
-    assert len(rows) == 4
+    assert [r["name"] for r in rows] == ["switch-top1-cap1.25", "gshard-top2-cap1.25",
+                                         "dropless-top2", "dropless-top2-loop",
+                                         "dropless-top2-swiglu"]
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["phase_ms"]["experts"] > 0
         assert sum(r["phase_ms"].values()) <= r["step_ms"] * 1.05
+        # the host-sync budget: none with capacity, the row counts dropless
+        assert r["host_syncs"] == (0 if r["capacity_factor"] else 1), r
+        assert r["overlap"] is None                      # one rank: nothing to overlap
+
+
+def test_bench_layer_cli_pipelined_rows_report_overlap(tmp_path, capsys):
+    out = tmp_path / "layer.json"
+    assert main(["bench", "layer", "--tokens", "64", "--d-model", "16", "--d-expert", "32",
+                 "--warmup", "1", "--reps", "2", "--nproc", "2", "--schedules",
+                 "sequential,optsche", "--out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    r = rows["gshard-top2-optsche-r2"]
+    assert r["schedule"] == "optsche" and r["host_syncs"] == 0
+    assert 0.0 <= r["overlap"] <= 1.0
+    with pytest.raises(SystemExit, match="did you mean 'optsche'"):
+        main(["bench", "layer", "--schedules", "optshe"])
 
 
 def test_train_steps_5_needs_no_other_flag():

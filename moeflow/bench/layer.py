@@ -3,7 +3,13 @@
 For each config: warm-up steps, then timed repetitions (ranks aligned by a barrier before each;
 timed with CUDA events on GPUs); a repetition's time is the slowest rank's. Reports medians:
 tokens/s over all ranks and milliseconds per phase (route / permute / all_to_all / experts /
-combine, forward + backward, as charged by :class:`~moeflow.phases.PhaseTimer`). This is the baseline later work improves on.
+combine, forward + backward, as charged by :class:`~moeflow.phases.PhaseTimer`).
+
+Two more figures per config, from extra untimed steps so they do not disturb the timing:
+``host_syncs`` (operations that would make the host wait for a GPU, per forward + backward,
+counted by :mod:`moeflow.bench.syncs`; the budget is 0 in capacity mode, 1 dropless) and, for
+the pipelined schedules (``--schedules``), ``overlap``: the fraction of communication time
+during which a computing task ran (:mod:`moeflow.schedule.overlap`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import torch
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseTimer
+from moeflow.schedule.overlap import measure_overlap
+from moeflow.bench.syncs import step_syncs
 from moeflow.bench.timing import slowest, start_aligned
 from moeflow.devices import resolve_device
 from moeflow.topology import Topology
@@ -31,14 +39,25 @@ class BenchCase:
     top_k: int
     capacity_factor: float | None
     activation: str = "gelu"
+    schedule: str = "sequential"
+    pipeline_degree: int = 1
+    grouped_mm: bool = True          # False: dropless experts as one matmul per expert
 
 
 DEFAULT_CASES = [
     BenchCase("switch-top1-cap1.25", 8, 1, 1.25),
     BenchCase("gshard-top2-cap1.25", 8, 2, 1.25),
     BenchCase("dropless-top2", 8, 2, None),
+    BenchCase("dropless-top2-loop", 8, 2, None, grouped_mm=False),
     BenchCase("dropless-top2-swiglu", 8, 2, None, "swiglu"),
 ]
+
+
+def cases_for(schedules: list[str], r: int) -> list[BenchCase]:
+    """The default configs, then GShard top-2 under each further schedule at degree ``r``."""
+    extra = [BenchCase(f"gshard-top2-{s}-r{r}", 8, 2, 1.25, schedule=s, pipeline_degree=r)
+             for s in schedules if s != "sequential"]
+    return DEFAULT_CASES + extra
 
 
 
@@ -46,8 +65,10 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
                warmup: int, reps: int, device: str | torch.device = "cpu") -> dict:
     cfg = MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
                     top_k=case.top_k, capacity_factor=case.capacity_factor,
-                    activation=case.activation, seed=1)
+                    activation=case.activation, seed=1, schedule=case.schedule,
+                    pipeline_degree=case.pipeline_degree)
     layer = MoELayer(cfg, topo).to(device)
+    layer.experts.use_grouped_mm = case.grouped_mm
     timer = PhaseTimer()
     gen = torch.Generator().manual_seed(1000 + topo.rank)
     x = torch.randn(tokens, d_model, generator=gen).to(device).requires_grad_()
@@ -67,7 +88,15 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
                 phases[p].append(slowest(timer.forward.get(p, 0.0)
                                           + timer.backward.get(p, 0.0), topo))
     step = statistics.median(totals)
+    layer.timer = None
+    syncs = step_syncs(layer, x)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    overlap = (measure_overlap(layer, x, warmup=0, reps=reps)
+               if case.pipeline_degree > 1 and topo.distributed else None)
     return {**asdict(case), "world_size": topo.world_size, "tokens_per_rank": tokens,
+            "host_syncs": sum(syncs.values()), "host_sync_kinds": dict(syncs),
+            "overlap": overlap,
             "d_model": d_model, "d_expert": d_expert, "reps": reps,
             "step_ms": 1e3 * step, "tokens_per_s": topo.world_size * tokens / step,
             "phase_ms": {p: 1e3 * statistics.median(v) for p, v in phases.items()},
@@ -83,16 +112,19 @@ def bench_worker(cases: list[BenchCase], tokens: int, d_model: int, d_expert: in
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'config':<22} {'world':>5} {'tok/rank':>8} {'tokens/s':>10} {'ms/step':>8} "
-            + " ".join(f"{p:>10}" for p in PHASES) + f" {'dropped':>7}")
+    head = (f"{'config':<28} {'world':>5} {'tok/rank':>8} {'tokens/s':>10} {'ms/step':>8} "
+            + " ".join(f"{p:>10}" for p in PHASES) + f" {'dropped':>7} {'syncs':>5} "
+            f"{'overlap':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['name']:<22} {r['world_size']:>5} {r['tokens_per_rank']:>8} "
+        overlap = "-" if r["overlap"] is None else f"{r['overlap']:.2f}"
+        lines.append(f"{r['name']:<28} {r['world_size']:>5} {r['tokens_per_rank']:>8} "
                      f"{r['tokens_per_s']:>10.0f} {r['step_ms']:>8.2f} "
                      + " ".join(f"{r['phase_ms'][p]:>10.2f}" for p in PHASES)
-                     + f" {r['dropped_fraction']:>7.3f}")
+                     + f" {r['dropped_fraction']:>7.3f} {r['host_syncs']:>5} {overlap:>7}")
     lines.append("phase columns: ms per forward+backward (median); all_to_all includes "
-                 "codec work; permute includes planning and the count exchange")
+                 "codec work; permute includes planning; syncs: would-be GPU host syncs per "
+                 "forward+backward; overlap: fraction of comm time with compute running")
     return "\n".join(lines)
 
 

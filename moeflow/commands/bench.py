@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from moeflow.bench.layer import DEFAULT_CASES, bench_worker, format_table, write_json
+from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
 from moeflow.commands import bench_bigmac, bench_net
 from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
 from moeflow.registry import did_you_mean
@@ -21,6 +21,11 @@ def register(sub) -> None:
     layer.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
     layer.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     layer.add_argument("--reps", type=int, default=7, help="timed steps (the median is reported)")
+    layer.add_argument("--schedules", default="sequential",
+                       help="comma-separated schedules: each besides sequential adds a GShard "
+                            "top-2 row at --pipeline-degree (e.g. sequential,pipelined,optsche)")
+    layer.add_argument("--pipeline-degree", type=int, default=2,
+                       help="r of the pipelined rows")
     add_device_arg(layer)
     layer.add_argument("--out", default=None,
                        help="write the results as JSON here (default: print only)")
@@ -81,7 +86,16 @@ def run_layer(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"moeflow bench layer: --{name.replace('_', '-')} "
                              f"{getattr(args, name)} must be >= 1")
-    rows = run_on_ranks(bench_worker, args, DEFAULT_CASES, args.tokens, args.d_model,
+    from moeflow.schedule import SCHEDULERS
+    from moeflow.registry import did_you_mean
+
+    schedules = args.schedules.split(",")
+    for s in schedules:
+        if s not in SCHEDULERS:
+            raise SystemExit(f"moeflow bench layer: --schedules has {s!r}; choose from "
+                             f"{', '.join(sorted(SCHEDULERS))}{did_you_mean(s, SCHEDULERS)}")
+    rows = run_on_ranks(bench_worker, args, cases_for(schedules, args.pipeline_degree),
+                        args.tokens, args.d_model,
                         args.d_expert, args.warmup, args.reps, args.device)
     if rows is not None:
         print(format_table(rows))

@@ -32,6 +32,10 @@ EXPERT_PARAM_ATTR = "_moeflow_expert"
 
 
 class ExpertFFN(nn.Module):
+    #: Unequal counts run as grouped GEMMs where they fit (``grouped_mm_fits``); set False on
+    #: an instance to force the per-expert loop (``moeflow bench layer`` compares the two).
+    use_grouped_mm: bool = True
+
     def __init__(self, d_model: int, d_hidden: int, first_expert: int, num_local: int,
                  activation: str = "gelu", seed: int = 0, layer_id: int = 0,
                  bias: bool = False):
@@ -87,7 +91,7 @@ class ExpertFFN(nn.Module):
             h = self._act(self._add_bias(torch.bmm(xs, w1), "b1", None), xs, w3)
             y = self._add_bias(torch.bmm(h, w2), "b2", None)
             return y.reshape(x.shape[0], w2.shape[-1])
-        if grouped_mm_fits(x, w1):
+        if self.use_grouped_mm and grouped_mm_fits(x, w1):
             return self._grouped(x, counts, offsets, w1, w2, w3)
         outs = []
         for i, xi in enumerate(torch.split(x, counts)):

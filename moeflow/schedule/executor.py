@@ -82,17 +82,9 @@ class Timeline:
     def overlap_fraction(self, phase: str | None = None) -> float:
         """Fraction of communication time during which a computing task also ran (0 when no
         communication was recorded): how much of the all-to-all the schedule hid."""
-        recs = [r for r in self.records if phase is None or r.phase == phase]
-        comm = [(r.start, r.end) for r in recs if r.lane == "comm"]
-        comp = sorted((r.start, r.end) for r in recs if r.lane == "compute")
-        total = sum(e - s for s, e in comm)
-        if total <= 0:
-            return 0.0
-        hidden = 0.0
-        for s, e in comm:
-            for cs, ce in comp:
-                hidden += max(0.0, min(e, ce) - max(s, cs))
-        return min(1.0, hidden / total)
+        from moeflow.schedule.overlap import overlap_fraction
+
+        return overlap_fraction(self.records, phase)
 
 
 @dataclass

@@ -1,0 +1,77 @@
+"""The scheduled exchange + experts block: payload packing, chunk bookkeeping on the host,
+eval without autograd graphs, and non-finite payloads counted instead of raised."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import moeflow as mf
+from moeflow.comm.codecs import CODECS
+from moeflow.schedule.chunks import Grouping, block_rows, chunk_counts
+from moeflow.schedule.pipeline import pack, unpack
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "fp8", "fp8-row", "zfp"])
+def test_payloads_pack_into_one_tensor_and_back(codec):
+    c = CODECS[codec]()
+    x = torch.randn(7, 24)
+    payloads = c.encode(x)
+    buf, layout = pack(payloads)
+    assert buf.shape[0] == 7 and (layout is None) == (len(payloads) == 1)
+    for a, b in zip(unpack(buf, layout), payloads):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_chunks_split_every_block_and_cover_all_rows():
+    counts = np.array([[5, 0, 3, 1], [2, 2, 7, 0]])
+    parts = chunk_counts(counts, 3)
+    assert (sum(parts) == counts).all()
+    starts = np.array([0, 5, 5, 8])
+    rows = np.concatenate([block_rows(starts + (counts[0] * i) // 3, parts[i][0])
+                           for i in range(3)])
+    assert sorted(rows.tolist()) == list(range(9))
+
+
+def test_grouping_equal_counts_is_a_transpose():
+    recv = np.full((2, 3), 4)                         # 2 sources x 3 local experts, 4 rows each
+    g = Grouping.build(recv, torch.device("cpu"))
+    assert g.perm is None and g.shape == (2, 3, 4) and g.offsets is None
+    x = torch.arange(24.0).unsqueeze(1)
+    grouped = g.group(x)
+    assert grouped[:8, 0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]   # expert 0 from both
+    assert torch.equal(g.ungroup(grouped), x)
+    uneven = Grouping.build(np.array([[1, 2, 0], [3, 0, 1]]), torch.device("cpu"))
+    assert uneven.counts == [4, 2, 1] and uneven.offsets.tolist() == [4, 6, 7]
+    y = torch.arange(7.0).unsqueeze(1)
+    assert torch.equal(uneven.ungroup(uneven.group(y)), y)
+
+
+def test_eval_builds_no_expert_graph():
+    layer = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, top_k=2))
+    seen = []
+    real = layer.experts.forward
+    layer.experts.forward = lambda *a, **k: seen.append(torch.is_grad_enabled()) or real(*a, **k)
+    with torch.no_grad():
+        layer(torch.randn(6, 8))
+    layer(torch.randn(6, 8, requires_grad=True))
+    assert seen == [False, True]
+
+
+# int8: the two rows decode to NaN, so both tokens' expert outputs (8 values each) are
+# non-finite on the way back too; zfp decodes such a block to finite garbage (as LLNL zfp).
+@pytest.mark.parametrize("codec,count", [("int8", 2 + 2 * 8), ("zfp", 2)])
+def test_nonfinite_payloads_are_counted_not_raised(codec, count):
+    layer = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, top_k=1,
+                                     capacity_factor=None, codec=codec))
+    x = torch.randn(6, 8)
+    x[2, 3] = float("nan")
+    x[4, 0] = float("inf")
+    layer(x)
+    assert layer.stats["nonfinite_payload"] == count
+    layer(torch.randn(6, 8))
+    assert layer.stats["nonfinite_payload"] == 0
+    plain = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4))
+    plain(x)                                          # "none" carries inf/NaN as they are
+    assert "nonfinite_payload" not in plain.stats
