@@ -1,7 +1,8 @@
 """MoELayer: route -> plan -> permute -> encode/all-to-all/decode -> experts -> back -> combine.
 
-The steps of docs/design.md, "The path of a token through MoELayer"; each part is chosen by name in ``MoEConfig`` from its
-registry (router, codec, all-to-all algorithm), so later parts plug in without changing this file.
+The steps of docs/design.md, "The path of a token through MoELayer"; each part is chosen by
+name in ``MoEConfig`` from its registry (router, codec, all-to-all algorithm), so later parts
+plug in without changing this file.
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ class MoELayer(nn.Module):
         with t.phase("permute", h):
             plan = make_plan(routing.experts, cfg.num_experts, cap)
             send = permute(t.mark(h, "permute"), plan)
-        counted = not (self.codec.represents_nonfinite and self.backward_codec.represents_nonfinite)
-        nonfinite = h.new_zeros((), dtype=torch.long) if counted else None
+        nonfinite = (None if self.codec.represents_nonfinite
+                     and self.backward_codec.represents_nonfinite
+                     else h.new_zeros((), dtype=torch.long))
         runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite)
