@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and the fix."""
+from moeflow.errors import ConfigError
+from moeflow.registry import registry
 
 
 def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
@@ -156,18 +155,13 @@ class MoEConfig:
                  "must be a non-negative integer")
         _require(isinstance(self.layer_id, int) and self.layer_id >= 0, o, "layer_id",
                  self.layer_id, "must be a non-negative integer")
-        # Late imports: the registries import this module for ConfigError.
-        from moeflow.comm.alltoall import ALLTOALLS
-        from moeflow.comm.codecs import CODECS
-        from moeflow.routing import ROUTERS
-        from moeflow.schedule import SCHEDULERS
-
-        for name, registry in (("router", ROUTERS), ("codec", CODECS), ("a2a", ALLTOALLS),
-                               ("schedule", SCHEDULERS)):
+        for name, kind in (("router", "router"), ("codec", "codec"), ("a2a", "alltoall"),
+                           ("schedule", "scheduler")):
             v = getattr(self, name)
-            _require(v in registry, o, name, v,
-                     f"unknown name; registered: {', '.join(sorted(registry))} "
-                     f"(register your own with moeflow.register_{registry.kind})")
+            reg = registry(kind)
+            _require(v in reg, o, name, v,
+                     f"unknown name; registered: {', '.join(sorted(reg))} "
+                     f"(register your own with moeflow.register_{kind})")
 
     def _check_bilevel(self, o: str) -> None:
         n = self.bilevel_nodes

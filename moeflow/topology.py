@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from moeflow.config import ConfigError
+from moeflow.errors import ConfigError
 
 _CACHE: dict[tuple, "Topology"] = {}
 

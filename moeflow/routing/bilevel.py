@@ -40,7 +40,7 @@ class BiLevelRouter(Router):
     def check_topology(cls, cfg, topo) -> None:
         """Expert group i must live on node i: expert parallelism over the whole world, and as
         many nodes as groups. A world of one (the single-process reference) holds them all."""
-        from moeflow.config import ConfigError
+        from moeflow.errors import ConfigError
 
         if not topo.distributed:
             return

@@ -24,7 +24,7 @@ import torch
 from moeflow.comm.codecs import zfp
 from moeflow.comm.codecs.base import Codec, register_codec
 from moeflow.comm.codecs.zfp import torch_backend
-from moeflow.config import ConfigError
+from moeflow.errors import ConfigError
 
 class _ZfpBase(Codec):
     """Fixed-rate ZFP, ``rate`` bits per value (default 8: a quarter of float32).
