@@ -253,30 +253,14 @@ def env_key(package: pathlib.Path) -> str:
     return f"{sys.implementation.cache_tag}-numba{numba.__version__}-{h.hexdigest()[:16]}"
 
 
-class _Locator(caching._CacheLocator):
-    """numba cache locator: this package's coders live in :func:`cache_dir` (whose name
-    already holds the sources' hash, which serves as the source stamp)."""
+class _Locator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """numba cache locator: this package's coders live in :func:`cache_dir`."""
 
     def __init__(self, py_func, py_file):
-        self._lineno = py_func.__code__.co_firstlineno
+        self._py_file, self._lineno = py_file, py_func.__code__.co_firstlineno
 
     def get_cache_path(self):
         return str(cache_dir())
-
-    def get_source_stamp(self):
-        return cache_dir().name
-
-    def get_disambiguator(self):
-        return str(self._lineno)
-
-    @classmethod
-    def from_function(cls, py_func, py_file):
-        self = cls(py_func, py_file)
-        try:
-            self.ensure_cache_path()
-        except OSError:                                   # not writable: numba caches nothing
-            return None
-        return self
 
 
 class _Impl(caching.CompileResultCacheImpl):
