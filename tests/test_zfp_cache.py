@@ -1,5 +1,6 @@
 """The compiled ZFP coder's on-disk cache (zfp.numba_backend): a damaged cache file is recovered
-from, a read-only package directory works, and processes compiling at once share one compile."""
+from, a read-only package directory works, processes compiling at once share one compile, and
+coders compiled in different processes load together (the "'descr' is NULL" of issue 19)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,25 @@ def test_two_processes_compiling_at_once_compile_once_and_leave_a_valid_cache(tm
     # one compiled it (a cache miss); the other waited on the lock, then loaded it (a hit)
     assert results == [[total, "0", "1"], [total, "1", "0"]], results
     assert _result(_child(str(tmp_path)))[1:] == [total, "0", "1"]
+
+
+def test_coders_compiled_in_different_processes_load_together(tmp_path):
+    """Issue 19's "'descr' is NULL": process A compiles the 1-D encoder, B loads it and
+    compiles the 2-D one, C loads both. When every dimensionality's coder had one name, A's and
+    B's first compiles got the same symbol and environment names (numba numbers functions per
+    process), and C failed in every call of the 2-D coder; this sequence reproduced it."""
+    code = ("import sys, torch\n"
+            "from moeflow.comm.codecs import zfp\n"
+            "from moeflow.comm.codecs.zfp import numba_backend as nb\n"
+            "nb.set_cache_dir(sys.argv[1])\n"
+            "for d in map(int, sys.argv[2:]):\n"
+            "    x = torch.arange(4 ** (2 * d), dtype=torch.float32).cos().reshape([16] * d)\n"
+            "    print(int(zfp.compress(x, 8, dims=d).sum()))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    outs = []
+    for dims in (["1"], ["1", "2"], ["1", "2"]):
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), *dims], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout.split())
+    assert outs[2] == outs[1] and outs[1][:1] == outs[0]
