@@ -129,7 +129,8 @@ def decode_blocks(bits: torch.Tensor, d: int) -> torch.Tensor:
     """Inverse of :func:`encode_blocks`: ``(B, maxbits)`` uint8 -> float32 ``(B, 4^d)``."""
     b64 = bits[:, : 1 + transform.EBITS].to(torch.int64)
     nonzero = b64[:, 0].bool()
-    emax = ((b64[:, 1:] << torch.arange(transform.EBITS, device=bits.device)).sum(1) - transform.EBIAS)
+    e = (b64[:, 1:] << torch.arange(transform.EBITS, device=bits.device)).sum(1)
+    emax = e - transform.EBIAS
     if bits.shape[1] > 1 + transform.EBITS:
         u = decode_planes(bits[:, 1 + transform.EBITS:], 4 ** d)
     else:

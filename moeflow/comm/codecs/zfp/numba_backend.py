@@ -42,12 +42,14 @@ I64 = np.int64
 
 _inline = njit(nogil=True, boundscheck=False, inline="always")   # see numba_planes
 
+
 @_inline
 def _pow2(e):
     """float32 ``2^e`` as ``ldexpf(1, e)`` gives it (0 below 2^-149, inf above 2^127)."""
     if -126 <= e <= 127:
         return np.int32((e + 127) << 23).view(np.float32)
     return np.float32(math.ldexp(1.0, e))
+
 
 @_inline
 def _emax(bits):
@@ -65,6 +67,7 @@ def _emax(bits):
         return 0
     return max(be - 126, -126)
 
+
 @_inline
 def _gather_partial(a, dims, z0, y0, x0, iz, iy, ix, fb):
     """A partial block of ``a`` (one flattened (nz, ny, nx) array) into ``fb``, read through
@@ -74,6 +77,7 @@ def _gather_partial(a, dims, z0, y0, x0, iz, iy, ix, fb):
         z, y, x = i >> 4, (i >> 2) & 3, i & 3
         fb[i] = a[(iz[z0 + z] * dims[1] + iy[y0 + y]) * dims[2] + ix[x0 + x]]
 
+
 @_inline
 def _scatter_partial(fb, out, dims, z0, y0, x0):
     """The in-range values of a partial block ``fb`` into ``out`` (one flattened array);
@@ -82,6 +86,7 @@ def _scatter_partial(fb, out, dims, z0, y0, x0):
         z, y, x = z0 + (i >> 4), y0 + ((i >> 2) & 3), x0 + (i & 3)
         if z < dims[0] and y < dims[1] and x < dims[2]:
             out[(z * dims[1] + y) * dims[2] + x] = fb[i]
+
 
 @_inline
 def _block_bases(d, dims):
@@ -99,12 +104,14 @@ def _block_bases(d, dims):
                 b += 1
     return bases
 
+
 @_inline
 def _block_corner(dims, b):
     """First coordinate (z0, y0, x0) of block ``b`` (zfp's order)."""
     nbx = (dims[2] + 3) // 4
     nby = (dims[1] + 3) // 4
     return 4 * (b // (nbx * nby)), 4 * (b // nbx % nby), 4 * (b % nbx)
+
 
 @_inline
 def _row_offsets(d, dims):
@@ -114,6 +121,7 @@ def _row_offsets(d, dims):
     for j in range(off.shape[0]):
         off[j] = ((j >> 2) * dims[1] + (j & 3)) * dims[2]
     return off
+
 
 @_inline
 def _encode_block(fb, d, maxbits, words, pos, u, table):
@@ -129,6 +137,7 @@ def _encode_block(fb, d, maxbits, words, pos, u, table):
         P.encode_planes_1d(u, maxbits - 9, words, pos + 9, table)
     else:
         P.encode_planes(u, 1 << (2 * d), maxbits - 9, words, pos + 9)
+
 
 @_inline
 def _decode_block(words, pos, d, maxbits, out, u, single, many):
@@ -308,7 +317,10 @@ def _machine_lock(name: str):
         yield
         return
     with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:                                   # a file system without locks
+            pass
         yield
 
 

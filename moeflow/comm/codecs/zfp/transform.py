@@ -219,6 +219,6 @@ def inv_order(u: torch.Tensor, d: int) -> torch.Tensor:
     return v.index_select(1, perm_index(d, str(u.device), inverse=True))
 
 
-__all__ = ["PERM", "perm_index", "maxbits_for", "blocks_per_array", "stream_bytes", "pad_index", "to_blocks",
-           "from_blocks", "block_emax", "fwd_cast", "inv_cast", "fwd_xform", "inv_xform",
+__all__ = ["PERM", "perm_index", "maxbits_for", "blocks_per_array", "stream_bytes", "pad_index",
+           "to_blocks", "from_blocks", "block_emax", "fwd_cast", "inv_cast", "fwd_xform", "inv_xform",
            "fwd_order", "inv_order"]

@@ -316,7 +316,8 @@ def _geometry(shape: tuple[int, ...], d: int):
 
 def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
     """float32 array whose last ``d`` dims form one zfp array per leading index -> uint8
-    ``(*lead, stream_bytes)``, byte-identical to ``bitplane.compress(a, d, maxbits)``. Runs where Triton runs ``a`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    ``(*lead, stream_bytes)``, byte-identical to ``bitplane.compress(a, d, maxbits)``. Runs
+    where Triton runs ``a`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
     if not available():
         raise RuntimeError("triton_nd.compress needs triton")
     lead, nslices, (nz, ny, nx), (_, nby, nbx), per = _geometry(tuple(a.shape), d)
