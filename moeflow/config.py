@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moeflow.registry import did_you_mean
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and the fix."""
+from moeflow.devices import DEVICES, DTYPES
+from moeflow.errors import ConfigError
+from moeflow.registry import did_you_mean, registry
 
 
 def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
@@ -34,7 +32,7 @@ def _positive_int(owner: str, name: str, value) -> None:
 ACTIVATIONS = ("gelu", "swiglu", "relu")     # built in; any elementwise F function also works
 # How f_e of the load-balancing loss counts top-k choices (see moeflow/routing/losses.py):
 # all k choices (Megatron-core) or each token's first choice (GShard, DeepSpeed-MoE, Tutel).
-BALANCE_LOSSES = ("all_choices", "first_choice")
+BALANCE_LOSSES = ("all_choices", "first_choice")   # = moeflow.routing.losses.BALANCE_LOSSES
 # MoE structures (BigMac section "Analysis of Different MoE Structures"); see
 # moeflow/experts/structure.py for what each one computes.
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
@@ -240,19 +238,14 @@ class MoEConfig:
                  "must be a non-negative integer")
         _require(isinstance(self.layer_id, int) and self.layer_id >= 0, o, "layer_id",
                  self.layer_id, "must be a non-negative integer")
-        # Late imports: the registries import this module for ConfigError.
-        from moeflow.comm.alltoall import ALLTOALLS
-        from moeflow.comm.codecs import CODECS
-        from moeflow.routing import ROUTERS
-        from moeflow.schedule import SCHEDULERS
-
-        for name, registry in (("router", ROUTERS), ("codec", CODECS), ("a2a", ALLTOALLS),
-                               ("schedule", SCHEDULERS)):
+        for name, kind in (("router", "router"), ("codec", "codec"), ("a2a", "alltoall"),
+                           ("schedule", "scheduler")):
             v = getattr(self, name)
-            _require(v in registry, o, name, v,
-                     f"unknown name; registered: {', '.join(sorted(registry))} "
-                     f"(register your own with moeflow.register_{registry.kind})"
-                     f"{did_you_mean(v, registry)}")
+            reg = registry(kind)
+            _require(v in reg, o, name, v,
+                     f"unknown name; registered: {', '.join(sorted(reg))} "
+                     f"(register your own with moeflow.register_{kind})"
+                     f"{did_you_mean(v, reg)}")
 
     def _check_bilevel(self, o: str) -> None:
         n = self.bilevel_nodes
@@ -423,8 +416,6 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-DEVICES = ("auto", "cpu", "cuda")     # auto: cuda when a GPU is visible, else cpu
-DTYPES = ("auto", "bf16", "fp32")     # autocast dtype; auto: bf16 on cuda, fp32 on cpu
 
 
 @dataclass

@@ -26,7 +26,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from moeflow.config import DEVICES, DTYPES, ConfigError
+from moeflow.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")     # auto: cuda when a GPU is visible, else cpu
+DTYPES = ("auto", "bf16", "fp32")     # autocast dtype; auto: bf16 on cuda, fp32 on cpu
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

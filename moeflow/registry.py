@@ -1,15 +1,32 @@
 """Name -> class registries through which routers, codecs and all-to-all algorithms plug in.
 
 A part registered from user code (``@moeflow.register_codec("mine")``) is accepted by
-``MoEConfig`` and built by ``MoELayer`` exactly like a built-in one.
+``MoEConfig`` and built by ``MoELayer`` exactly like a built-in one. :func:`registry` finds a
+registry by kind, importing the package of its built-in parts by name, so that
+:mod:`moeflow.config` validates names without importing those packages (which import
+:mod:`moeflow.errors`, never ``moeflow.config``).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
+
+# The package whose import registers each kind's built-in parts.
+PACKAGES = {"router": "moeflow.routing", "codec": "moeflow.comm.codecs",
+            "alltoall": "moeflow.comm.alltoall", "scheduler": "moeflow.schedule"}
+REGISTRIES: dict[str, "Registry"] = {}
+
+
+def registry(kind: str) -> "Registry":
+    """The registry of ``kind`` (a key of :data:`PACKAGES`), with its built-in parts."""
+    if kind not in PACKAGES:
+        raise KeyError(f"unknown registry kind {kind!r}; choose one of {', '.join(PACKAGES)}")
+    importlib.import_module(PACKAGES[kind])
+    return REGISTRIES[kind]
 
 
 def did_you_mean(name, choices: Iterable) -> str:
@@ -26,6 +43,7 @@ class Registry(dict):
         super().__init__()
         self.kind = kind
         self.base = base
+        REGISTRIES[kind] = self
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
         def deco(cls: type[T]) -> type[T]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from moeflow.config import ConfigError
 from moeflow.devices import group_backend
+from moeflow.errors import ConfigError
 
 _CACHE: dict[tuple, "Topology"] = {}
 

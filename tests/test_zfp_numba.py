@@ -1,43 +1,49 @@
-"""The compiled CPU coder (zfp.numba_backend) against the torch coders and zfpy, and the
-dispatch of zfp.compress/decompress between them."""
+"""The compiled CPU coder (zfp.numba_backend) against the slow reference coder (zfp.bitplane),
+which test_zfp.py holds to zfpy, and the dispatch of zfp.compress/decompress."""
 
 from __future__ import annotations
+
+import pathlib
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from moeflow.comm.codecs import zfp
-from moeflow.comm.codecs.zfp import numba_backend, plane_decode, plane_encode, torch_backend
+from moeflow.comm.codecs.zfp import bitplane, numba_backend
 from moeflow.comm.codecs.zfp import transform as T
 from tests.test_zfp import _kinds
-from tests.test_zfp_planes import random_streams
-
-pytest.importorskip("numba")
 
 RATES = {1: [2.5, 8, 16, 31], 2: [1, 3.5, 8, 16, 40], 3: [0.5, 2, 8, 20, 32]}
 SHAPES = {1: [(37,), (3, 10)], 2: [(9, 11), (1, 1), (2, 3, 8)], 3: [(5, 6, 7), (3, 9, 2)]}
 
 
-def _torch_coder(d):
-    if d == 1:
-        return torch_backend.compress_1d, torch_backend.decompress_1d
-    return ((lambda x, mb: plane_encode.compress(x, d, mb)),
-            (lambda data, shape, mb: plane_decode.decompress(data, shape, d, mb)))
+def random_streams(shape, d, seed):
+    """(rate, maxbits, stream) for random bit strings sized for ``shape``: dense ones and
+    sparser ones (bytes and-ed together), rates 1-32."""
+    g = torch.Generator().manual_seed(seed)
+    for rate in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+        mb = T.maxbits_for(rate, d)
+        nb = T.stream_bytes(T.blocks_per_array(shape, d), mb)
+        for t in range(6):
+            data = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
+            for _ in range(t % 3):                          # sparser bit patterns too
+                data &= torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
+            yield rate, mb, data
 
 
 @pytest.mark.parametrize("d", [1, 2, 3])
-def test_numba_coder_equals_torch_coders(d):
-    enc, dec = _torch_coder(d)
+def test_numba_coder_equals_reference_coder(d):
     for shape in SHAPES[d]:
         for kind, a in _kinds(shape).items():
             x = torch.from_numpy(np.asarray(a, np.float32))
             for rate in RATES[d]:
                 mb = T.maxbits_for(rate, d)
-                ref = enc(x, mb)
+                ref = bitplane.compress(x, d, mb)
                 got = numba_backend.compress(x, d, mb)
                 assert got.shape == ref.shape and torch.equal(got, ref), (shape, kind, rate)
-                want = dec(ref, shape, mb)
+                want = bitplane.decompress(ref, shape, d, mb)
                 out = numba_backend.decompress(got, shape, d, mb)
                 assert torch.equal(out.view(torch.int32), want.view(torch.int32)), \
                     (shape, kind, rate)
@@ -46,10 +52,10 @@ def test_numba_coder_equals_torch_coders(d):
 @pytest.mark.parametrize("d", [1, 2, 3])
 def test_decoder_follows_zfp_on_arbitrary_streams(d):
     """Random bit strings (cut-short unary runs, the implied last coefficient, planes past the
-    budget, int32 wrap-around in the inverse transform) decode as the general coder does."""
+    budget, int32 wrap-around in the inverse transform) decode as the reference coder does."""
     shape = {1: (400,), 2: (8, 12), 3: (4, 8, 8)}[d]
     for rate, mb, data in random_streams(shape, d, seed=10 + d):
-        ref = torch_backend.decompress(data, shape, d, mb)
+        ref = bitplane.decompress(data, shape, d, mb)
         got = numba_backend.decompress(data, shape, d, mb)
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), rate
 
@@ -70,43 +76,35 @@ def test_inputs_that_require_grad_are_coded():
     assert torch.equal(got, zfp.compress(x.detach(), 8, dims=2))
 
 
-def test_cpu_dispatch_uses_the_compiled_coder_and_falls_back_without_numba(monkeypatch):
-    assert zfp.backend("cpu", 1) == zfp.backend("cpu", 2) == zfp.backend("cpu", 3) == "numba"
-    assert zfp.backend("meta", 2) == "torch-planes"
-    assert zfp.backend("meta", 1) == "torch-table"
-    x = torch.randn(9, 13)
-    ref = zfp.compress(x, 8, dims=2)
+def test_cpu_and_other_devices_use_the_compiled_coder(monkeypatch):
+    """CPU tensors go to the numba coder, and so do tensors of devices that are neither CPU nor
+    CUDA with triton (copied to the CPU and back)."""
+    assert zfp.backend("cpu", 1) == zfp.backend("cpu", 3) == zfp.backend("meta", 2) == "numba"
     calls = []
-    real = plane_encode.compress
-    monkeypatch.setattr(plane_encode, "compress", lambda *a, **k: calls.append(1) or real(*a, **k))
-    zfp.compress(x, 8, dims=2)
-    assert not calls                                        # numba coder, not the torch one
-    monkeypatch.setattr(numba_backend, "numba", None)       # as on a machine without numba
-    assert zfp.backend("cpu", 2) == "torch-planes"
-    assert zfp.backend("cpu", 1) == "torch-table"
-    v = torch.randn(3, 50)
-    assert torch.equal(zfp.compress(v, 8, dims=1),
-                       torch_backend.compress_1d(v, T.maxbits_for(8, 1)))
-    assert torch.equal(zfp.compress(x, 8, dims=2), ref) and calls
-    assert torch.equal(zfp.decompress(ref, x.shape, 8, dims=2).view(torch.int32),
-                       plane_decode.decompress(ref, x.shape, 2, T.maxbits_for(8, 2))
-                       .view(torch.int32))
-    with pytest.raises(RuntimeError, match="needs numba"):
-        numba_backend.compress(x, 2, 128)
+    real = numba_backend._run
+    monkeypatch.setattr(numba_backend, "_run", lambda *a: calls.append(a[:2]) or real(*a))
+    x = torch.randn(9, 13)
+    y = zfp.decompress(zfp.compress(x, 8, dims=2), x.shape, 8, dims=2)
+    assert calls == [(2, 0), (2, 1)] and (y - x).abs().max() < 0.1
 
 
-def test_compiled_coders_are_cached_by_plain_values_and_the_inlined_sources():
-    """numba keys its disk cache by the closure's contents: they must be plain values (a
-    captured function pickles differently in each process, which would recompile the coder in
-    every run), and they must change with the sources inlined from other files."""
-    import hashlib
-    import pathlib
-
-    from moeflow.comm.codecs.zfp import numba_planes, numba_simd
-    stamp = hashlib.sha256(b"".join(pathlib.Path(m.__file__).read_bytes()
-                                    for m in (numba_planes, numba_simd))).hexdigest()
+def test_closures_hold_plain_values_and_the_cache_key_follows_every_source(tmp_path):
+    """numba keys its disk cache by the closure's contents, which must pickle the same in every
+    process (plain values); and the cache directory must change with any source of the package,
+    since code is inlined across its files (numba checks only the defining file), but not with
+    where the package lives (a read-only copy shares the cache)."""
     for d in (1, 2, 3):
-        for coder in numba_backend._coder(d):
-            cells = [c.cell_contents for c in coder.py_func.__closure__]
-            assert all(isinstance(c, (int, str)) for c in cells), cells
-            assert stamp in cells and d in cells
+        for which in (0, 1):
+            fn = numba_backend._build(d, which).py_func
+            cells = [c.cell_contents for c in fn.__closure__]
+            assert all(type(c) is int for c in cells) and d in cells, cells
+            assert fn.__qualname__ == ("encode", "decode")[which] + f"_{d}d"
+    here = pathlib.Path(numba_backend.__file__).parent
+    copy = tmp_path / "zfp"
+    shutil.copytree(here, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert numba_backend.env_key(copy) == numba_backend.env_key(here)
+    with open(copy / "numba_simd.py", "a") as f:
+        f.write("# an edit\n")
+    numba_backend.env_key.cache_clear()
+    assert numba_backend.env_key(copy) != numba_backend.env_key(here)
+    assert numba_backend.cache_dir().name == numba_backend.env_key(here)

@@ -1,5 +1,5 @@
-"""The 1-D table coder of the CPU path (``group_encode``, ``window_decode``) against the
-general bit-plane coder (``bitplane``, any d) and LLNL's zfpy, at every block size."""
+"""The 1-D path at every block size: the compiled coder (``numba_backend``, table-driven for
+1-D blocks) against the reference bit-plane coder (``bitplane``) and LLNL's zfpy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeflow.comm.codecs import zfp
-from moeflow.comm.codecs.zfp import group_encode, torch_backend, window_decode
+from moeflow.comm.codecs.zfp import bitplane, numba_backend
 
 # every size up to 72 bits (rate 18), then sizes around word and budget boundaries
 MAXBITS = list(range(9, 73)) + [79, 96, 100, 119, 127, 128, 129, 143, 192, 255, 256, 300]
@@ -38,59 +38,36 @@ def _kinds(nblocks: int = 400) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in kinds.items()}
 
 
-def _general_codes(blocks: torch.Tensor, maxbits: int) -> torch.Tensor:
-    """The same codes from the general (any d) bit-plane coder, as int64 words per block."""
-    bits = torch_backend.encode_blocks(blocks, 1, maxbits).to(torch.int64)
-    bits = torch.nn.functional.pad(bits, (0, (-maxbits) % 64)).reshape(len(blocks), -1, 64)
-    return (bits << torch.arange(64)).sum(2)
+def test_encoder_and_decoder_equal_the_reference_coder_at_every_size():
+    """Every kind in rows of 100 blocks (codes straddle word boundaries at every size), all
+    rows in one call of each coder."""
+    kinds = _kinds()
+    rows = torch.cat([blocks.reshape(4, 400) for blocks in kinds.values()])
+    for mb in MAXBITS:
+        got = numba_backend.compress(rows, 1, mb)
+        dec = numba_backend.decompress(got, rows.shape, 1, mb).view(torch.int32)
+        want = bitplane.compress(rows, 1, mb)
+        ref = bitplane.decompress(got, rows.shape, 1, mb).view(torch.int32)
+        for i, kind in enumerate(kinds):
+            r = slice(4 * i, 4 * i + 4)
+            assert torch.equal(got[r], want[r]), f"{kind}, maxbits {mb}, encode"
+            assert torch.equal(dec[r], ref[r]), f"{kind}, maxbits {mb}, decode"
 
 
-def _general_decode(codes: torch.Tensor, maxbits: int) -> torch.Tensor:
-    bits = ((codes.unsqueeze(2) >> torch.arange(64)) & 1).reshape(len(codes), -1)[:, :maxbits]
-    return torch_backend.decode_blocks(bits.to(torch.uint8), 1)
-
-
-def test_encoder_equals_general_bitplane_coder_at_every_size():
-    for kind, blocks in _kinds().items():
-        for mb in MAXBITS:
-            got = group_encode.encode_words(blocks, mb)
-            assert torch.equal(got, _general_codes(blocks, mb)), f"{kind}, maxbits {mb}"
-
-
-def test_decoder_equals_general_decoder_at_every_size():
-    for kind, blocks in _kinds().items():
-        for mb in MAXBITS:
-            codes = group_encode.encode_words(blocks, mb)
-            got = window_decode.decode_words(codes, mb).view(torch.int32)
-            ref = _general_decode(codes, mb).view(torch.int32)
-            assert torch.equal(got, ref), f"{kind}, maxbits {mb}"
-
-
-def test_decoder_of_arbitrary_codes_equals_general_decoder():
+def test_decoder_of_arbitrary_codes_equals_the_reference_decoder():
     """Any bit pattern, not only what the encoder writes (zfp decodes whatever it reads),
     including a nonzero block with an all-zero body, which runs past plane 0 (zfp stops there
     with budget left) at more than 32 bits of budget."""
     g = torch.Generator().manual_seed(5)
     for mb in MAXBITS:
-        nw = -(-mb // 64)
-        codes = torch.randint(-(1 << 62), 1 << 62, (1000, nw), generator=g) * 2 + 1
-        codes[::10] = 0
-        codes[::10, 0] = 2 * 140 + 1                    # flag 1, emax 13, no plane set
-        if mb % 64:
-            codes[:, -1] &= (1 << (mb % 64)) - 1
-        got = window_decode.decode_words(codes, mb).view(torch.int32)
-        ref = _general_decode(codes, mb).view(torch.int32)
+        bits = torch.randint(0, 2, (1000, mb), generator=g, dtype=torch.uint8)
+        bits[:, 0] = 1
+        bits[::10] = 0
+        bits[::10, :9] = torch.tensor([1, 0, 0, 1, 1, 0, 0, 0, 1], dtype=torch.uint8)  # emax 13
+        data = bitplane.pack_bits(bits.reshape(1, -1))
+        got = numba_backend.decompress(data, (1, 4000), 1, mb).view(torch.int32)
+        ref = bitplane.decompress(data, (1, 4000), 1, mb).view(torch.int32)
         assert torch.equal(got, ref), f"maxbits {mb}"
-
-
-def test_steps_cover_every_budget():
-    """A full-window lookup consumes at least 10 bits (a plane codes in at most 7), which
-    bounds the number of lookups per block."""
-    _, _, meta = window_decode._tables_np()
-    idx = (np.arange(5)[:, None] * window_decode._ROW + (1 << 16)
-           + np.arange(1 << 16)[None, :])
-    assert int((meta[idx] & 31).min()) == 10
-    assert [window_decode._steps(b) for b in (1, 15, 16, 23, 25, 26, 55)] == [1, 1, 2, 2, 2, 3, 5]
 
 
 def test_every_rate_matches_zfpy_on_rows():
@@ -117,13 +94,6 @@ def test_unaligned_payload_bytes_decode():
     shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), data.reshape(-1)])[3:]
     got = zfp.decompress(shifted.reshape(data.shape), x.shape, 6, dims=1)
     assert torch.equal(got, zfp.decompress(data, x.shape, 6, dims=1))
-
-
-def test_bad_sizes_fail_clearly():
-    with pytest.raises(ValueError, match="maxbits=8"):
-        group_encode.encode_words(torch.zeros(1, 4), 8)
-    with pytest.raises(ValueError, match="maxbits=65; expected maxbits >= 9 and shape"):
-        window_decode.decode_words(torch.zeros(1, 1, dtype=torch.int64), 65)
 
 
 def test_rows_shorter_than_a_group_of_words():

@@ -1,6 +1,6 @@
 """Run by tests/test_zfp_triton.py in a subprocess with TRITON_INTERPRET=1 (Triton's own CPU
-interpreter, which must be set before the kernels are defined): the Triton kernels against the
-torch back end, bit for bit. With ``--compile`` (and without TRITON_INTERPRET) it instead
+interpreter, which must be set before the kernels are defined): the 1-D Triton kernels against the
+CPU coder, bit for bit (rates above 16 go to triton_nd's general kernels with d = 1). With ``--compile`` (and without TRITON_INTERPRET) it instead
 compiles both kernels for sm_90, which needs no GPU."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from moeflow.comm.codecs.zfp import triton_nd as tn
 def main() -> None:
     g = torch.Generator().manual_seed(0)
     for rows, cols in [(3, 37), (2, 64), (5, 5), (1, 1)]:
-        for rate in [3, 8, 8.25, 12.5, 16]:
+        for rate in [3, 8, 8.25, 12.5, 16, 20.25, 31]:
             x = torch.randn(rows, cols, generator=g) * torch.exp(3 * torch.randn(rows, 1,
                                                                                   generator=g))
             x[0, :4] = 0.0

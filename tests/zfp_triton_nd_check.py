@@ -1,6 +1,6 @@
 """Run by tests/test_zfp_triton_nd.py in a subprocess with TRITON_INTERPRET=1 (Triton's own CPU
 interpreter, which must be set before the kernels are defined): the 2-D / 3-D Triton kernels of
-``moeflow.comm.codecs.zfp.triton_nd`` against the torch back end, bit for bit.
+``moeflow.comm.codecs.zfp.triton_nd`` against the reference coder (``bitplane``), bit for bit.
 
 The kernels are called directly on CPU tensors (``zfp.compress`` sends only CUDA tensors to
 them). Kept small: every kernel call runs in the interpreter, one numpy op per Triton op.
@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from moeflow.comm.codecs.zfp import torch_backend as tb
+from moeflow.comm.codecs.zfp import bitplane as tb
 from moeflow.comm.codecs.zfp import triton_nd as tn
 from moeflow.comm.codecs.zfp.transform import maxbits_for
 
@@ -109,7 +109,7 @@ def compile_sm90() -> None:
     from triton.compiler import ASTSource
 
     ints = ["nblocks", "per", "nbx", "nby", "nx", "ny", "nz", "slice_words"]
-    for d, mb in [(2, 128), (3, 512)]:
+    for d, mb in [(1, 80), (2, 128), (3, 512)]:
         const = {"D": d, "S": 4 ** d, "MAXBITS": mb, "B": tn.BLOCKS[d]}
         for fn, ptrs, extra in [(tn._encode_kernel, ["*fp32", "*i32", "*i32"], []),
                                 (tn._decode_kernel, ["*i32", "*fp32", "*i32"], ["nwords"])]:
@@ -139,6 +139,11 @@ def main() -> None:
     _check(torch.zeros(5, 7), 2, 8, "zeros")
     _check_decode((3, 13, 14), 2, 3, g)
     _check_decode((5, 7), 2, 16, g)
+    # 1-D (blocks above 64 bits, which the 1-D kernels of triton_backend hand over)
+    x1 = x2.reshape(4, 45)
+    for rate in [16.25, 24, 32]:
+        _check(x1, 1, rate, "mixed")
+    _check_decode((3, 37), 1, 20, g)
     t2 = time.perf_counter()
     # 3-D: rates 2, 4, 8, 16 on the mixed array, 32 (2048 bits) on a 4x4x4 + a partial block
     x3 = _mixed_3d(g)

@@ -44,7 +44,7 @@ class Router(nn.Module):
     @classmethod
     def check_top_k(cls, cfg, k: int) -> None:
         """Raise ConfigError unless this router can route one call with top-``k``."""
-        from moeflow.config import ConfigError
+        from moeflow.errors import ConfigError
 
         raise ConfigError(f"MoELayer(x, top_k={k}) is invalid: router {cfg.router!r} "
                           f"({cls.__module__}.{cls.__qualname__}) takes no per-call top_k; "

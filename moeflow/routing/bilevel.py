@@ -44,7 +44,7 @@ class BiLevelRouter(Router):
     def check_topology(cls, cfg, topo) -> None:
         """Expert group i must live on node i: expert parallelism over the whole world, and as
         many nodes as groups. A world of one (the single-process reference) holds them all."""
-        from moeflow.config import ConfigError
+        from moeflow.errors import ConfigError
 
         if not topo.distributed:
             return
@@ -57,7 +57,7 @@ class BiLevelRouter(Router):
 
     @classmethod
     def check_top_k(cls, cfg, k: int) -> None:
-        from moeflow.config import ConfigError
+        from moeflow.errors import ConfigError
 
         raise ConfigError(f"MoELayer(x, top_k={k}) is invalid: with router='bilevel' top_k is "
                           f"node_top_k x local_top_k = {cfg.node_top_k} x {cfg.local_top_k}; "

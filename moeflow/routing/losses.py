@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.config import BALANCE_LOSSES
+# How f_e counts choices (MoEConfig.balance_loss); config keeps the same names without
+# importing this package (the registries and config do not import each other).
+BALANCE_LOSSES = ("all_choices", "first_choice")
 
 
 def balance_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.comm.alltoall.blocks import split_matrix
-from moeflow.config import ConfigError
+from moeflow.errors import ConfigError
 from moeflow.topology import Topology
 
 

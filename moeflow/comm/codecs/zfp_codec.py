@@ -23,8 +23,8 @@ import torch
 
 from moeflow.comm.codecs import zfp
 from moeflow.comm.codecs.base import Codec, register_codec
-from moeflow.comm.codecs.zfp import torch_backend
-from moeflow.config import ConfigError
+from moeflow.comm.codecs.zfp.transform import stream_bytes
+from moeflow.errors import ConfigError
 
 class _ZfpBase(Codec):
     """Fixed-rate ZFP, ``rate`` bits per value (default 8: a quarter of float32).
@@ -66,7 +66,7 @@ class _ZfpBase(Codec):
     def wire_bytes(self, rows: int, cols: int, dtype: torch.dtype) -> int:
         if cols == 0:
             return 0
-        return rows * torch_backend.stream_bytes(-(-cols // 4), zfp.maxbits_for(self.rate, 1))
+        return rows * stream_bytes(-(-cols // 4), zfp.maxbits_for(self.rate, 1))
 
 
     def _cols_for(self, nbytes: int) -> int:

@@ -5,15 +5,13 @@ compressor ScheMoE (section 3.1, Table 6) applies to all-to-all payloads.
 ``compress(a, rate, dims)`` returns, for each ``dims``-dimensional slice of ``a`` (zfp's x is
 the last axis; leading axes are a batch of independent arrays), exactly the bytes
 ``zfpy.compress_numpy(slice, rate=rate, write_header=False)`` returns; ``decompress`` returns
-exactly what zfpy decodes from them. Modules: :mod:`.transform` (block-floating-point, lifting,
-reordering, negabinary), :mod:`.bitplane` (the embedded coder, any d), :mod:`.fast1d` (table
-coder for 1-D blocks), :mod:`.plane_encode` / :mod:`.plane_decode` with :mod:`.bitops` (the
-2-D and 3-D coder: bit-plane transposition, closed-form plane codes, table-driven decoding),
-:mod:`.torch_backend` (the general reference pipeline, any device, and stream packing),
-:mod:`.triton_backend` (CUDA kernels for the 1-D codec path), :mod:`.triton_nd` (CUDA kernels
-for 2-D and 3-D blocks, used here for CUDA tensors when triton is installed),
-:mod:`.numba_backend` with :mod:`.numba_planes` and :mod:`.numba_simd` (compiled per-block coder,
-used here for CPU arrays when numba is installed; :func:`backend` says which coder runs).
+exactly what zfpy decodes from them. Two coders run: :mod:`.numba_backend` (with
+:mod:`.numba_planes`, :mod:`.numba_simd`; compiled, for CPU tensors) and the Triton kernels
+(:mod:`.triton_backend` for 1-D, :mod:`.triton_nd` for 2-D/3-D; CUDA tensors when triton is
+installed). Tensors on any other device (or CUDA without triton) are copied to the CPU, coded
+there and copied back. :mod:`.transform` (block-floating-point, lifting, reordering,
+negabinary) and :mod:`.fast1d` (the 1-D plane tables) are shared; :mod:`.bitplane` is the slow
+torch reference the tests hold both coders to. :func:`backend` says which coder runs.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ import math
 
 import torch
 
-from moeflow.comm.codecs.zfp import plane_decode, plane_encode, torch_backend
-from moeflow.comm.codecs.zfp.transform import blocks_per_array, maxbits_for
+from moeflow.comm.codecs.zfp.transform import blocks_per_array, maxbits_for, stream_bytes
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -64,12 +61,8 @@ def compress(a, rate: float = 8.0, dims: int | None = None) -> torch.Tensor:
             rows = triton_backend.compress_rows(a.reshape(-1, a.shape[-1]), rate)
             return rows.reshape(*a.shape[:-1], rows.shape[-1])
         return triton_nd.compress(a, d, mb)
-    if _compiled_for(a):                                 # CPU: the numba coder
-        from moeflow.comm.codecs.zfp import numba_backend
-        return numba_backend.compress(a, d, mb)
-    if d == 1:
-        return torch_backend.compress_1d(a, mb)
-    return plane_encode.compress(a, d, mb)
+    from moeflow.comm.codecs.zfp import numba_backend    # CPU (other devices: a copy)
+    return numba_backend.compress(a.cpu(), d, mb).to(a.device)
 
 
 def _triton_for(t: torch.Tensor) -> bool:
@@ -80,25 +73,11 @@ def _triton_for(t: torch.Tensor) -> bool:
     return triton_nd.available()
 
 
-def _compiled_for(t: torch.Tensor) -> bool:
-    """Whether ``t`` goes to the compiled CPU coder: a CPU tensor, with numba installed
-    (imported on first use: numba's import costs most of a second)."""
-    if t.device.type != "cpu":
-        return False
-    from moeflow.comm.codecs.zfp import numba_backend
-    return numba_backend.available()
-
-
 def backend(device, dims: int) -> str:
     """Which coder ``compress``/``decompress`` run for ``dims``-D arrays on ``device``:
-    ``"triton"`` (CUDA with triton), ``"numba"`` (CPU with numba), else ``"torch-table"``
-    (1-D) or ``"torch-planes"`` (2-D/3-D)."""
-    t = torch.empty(0, device=device)
-    if _triton_for(t):
-        return "triton"
-    if _compiled_for(t):
-        return "numba"
-    return "torch-table" if dims == 1 else "torch-planes"
+    ``"triton"`` (CUDA with triton) or ``"numba"`` (the CPU coder; tensors on other devices are
+    copied to the CPU and back)."""
+    return "triton" if _triton_for(torch.empty(0, device=device)) else "numba"
 
 
 def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = None,
@@ -110,7 +89,7 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
         raise ValueError(f"zfp.decompress: dims={d!r} is invalid for shape {shape}; "
                          "use 1, 2 or 3 and at most len(shape)")
     mb = maxbits_for(rate, d)
-    need = torch_backend.stream_bytes(blocks_per_array(shape, d), mb)
+    need = stream_bytes(blocks_per_array(shape, d), mb)
     data = torch.as_tensor(data)
     if data.dtype != torch.uint8 or data.shape[-1] != need:
         raise ValueError(f"zfp.decompress: expected uint8 streams of {need} bytes (last dim) "
@@ -128,13 +107,9 @@ def decompress(data: torch.Tensor, shape, rate: float = 8.0, dims: int | None = 
             out = triton_backend.decompress_rows(rows, shape[-1], rate).reshape(shape)
         else:
             out = triton_nd.decompress(data, shape, d, mb)
-    elif _compiled_for(data):                            # CPU: the numba coder
+    else:                                                # CPU (other devices: a copy)
         from moeflow.comm.codecs.zfp import numba_backend
-        out = numba_backend.decompress(data, shape, d, mb)
-    elif d == 1:
-        out = torch_backend.decompress_1d(data, shape, mb)
-    else:
-        out = plane_decode.decompress(data, shape, d, mb)
+        out = numba_backend.decompress(data.cpu(), shape, d, mb).to(data.device)
     return out.to(dtype)
 
 
@@ -143,7 +118,7 @@ def compressed_bytes(shape, rate: float = 8.0, dims: int | None = None) -> int:
     shape = tuple(shape)
     d = len(shape) if dims is None else dims
     mb = maxbits_for(rate, d)
-    return math.prod(shape[: len(shape) - d]) * torch_backend.stream_bytes(blocks_per_array(shape, d), mb)
+    return math.prod(shape[: len(shape) - d]) * stream_bytes(blocks_per_array(shape, d), mb)
 
 
 __all__ = ["compress", "decompress", "compressed_bytes", "maxbits_for", "backend"]

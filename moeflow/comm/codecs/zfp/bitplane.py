@@ -1,23 +1,19 @@
-"""ZFP's embedded bit-plane coder with group tests, vectorized over blocks (Lindstrom 2014,
-section 3.4; the coder of LLNL zfp's ``encode_ints`` / ``decode_ints`` in fixed-rate mode).
-
-Each block's ``S = 4^d`` negabinary coefficients are coded one bit plane at a time, from bit 31
-down. With ``n`` the number of coefficients already found significant, a plane is coded as its
-first ``n`` bits verbatim, then a unary run-length code of the rest: a group test bit (is there
-any one-bit left?), and if so the zeros up to the next one-bit and that one (the last position's
-one is implied). The code stops at exactly ``budget`` bits (fixed rate); the decoder mirrors the
-encoder bit for bit, including zfp's rule that a scan cut short by the budget still sets the
-bit it stopped at.
-
-Here every block runs the coder in lockstep: a Python loop over planes, and inside a plane over
-"segments" (one group test + one run), each step a handful of tensor ops over all blocks. Bits
-live in a ``(blocks, budget)`` uint8 tensor (LSB-first stream order). Zero bits are never
-written (the buffer starts zeroed), so the encoder only scatters one-bits.
+"""The slow reference ZFP coder the tests hold the fast ones to, in vectorized torch: zfp's
+embedded bit-plane coder with group tests (Lindstrom 2014, section 3.4; LLNL zfp's
+``encode_ints`` / ``decode_ints`` in fixed-rate mode; the ZFP of ScheMoE section 3.1) run in
+lockstep over all blocks (a Python loop over planes and, inside, over group tests), and the
+whole pipeline around it (:func:`compress` / :func:`decompress`, with :mod:`.transform`): per
+block a "nonzero" bit, ``emax + 127`` in 8 bits, then the plane code, ``maxbits`` bits in all;
+each array's stream is 64-bit little-endian words, LSB first, zero padded (zfpy's bytes).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from moeflow.comm.codecs.zfp import transform
 
 
 def _next_one(bits: torch.Tensor, limit: int) -> torch.Tensor:
@@ -110,3 +106,64 @@ def decode_planes(bits: torch.Tensor, S: int) -> torch.Tensor:
             n = torch.where(act, p + 1, n)
             active = act & (n < S) & (pos < budget)
     return u
+
+
+# ------------------------------------------------------------------ the whole pipeline
+
+
+def encode_blocks(blocks: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
+    """float32 ``(B, 4^d)`` blocks -> ``(B, maxbits)`` uint8 stream bits of each block."""
+    emax = transform.block_emax(blocks)
+    e = emax + transform.EBIAS                                            # 0 <=> all-zero block
+    nonzero = e != 0
+    u = transform.fwd_order(transform.fwd_xform(transform.fwd_cast(blocks, emax), d), d)
+    u = torch.where(nonzero.unsqueeze(1), u, torch.zeros_like(u))
+    head = ((2 * e.to(torch.int64) + 1) * nonzero.long()).unsqueeze(1)
+    hbits = ((head >> torch.arange(1 + transform.EBITS, device=blocks.device)) & 1).to(torch.uint8)
+    budget = maxbits - 1 - transform.EBITS
+    body = encode_planes(u, budget) if budget > 0 else hbits[:, :0]
+    return torch.cat([hbits, body], dim=1)
+
+
+def decode_blocks(bits: torch.Tensor, d: int) -> torch.Tensor:
+    """Inverse of :func:`encode_blocks`: ``(B, maxbits)`` uint8 -> float32 ``(B, 4^d)``."""
+    b64 = bits[:, : 1 + transform.EBITS].to(torch.int64)
+    nonzero = b64[:, 0].bool()
+    e = (b64[:, 1:] << torch.arange(transform.EBITS, device=bits.device)).sum(1)
+    emax = e - transform.EBIAS
+    if bits.shape[1] > 1 + transform.EBITS:
+        u = decode_planes(bits[:, 1 + transform.EBITS:], 4 ** d)
+    else:
+        u = torch.zeros(bits.shape[0], 4 ** d, dtype=torch.int64, device=bits.device)
+    f = transform.inv_cast(transform.inv_xform(transform.inv_order(u, d), d), emax.to(torch.int32))
+    return torch.where(nonzero.unsqueeze(1), f, torch.zeros_like(f))
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``(..., nbits)`` uint8 bits -> ``(..., 8 * ceil(nbits / 64))`` uint8 bytes (LSB first,
+    padded to whole 64-bit words like zfp's bit stream)."""
+    bits = torch.nn.functional.pad(bits, (0, (-bits.shape[-1]) % 64))
+    g = bits.reshape(*bits.shape[:-1], -1, 8).to(torch.int64)
+    return (g << torch.arange(8, device=bits.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``(..., nbytes)`` uint8 -> ``(..., nbits)`` uint8 bits."""
+    b = (data.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=data.device)) & 1
+    return b.reshape(*data.shape[:-1], -1)[..., :nbits].to(torch.uint8)
+
+
+def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
+    """float32 array whose last ``d`` dims form one zfp array per leading index ->
+    uint8 ``(*lead, stream_bytes)``: each slice's own zfp stream."""
+    lead = a.shape[: a.dim() - d]
+    bits = encode_blocks(transform.to_blocks(a, d), d, maxbits)
+    return pack_bits(bits.reshape(math.prod(lead), -1)).reshape(*lead, -1)
+
+
+def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int) -> torch.Tensor:
+    """Inverse of :func:`compress` (``shape`` is the original array's shape)."""
+    nslices = math.prod(shape[: len(shape) - d])
+    per = transform.blocks_per_array(shape, d)
+    bits = unpack_bits(data.reshape(nslices, -1), per * maxbits).reshape(nslices * per, maxbits)
+    return transform.from_blocks(decode_blocks(bits, d), tuple(shape), d)

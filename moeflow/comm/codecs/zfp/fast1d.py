@@ -1,14 +1,8 @@
-"""Reference bit-plane coder for 1-D ZFP blocks (4 values) and its lookup tables, plus the
-bit I/O on zfp's stream (Lindstrom 2014 section 3.4, zfp's fixed-rate ``encode_ints`` /
-``decode_ints``).
-
-:func:`_encode_plane` and :func:`_decode_plane` code one bit plane exactly as zfp does
-(including its decoder's behaviour when the budget runs out inside a plane); the tables built
-from them drive the fast paths: :func:`_enc_table` maps (number of significant coefficients
-``n``, ``G`` planes of the four coefficients) to the planes' code, its length and the new
-``n`` (:mod:`.group_encode` and the Triton encode kernel), and :func:`_dec_table` maps (``n``,
-the bits left in the budget, the next 8 stream bits) to one decoded plane (the Triton decode
-kernel; :mod:`.window_decode` builds wider tables from the same semantics).
+"""Reference bit-plane coder for 1-D ZFP blocks (4 values) and the lookup tables built from it
+(Lindstrom 2014, section 3.4, zfp's fixed-rate ``encode_ints`` / ``decode_ints``; the ZFP of
+ScheMoE section 3.1): :func:`_enc_table` (n, ``G`` planes) -> code, length, new n, and
+:func:`_dec_table` (n, bits left, next 8 stream bits) -> one decoded plane, zfp's behaviour at
+the end of the budget included. They drive the Triton 1-D kernels and :mod:`.numba_planes`.
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ import torch
 
 
 S = 4
-_M1 = 0x0001000100010001          # bit 0 of each 16-bit field
 
 
 # ------------------------------------------------------------------ reference plane coder
@@ -121,24 +114,3 @@ def _dec_table() -> torch.Tensor:
                 x, ln, nn = _decode_plane(peek, n, r)
                 vals.append(_spread(x) | (ln << 1) | (nn << 5) | ((nn * 9 * 256) << 49))
     return torch.tensor(vals, dtype=torch.int64)
-
-
-# -------------------------------------------------------------------------- bit I/O
-
-
-def _read(words: torch.Tensor, start: torch.Tensor, nbits: int) -> torch.Tensor:
-    """``nbits <= 32`` stream bits starting at bit ``start`` (int64 per block)."""
-    w = start >> 5
-    v = words.index_select(0, w) | (words.index_select(0, w + 1) << 32)
-    return (v >> (start & 31)) & ((1 << nbits) - 1)
-
-
-def _write(words: torch.Tensor, start: torch.Tensor, code: torch.Tensor) -> None:
-    """Add ``code`` (< 2^32, zero where nothing is written) at bit ``start``."""
-    w = start >> 5
-    v = code << (start & 31)
-    words.index_add_(0, w, v & 0xFFFFFFFF)
-    words.index_add_(0, w + 1, v >> 32)
-
-
-NB32 = -0x55555556                      # 0xaaaaaaaa as an int32

@@ -1,21 +1,12 @@
-"""The embedded bit-plane coder of zfp's fixed-rate mode (Lindstrom 2014, section 3.4, zfp's
-``encode_ints`` / ``decode_ints`` with ``maxprec = 32``), compiled by numba, for the block coder of
-:mod:`.numba_backend`; with the bit I/O on zfp's stream (64-bit little-endian words, LSB first).
+"""The embedded bit-plane coder of zfp's fixed-rate mode (Lindstrom 2014, section 3.4; zfp's
+``encode_ints`` / ``decode_ints`` with ``maxprec = 32``), compiled by numba for
+:mod:`.numba_backend`, with the bit I/O on zfp's stream (64-bit little-endian words, LSB first).
 
-Bit planes are coded from the top: the first ``n`` bits of a plane verbatim (``n`` = coefficients
-already significant), then group tests: a 1 bit if any remaining coefficient is significant,
-followed by 0s up to the next one-bit (unary run lengths), until exactly ``maxbits`` bits are
-written. Two forms, the same bits:
-
-- :func:`encode_planes` / :func:`decode_planes`, any block size: one trailing-zero count (LLVM
-  ``cttz``) per unary run, planes gathered and scattered by the vector code of
-  :mod:`.numba_simd`; the decoder reads through a 64-bit window.
-- :func:`encode_planes_1d` / :func:`decode_planes_1d`, 4-value (1-D) blocks: table lookups,
-  built from the plane coder of :mod:`.fast1d`. The encoder codes two planes per lookup, writes
-  the untruncated codes and cuts the last one at the budget, which is exactly what zfp's
-  bit-by-bit encoder leaves in the stream. The decoder decodes up to ``DEC_PLANES`` planes per
-  lookup of the next 8 stream bits; its table holds zfp's decoder behaviour when the budget
-  runs out inside a plane.
+Two forms, the same bits: :func:`encode_planes` / :func:`decode_planes` for any block size, one
+trailing-zero count per unary run; :func:`encode_planes_1d` / :func:`decode_planes_1d` for
+4-value blocks by table lookups built from :mod:`.fast1d` (``ENC_GROUP`` planes per encoder
+lookup; up to ``DEC_PLANES`` planes per decoder lookup of the next 8 stream bits, zfp's
+behaviour at the end of the budget built into the table).
 """
 
 from __future__ import annotations
@@ -36,7 +27,7 @@ DEC_PLANES = 4                    # at most this many planes per decoder lookup
 # Everything here is inlined into its callers by numba (``inline="always"``): calls between
 # numba functions are not inlined by LLVM, and a call per plane or per block costs more than
 # the work it does.
-_inline = njit(cache=True, nogil=True, boundscheck=False, inline="always")
+_inline = njit(nogil=True, boundscheck=False, inline="always")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,29 +1,11 @@
 """The per-block arithmetic of the compiled ZFP coder as LLVM vector code (numba intrinsics):
-the block transform with its cast and reordering, and the bit-plane gather and scatter.
-
-:func:`fwd_block` / :func:`inv_block` hold one block of ``S = 4^d`` values in one ``<S x i32>``
-vector and run zfp's forward (inverse) pipeline on it: the block-floating-point cast (Lindstrom
-2014, section 3.1), the lifting transform along x, then y, then z (section 3.2; the inverse runs
-z, y, x), and the total-sequency reordering with the negabinary map (section 3.3). Each lifting
-pass gathers the four ``S/4``-lane vectors of entries 0..3 along its axis with constant shuffles
-and lifts them lane-wise in wrapping 32-bit arithmetic, as zfp's ``Int`` code does; the
-reordering is one more constant shuffle. :func:`inv_block_1d` takes a 1-D block's four
-coefficients in two registers instead of memory.
-
-The embedded coder of zfp (Lindstrom 2014, section 3.4) works one bit plane at a time: plane
-``k`` of a block is the ``S``-bit word whose bit ``i`` is bit ``k`` of coefficient ``i``
-(``S = 4^d``). zfp's C code gathers it with a loop over the coefficients (``x += ((data[i] >> k)
-& 1) << i``) and the decoder scatters it back the same way. Here both are a handful of vector
-instructions: the ``S`` coefficients are loaded as one ``<S x i32>`` vector, shifted, compared
-and bit-cast to an ``S``-bit integer (x86 lowers this to ``vpmovmskb``-style mask moves), and the
-scatter bit-casts the plane back to ``<S x i1>``, widens, shifts and ors it in.
-
-Sizes (``d`` or ``S``) may be literals or run-time integers: a run-time one becomes a switch
-over the allowed sizes, which LLVM folds where the size is a constant; another size raises
-``ValueError``. The values equal the scalar definitions (``tests/test_zfp_numba_simd.py``
-against :mod:`.transform` and the loops above). LLVM lowers the same IR on any target, so this
-is portable code, not an x86-only path. Only used when numba is installed (see
-:mod:`.numba_backend`).
+one block of ``S = 4^d`` values held in one ``<S x i32>`` vector through the block-floating-point
+cast (Lindstrom 2014, section 3.1), the lifting transform along x, y, z with constant shuffles
+(section 3.2), the sequency reordering and negabinary map (section 3.3), and their inverses;
+and the bit-plane gather and scatter of the embedded coder (section 3.4) as vector mask moves.
+Sizes (``d`` or ``S``) may be literals or run-time integers (a switch LLVM folds where they are
+constant). Equal to the scalar definitions (``tests/test_zfp_numba_simd.py``); portable LLVM IR.
+See ``docs/codecs.md``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""ZFP's block transform, shared by every back end (Lindstrom 2014, "Fixed-rate compressed
-floating-point arrays", sections 3.1-3.3; the ZFP codec of ScheMoE section 3.1).
-
-A d-dimensional array is cut into blocks of ``4^d`` values (partial blocks padded the way LLNL
-zfp pads them); each float32 block becomes integers:
-
-1. block-floating-point: ``emax`` is the exponent (as ``frexp`` gives it) of the block's largest
-   magnitude; every value becomes the 32-bit integer ``trunc(x * 2^(30 - emax))``;
-2. the decorrelating forward lifting transform (zfp's non-orthogonal 4-point transform), along
-   x, then y, then z;
-3. the coefficients are reordered by total sequency (``perm``) and mapped to negabinary
-   (``(v + 0xaaaaaaaa) ^ 0xaaaaaaaa``), so that their bit planes can be coded from the top.
-
-Decoding runs the same steps backwards. Integer arithmetic wraps at 32 bits, as zfp's does; the
-float steps round exactly as zfp's single-precision C code does (IEEE, no flush to zero),
-including what it does for inputs zfp declares unsupported (see ``docs/codecs.md``).
+"""ZFP's block transform, shared by every coder (Lindstrom 2014, "Fixed-rate compressed
+floating-point arrays", sections 3.1-3.3; the ZFP codec of ScheMoE section 3.1): blocks of
+``4^d`` values (partial blocks padded as zfp pads them); the block-floating-point cast
+``trunc(x * 2^(30 - emax))``, the decorrelating lifting transform along x, y, z, the
+total-sequency reordering and negabinary map, and their inverses, in torch (the reference
+pipeline's steps), with the tables and sizes the compiled coders share. 32-bit integer
+arithmetic wraps and float steps round as zfp's C code does (``docs/codecs.md``).
 """
 
 from __future__ import annotations
@@ -28,29 +19,20 @@ EBIAS = 127
 INT_MIN = -(1 << 31)
 
 
+# zfp's coefficient orders (its perm_2 / perm_3 tables): entries "ij" / "ijk" are block entry
+# i + 4 j + 16 k, by total sequency i + j + k, then i^2 + j^2 + k^2, ties as zfp orders them.
+_ORDER = {2: "00 10 01 11 20 02 21 12 30 03 22 31 13 32 23 33",
+          3: "000 100 010 001 011 101 110 200 020 002 111 210 201 021 120 102 012 300 030 003 "
+             "211 121 112 022 202 220 310 301 031 130 103 013 122 212 221 311 131 113 320 302 "
+             "032 230 203 023 222 321 312 132 231 213 123 033 303 330 322 232 223 133 313 331 "
+             "233 323 332 333"}
+
+
 def _perm(d: int) -> list[int]:
-    """Coefficient order of a ``4^d`` block: by ``i+j+k``, then ``i^2+j^2+k^2``, ties as zfp."""
+    """Coefficient order of a ``4^d`` block (block entries in sequency order)."""
     if d == 1:
         return [0, 1, 2, 3]
-    if d == 2:
-        order = [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (0, 2), (2, 1), (1, 2), (3, 0), (0, 3),
-                 (2, 2), (3, 1), (1, 3), (3, 2), (2, 3), (3, 3)]
-        return [i + 4 * j for i, j in order]
-    order = [(0, 0, 0),
-             (1, 0, 0), (0, 1, 0), (0, 0, 1),
-             (0, 1, 1), (1, 0, 1), (1, 1, 0), (2, 0, 0), (0, 2, 0), (0, 0, 2),
-             (1, 1, 1), (2, 1, 0), (2, 0, 1), (0, 2, 1), (1, 2, 0), (1, 0, 2), (0, 1, 2),
-             (3, 0, 0), (0, 3, 0), (0, 0, 3),
-             (2, 1, 1), (1, 2, 1), (1, 1, 2), (0, 2, 2), (2, 0, 2), (2, 2, 0),
-             (3, 1, 0), (3, 0, 1), (0, 3, 1), (1, 3, 0), (1, 0, 3), (0, 1, 3),
-             (1, 2, 2), (2, 1, 2), (2, 2, 1), (3, 1, 1), (1, 3, 1), (1, 1, 3),
-             (3, 2, 0), (3, 0, 2), (0, 3, 2), (2, 3, 0), (2, 0, 3), (0, 2, 3),
-             (2, 2, 2), (3, 2, 1), (3, 1, 2), (1, 3, 2), (2, 3, 1), (2, 1, 3), (1, 2, 3),
-             (0, 3, 3), (3, 0, 3), (3, 3, 0),
-             (3, 2, 2), (2, 3, 2), (2, 2, 3), (1, 3, 3), (3, 1, 3), (3, 3, 1),
-             (2, 3, 3), (3, 2, 3), (3, 3, 2),
-             (3, 3, 3)]
-    return [i + 4 * (j + 4 * k) for i, j, k in order]
+    return [sum(int(c) << (2 * a) for a, c in enumerate(t)) for t in _ORDER[d].split()]
 
 
 PERM = {d: _perm(d) for d in (1, 2, 3)}
@@ -86,6 +68,11 @@ def blocks_per_array(shape, d: int) -> int:
     return per
 
 
+def stream_bytes(nblocks: int, maxbits: int) -> int:
+    """Size of a zfp fixed-rate stream of ``nblocks`` blocks, padded to 64-bit words."""
+    return 8 * (-(-nblocks * maxbits // 64))
+
+
 def pad_index(n: int, device) -> torch.Tensor:
     """Source index along one axis of length n, padded to a multiple of 4 as zfp pads a partial
     block of width m: m=1 -> a a a a, m=2 -> a b b a, m=3 -> a b c a."""
@@ -107,27 +94,17 @@ def to_blocks(a: torch.Tensor, d: int) -> torch.Tensor:
         if n % 4:
             a = a.index_select(ax, pad_index(n, a.device))
     nb = [a.shape[ax] // 4 for ax in range(1, d + 1)]
-    if d == 1:
-        b = a.reshape(-1, nb[0], 4)
-    elif d == 2:
-        b = a.reshape(-1, nb[0], 4, nb[1], 4).permute(0, 1, 3, 2, 4)
-    else:
-        b = a.reshape(-1, nb[0], 4, nb[1], 4, nb[2], 4).permute(0, 1, 3, 5, 2, 4, 6)
-    return b.reshape(-1, 4 ** d)
+    b = a.reshape(-1, *[m for n in nb for m in (n, 4)])          # (.., nb_i, 4, ..)
+    return b.permute(0, *range(1, 2 * d, 2), *range(2, 2 * d + 1, 2)).reshape(-1, 4 ** d)
 
 
 def from_blocks(b: torch.Tensor, shape: tuple[int, ...], d: int) -> torch.Tensor:
     """Inverse of :func:`to_blocks`: drop the padding of partial blocks."""
     lead, dims = tuple(shape[: len(shape) - d]), tuple(shape[len(shape) - d:])
     nb = [-(-n // 4) for n in dims]
-    if d == 1:
-        a = b.reshape(-1, nb[0] * 4)
-    elif d == 2:
-        a = b.reshape(-1, nb[0], nb[1], 4, 4).permute(0, 1, 3, 2, 4).reshape(-1, nb[0] * 4,
-                                                                            nb[1] * 4)
-    else:
-        a = (b.reshape(-1, nb[0], nb[1], nb[2], 4, 4, 4).permute(0, 1, 4, 2, 5, 3, 6)
-             .reshape(-1, nb[0] * 4, nb[1] * 4, nb[2] * 4))
+    a = b.reshape(-1, *nb, *[4] * d)                              # (.., nb_i.., 4..)
+    a = a.permute(0, *[j for i in range(d) for j in (1 + i, 1 + d + i)])
+    a = a.reshape(-1, *[4 * n for n in nb])
     a = a[(slice(None),) + tuple(slice(0, n) for n in dims)]
     return a.reshape(*lead, *dims)
 
@@ -242,6 +219,6 @@ def inv_order(u: torch.Tensor, d: int) -> torch.Tensor:
     return v.index_select(1, perm_index(d, str(u.device), inverse=True))
 
 
-__all__ = ["PERM", "perm_index", "maxbits_for", "blocks_per_array", "pad_index", "to_blocks",
-           "from_blocks", "block_emax", "fwd_cast", "inv_cast", "fwd_xform", "inv_xform",
+__all__ = ["PERM", "perm_index", "maxbits_for", "blocks_per_array", "stream_bytes", "pad_index",
+           "to_blocks", "from_blocks", "block_emax", "fwd_cast", "inv_cast", "fwd_xform", "inv_xform",
            "fwd_order", "inv_order"]

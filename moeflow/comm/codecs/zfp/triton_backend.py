@@ -1,15 +1,10 @@
-"""Triton kernels for ZFP fixed-rate coding of payload rows on CUDA (the ``zfp`` codec's GPU
-path; Lindstrom 2014, the same steps as :mod:`.transform` and :mod:`.fast1d`).
-
-One program codes ``BLOCKS`` zfp blocks; each lane owns one block of 4 consecutive values of a
-row (each row is its own 1-D zfp stream, padded to 64-bit words): it loads the values (padding a
-partial last block as zfp does), finds the common exponent, casts to 30-bit integers, applies
-the forward lifting transform, maps to negabinary, and codes the 32 bit planes with the
-same (n, plane) table as :mod:`.fast1d`, accumulating the block's ``maxbits <= 64`` bits in a
-64-bit register; the block is or-ed into the row's stream with 32-bit atomics at its bit offset.
-Decoding mirrors it with the (n, bits left, next 8 bits) table. Rates with ``4 * rate > 64``
-fall back to the torch back end. Tested on CPU under ``TRITON_INTERPRET=1``
-(``tests/test_zfp_triton.py``); timed on GPUs by ``moeflow bench codecs --device cuda``.
+"""Triton kernels for ZFP fixed-rate coding of 1-D rows on CUDA (the ``zfp`` codec's GPU path;
+Lindstrom 2014, sections 3.1-3.4, as :mod:`.transform` and :mod:`.fast1d`; ScheMoE section 3.1).
+One lane owns one block of 4 values: exponent, cast, lifting, negabinary, then the 32 planes
+coded with :mod:`.fast1d`'s (n, plane) table into a 64-bit register, or-ed into the row's stream
+with 32-bit atomics; decoding mirrors it with the (n, bits left, next 8 bits) table. Blocks
+above 64 bits go to :mod:`.triton_nd` (``d = 1``). Tested under ``TRITON_INTERPRET=1``
+(``tests/test_zfp_triton.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ import functools
 
 import torch
 
-from moeflow.comm.codecs.zfp import fast1d, torch_backend
-from moeflow.comm.codecs.zfp.transform import maxbits_for
+from moeflow.comm.codecs.zfp import fast1d
+from moeflow.comm.codecs.zfp.transform import maxbits_for, stream_bytes
 
 try:                                                     # optional dependency (extra "gpu")
     import triton
@@ -40,38 +35,22 @@ if triton is not None:
 
     @triton.jit
     def _fwd_lift(x, y, z, w):
-        x += w
-        x = x >> 1
-        w -= x
-        z += y
-        z = z >> 1
-        y -= z
-        x += z
-        x = x >> 1
-        z -= x
-        w += y
-        w = w >> 1
-        y -= w
-        w += y >> 1
-        y -= w >> 1
+        # zfp's fwd_lift (section 3.2), wrapping 32-bit arithmetic
+        x += w; x = x >> 1; w -= x
+        z += y; z = z >> 1; y -= z
+        x += z; x = x >> 1; z -= x
+        w += y; w = w >> 1; y -= w
+        w += y >> 1; y -= w >> 1
         return x, y, z, w
 
     @triton.jit
     def _inv_lift(x, y, z, w):
-        y += w >> 1
-        w -= y >> 1
-        y += w
-        w = w << 1
-        w -= y
-        z += x
-        x = x << 1
-        x -= z
-        y += z
-        z = z << 1
-        z -= y
-        w += x
-        x = x << 1
-        x -= w
+        # zfp's inv_lift: the inverse of _fwd_lift
+        y += w >> 1; w -= y >> 1
+        y += w; w = w << 1; w -= y
+        z += x; x = x << 1; x -= z
+        y += z; z = z << 1; z -= y
+        w += x; x = x << 1; x -= w
         return x, y, z, w
 
     @triton.jit
@@ -252,9 +231,10 @@ def compress_rows(x: torch.Tensor, rate: float) -> torch.Tensor:
     rows, cols = x.shape
     mb = maxbits_for(rate, 1)
     nblk = -(-cols // 4)
-    nbytes = torch_backend.stream_bytes(nblk, mb)
-    if mb > 64 or not available():
-        return torch_backend.compress_1d(x, mb)
+    nbytes = stream_bytes(nblk, mb)
+    if mb > 64:                                          # (triton_nd imports this module)
+        from moeflow.comm.codecs.zfp import triton_nd
+        return triton_nd.compress(x, 1, mb)
     out = torch.zeros(rows * nbytes // 4, dtype=torch.int32, device=x.device)
     enc, _ = _tables(str(x.device))
     grid = (triton.cdiv(rows * nblk, BLOCKS),)
@@ -266,8 +246,9 @@ def decompress_rows(data: torch.Tensor, cols: int, rate: float) -> torch.Tensor:
     """Inverse of :func:`compress_rows`: float32 ``(rows, cols)``."""
     rows, nbytes = data.shape
     mb = maxbits_for(rate, 1)
-    if mb > 64 or not available():
-        return torch_backend.decompress_1d(data, (rows, cols), mb)
+    if mb > 64:
+        from moeflow.comm.codecs.zfp import triton_nd
+        return triton_nd.decompress(data, (rows, cols), 1, mb)
     nblk = -(-cols // 4)
     out = torch.empty(rows, cols, dtype=torch.float32, device=data.device)
     _, dec = _tables(str(data.device))

@@ -1,38 +1,23 @@
-"""Triton kernels for ZFP fixed-rate coding of 2-D and 3-D blocks on CUDA (the GPU path of
-``moeflow.comm.codecs.zfp.compress(a, rate, dims=2 or 3)``; Lindstrom 2014, sections 3.1-3.4,
-the compressor of ScheMoE section 3.1), bit-exact with :mod:`.torch_backend`.
+"""Triton kernels for ZFP fixed-rate coding on CUDA of 2-D and 3-D blocks, and of 1-D blocks
+above 64 bits (Lindstrom 2014, sections 3.1-3.4; the compressor of ScheMoE section 3.1),
+bit-exact with zfpy and the reference coder :mod:`.bitplane`.
 
-One lane of a program owns one zfp block of ``S = 4^d`` values (4x4 or 4x4x4; zfp's x is the
-last tensor axis, blocks in zfp order, z slowest). Encoding, per lane:
-
-1. gather the block, padding a partial block along each axis as zfp does (width m=1 -> a a a a,
-   m=2 -> a b b a, m=3 -> a b c a);
-2. block-floating-point (section 3.1): ``emax`` of the largest magnitude (NaN skipped, inf ->
-   0), values cast to ``trunc(x * 2^(30 - emax))`` as 32-bit integers;
-3. the decorrelating lifting transform (section 3.2) along x, then y, then z;
-4. reordering by total sequency (``transform.PERM[d]``) and negabinary (section 3.3);
-5. the embedded bit-plane coder with group tests (section 3.4) on the 32 planes, cut at
-   exactly ``maxbits - 9`` bits. Every step of the coder either makes one more coefficient
-   significant or ends a plane, so a lane needs at most ``S + 32`` steps: the kernel runs one
-   flat loop of that length, each step one group test and run (or the end of a plane and the
-   verbatim bits of the next), every lane with its own plane, count and position.
-
-The bits are or-ed into the slice's stream with 32-bit atomics at bit offset
-``slice * stream_bits + block * maxbits`` (1 nonzero bit, 8 exponent bits, the body; an
-all-zero block is a single 0 bit and padding). Decoding mirrors it, with zfp's decoder rules
-(a run cut short by the budget still sets the bit it stopped at; the last coefficient's one is
-implied). Tested on CPU under ``TRITON_INTERPRET=1`` against :mod:`.torch_backend`, and
-compiled for sm_90 without a GPU (``tests/test_zfp_triton_nd.py``); not yet timed on a GPU.
+One lane owns one block of ``S = 4^d`` values (zfp order, z slowest): it gathers the block with
+zfp's padding, casts, lifts, reorders and maps to negabinary, then runs the embedded coder as
+one flat loop of ``S + 32`` steps (each one group test and its run, or the end of a plane and
+the next plane's verbatim bits), or-ing its bits into the stream with 32-bit atomics. Decoding
+mirrors it with zfp's decoder rules. Tested under ``TRITON_INTERPRET=1`` and compiled for sm_90
+without a GPU (``tests/test_zfp_triton_nd.py``); see ``docs/codecs.md``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-from moeflow.comm.codecs.zfp import torch_backend
-from moeflow.comm.codecs.zfp.transform import perm_index
+from moeflow.comm.codecs.zfp.transform import perm_index, stream_bytes
 
 try:                                                     # optional dependency (extra "gpu")
     import triton
@@ -41,8 +26,8 @@ except ImportError:                                      # pragma: no cover
     triton = None
     tl = None
 
-BLOCKS = {2: 64, 3: 32}                                  # zfp blocks (lanes) per program
-NUM_WARPS = {2: 8, 3: 8}                                 # no register spills on sm_90
+BLOCKS = {1: 128, 2: 64, 3: 32}                                  # zfp blocks (lanes) per program
+NUM_WARPS = {1: 4, 2: 8, 3: 8}                                 # no register spills on sm_90
 
 
 def available() -> bool:
@@ -137,7 +122,8 @@ if triton is not None:
     def _fwd_xform(t, B: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
         # forward transform: along x, then y, then z (zfp's fwd_xform)
         t = _lift4(t, B, S, False)
-        t = _swap(_lift4(_swap(t, B, D, 1), B, S, False), B, D, 1)
+        if D >= 2:
+            t = _swap(_lift4(_swap(t, B, D, 1), B, S, False), B, D, 1)
         if D == 3:
             t = _swap(_lift4(_swap(t, B, D, 2), B, S, False), B, D, 2)
         return t
@@ -147,7 +133,8 @@ if triton is not None:
         # inverse transform: along z, then y, then x (zfp's inv_xform)
         if D == 3:
             t = _swap(_lift4(_swap(t, B, D, 2), B, S, True), B, D, 2)
-        t = _swap(_lift4(_swap(t, B, D, 1), B, S, True), B, D, 1)
+        if D >= 2:
+            t = _swap(_lift4(_swap(t, B, D, 1), B, S, True), B, D, 1)
         return _lift4(t, B, S, True)
 
     # ------------------------------------------------------------------ encoder
@@ -316,29 +303,26 @@ def _rank(d: int, device: str) -> torch.Tensor:
 
 def _geometry(shape: tuple[int, ...], d: int):
     """(lead shape, slices, (nz, ny, nx), (nbz, nby, nbx), blocks per slice)."""
-    if d not in (2, 3):
-        raise ValueError(f"triton_nd codes 2-D and 3-D blocks; got d={d!r}")
+    if d not in (1, 2, 3):
+        raise ValueError(f"triton_nd codes 1-D, 2-D and 3-D blocks; got d={d!r}")
     if len(shape) < d or any(s == 0 for s in shape):
         raise ValueError(f"triton_nd: shape {tuple(shape)} cannot be coded with d={d}")
     lead = tuple(shape[: len(shape) - d])
     dims = tuple(shape[len(shape) - d:])
-    nz, ny, nx = (1,) + dims if d == 2 else dims
+    nz, ny, nx = (1,) * (3 - d) + dims
     nbz, nby, nbx = -(-nz // 4), -(-ny // 4), -(-nx // 4)
-    nslices = 1
-    for s in lead:
-        nslices *= s
-    return lead, nslices, (nz, ny, nx), (nbz, nby, nbx), nbz * nby * nbx
+    return lead, math.prod(lead), (nz, ny, nx), (nbz, nby, nbx), nbz * nby * nbx
 
 
 def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
-    """float32 array whose last ``d`` (2 or 3) dims form one zfp array per leading index ->
-    uint8 ``(*lead, stream_bytes)``, byte-identical to ``torch_backend.compress(a, d,
-    maxbits)``. Runs where Triton runs ``a`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    """float32 array whose last ``d`` dims form one zfp array per leading index -> uint8
+    ``(*lead, stream_bytes)``, byte-identical to ``bitplane.compress(a, d, maxbits)``. Runs
+    where Triton runs ``a`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
     if not available():
         raise RuntimeError("triton_nd.compress needs triton")
     lead, nslices, (nz, ny, nx), (_, nby, nbx), per = _geometry(tuple(a.shape), d)
     a = a.to(torch.float32).contiguous()
-    nbytes = torch_backend.stream_bytes(per, maxbits)
+    nbytes = stream_bytes(per, maxbits)
     out = torch.zeros(nslices * nbytes // 4, dtype=torch.int32, device=a.device)
     nblocks = nslices * per
     B = BLOCKS[d]
@@ -350,12 +334,12 @@ def compress(a: torch.Tensor, d: int, maxbits: int) -> torch.Tensor:
 
 def decompress(data: torch.Tensor, shape: tuple[int, ...], d: int, maxbits: int) -> torch.Tensor:
     """Inverse of :func:`compress` (``shape`` is the original array's shape): float32, exactly
-    what ``torch_backend.decompress(data, shape, d, maxbits)`` decodes."""
+    what ``bitplane.decompress(data, shape, d, maxbits)`` decodes."""
     if not available():
         raise RuntimeError("triton_nd.decompress needs triton")
     shape = tuple(int(s) for s in shape)
     lead, nslices, (nz, ny, nx), (_, nby, nbx), per = _geometry(shape, d)
-    nbytes = torch_backend.stream_bytes(per, maxbits)
+    nbytes = stream_bytes(per, maxbits)
     rows = data.reshape(nslices, nbytes).contiguous()
     if rows.storage_offset() % 4:                        # int32 view needs 4-byte alignment
         rows = rows.clone()
