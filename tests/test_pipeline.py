@@ -75,3 +75,28 @@ def test_nonfinite_payloads_are_counted_not_raised(codec, count):
     plain = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4))
     plain(x)                                          # "none" carries inf/NaN as they are
     assert "nonfinite_payload" not in plain.stats
+
+
+def test_grouped_mm_only_where_torch_computes_it(monkeypatch):
+    """CPU: fp32/bf16/fp16 with 16-byte aligned rows; never float64; on CUDA only bf16 on
+    sm80+ (checked here by faking a CUDA tensor's properties)."""
+    from moeflow.experts.ffn import grouped_mm_fits
+
+    w = torch.zeros(2, 16, 32)
+    assert grouped_mm_fits(torch.zeros(3, 16), w)
+    assert not grouped_mm_fits(torch.zeros(3, 16, dtype=torch.float64), w.double())
+    assert not grouped_mm_fits(torch.zeros(3, 16), torch.zeros(2, 16, 5))     # 20-byte rows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped_mm_fits(torch.zeros(3, 16), w)
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    x32 = torch.zeros(3, 16).as_subclass(FakeCuda)
+    assert not grouped_mm_fits(x32, w)                      # fp32 on CUDA: the loop
+    assert grouped_mm_fits(torch.zeros(3, 16, dtype=torch.bfloat16).as_subclass(FakeCuda),
+                           w.bfloat16())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
+    assert not grouped_mm_fits(torch.zeros(3, 16, dtype=torch.bfloat16).as_subclass(FakeCuda),
+                               w.bfloat16())

@@ -139,10 +139,18 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``grouped_mm`` takes these operands: torch has it, the dtype is one it computes
-    (not float64), and rows of both weights are 16-byte aligned."""
-    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16,
-                                                       torch.float16):
+    """Whether ``grouped_mm`` takes these operands, in the dtype they will have (the autocast
+    dtype under autocast): torch has it; on CUDA only bfloat16 on compute capability >= 8.0
+    (torch's CUDA kernel and its meta function check for BF16); on CPU float32, bfloat16 or
+    float16 (not float64); and rows of both weights 16-byte aligned."""
+    if not hasattr(F, "grouped_mm"):
         return False
-    size = torch.empty((), dtype=x.dtype).element_size()
+    dt = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
+          else x.dtype)
+    if x.is_cuda:
+        if dt != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif dt not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    size = torch.empty((), dtype=dt).element_size()
     return all((n * size) % 16 == 0 for n in w.shape[1:])
