@@ -10,7 +10,7 @@ from moeflow.config import ConfigError, ModelConfig, MoEConfig, TrainConfig, mod
 from moeflow.layer import MoELayer
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import ReplicaMismatchError, check_replicas, prepare_model
-from moeflow.routing import Router, Routing, register_router
+from moeflow.routing import Router, Routing, register_router, update_router_biases
 from moeflow.topology import Topology
 
 __version__ = "0.1.0"
@@ -18,4 +18,4 @@ __version__ = "0.1.0"
 __all__ = ["AllToAll", "Codec", "ConfigError", "ModelConfig", "MoEConfig", "MoELayer",
            "Pending", "ReplicaMismatchError", "Router", "Routing", "Topology", "TrainConfig",
            "check_replicas", "model_preset", "prepare_model", "register_alltoall",
-           "register_codec", "register_router", "sync_gradients"]
+           "register_codec", "register_router", "sync_gradients", "update_router_biases"]

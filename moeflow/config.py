@@ -195,6 +195,9 @@ class MoEConfig:
     node_top_k: int = 1
     local_top_k: int = 1
     local_loss_coef: float | None = None
+    # settings only one router knows (e.g. router="deepseek_v3": n_group, topk_group, ...),
+    # checked by that router class (Router.OPTIONS)
+    router_options: dict | None = None
     codec: str = "none"
     codec_backward: bool = False
     a2a: str = "direct"
@@ -246,6 +249,10 @@ class MoEConfig:
                      f"unknown name; registered: {', '.join(sorted(reg))} "
                      f"(register your own with moeflow.register_{kind})"
                      f"{did_you_mean(v, reg)}")
+        _require(self.router_options is None or isinstance(self.router_options, dict), o,
+                 "router_options", self.router_options,
+                 "must be a dict of the router's settings (or None)")
+        self.router_options = registry("router")[self.router].check_options(self)
 
     def _check_bilevel(self, o: str) -> None:
         n = self.bilevel_nodes
@@ -351,6 +358,7 @@ class ModelConfig:
     node_top_k: int = 1
     local_top_k: int = 1
     local_loss_coef: float | None = None
+    router_options: dict | None = None
     codec: str = "none"
     codec_backward: bool = False
     a2a: str = "direct"

@@ -35,6 +35,7 @@ from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import prepare_model
+from moeflow.routing import update_router_biases
 from moeflow.topology import Topology
 
 
@@ -184,6 +185,7 @@ class Trainer:
         sync_gradients(self.model, topo)
         clip_gradients(self.model, topo, cfg.grad_clip)
         self.opt.step()
+        update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
         balance = [torch.as_tensor(m.stat_tensors["balance_loss"], device=self.device).double()
                    for m in self.model.moe_layers()]

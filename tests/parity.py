@@ -45,6 +45,11 @@ CASES: dict[str, dict] = {
     # the GShard / DeepSpeed-MoE / Tutel balancing loss (f_e from first choices)
     "first_choice_loss_k2": dict(num_experts=8, top_k=2, capacity_factor=1.25,
                                  balance_loss="first_choice"),
+    # DeepSeek-V3 routing: sigmoid scores, group-limited top-k, scaled weights
+    "deepseek_v3_groups": dict(num_experts=8, top_k=2, capacity_factor=None,
+                               router="deepseek_v3", aux_loss_coef=0.001,
+                               router_options=dict(n_group=4, topk_group=2,
+                                                   routed_scaling_factor=2.5)),
     # structures (BigMac): fine-grained and BigMac default to dropless routing
     "fine_grained_k4": dict(num_experts=8, top_k=4, structure="fine_grained"),
     "bigmac_k8": dict(num_experts=8, top_k=8, structure="bigmac"),       # r = 0.25: width 2

@@ -18,7 +18,7 @@ BASE = dict(d_model=8, d_expert=16, num_experts=4, top_k=2)
     (dict(d_model=-1), "d_model=-1", "positive"),
     (dict(capacity_factor=0.0), "capacity_factor=0.0", "None for dropless"),
     (dict(capacity_factor=-1.5), "capacity_factor=-1.5", "> 0"),
-    (dict(router="nope"), "router='nope'", "registered: bilevel, topk"),
+    (dict(router="nope"), "router='nope'", "registered: bilevel, deepseek_v3, topk"),
     (dict(codec="zip"), "codec='zip'", "register_codec"),
     (dict(a2a="magic"), "a2a='magic'", "registered: bilevel, direct"),
     (dict(activation="tanhh"), "activation='tanhh'", "did you mean 'tanh'"),

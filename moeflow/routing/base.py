@@ -36,10 +36,35 @@ class Router(nn.Module):
     """
 
     name: str = "?"
+    #: The router's own settings (``MoEConfig.router_options``) and their defaults.
+    OPTIONS: dict = {}
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
+
+    @classmethod
+    def check_options(cls, cfg) -> dict:
+        """``cfg.router_options`` completed with :attr:`OPTIONS`' defaults; ConfigError for a
+        name this router does not know. Routers with options override :meth:`validate_options`
+        to check their values."""
+        from moeflow.errors import ConfigError
+        from moeflow.registry import did_you_mean
+
+        given = dict(cfg.router_options or {})
+        for key in given:
+            if key not in cls.OPTIONS:
+                known = ", ".join(sorted(cls.OPTIONS)) or "none"
+                raise ConfigError(
+                    f"MoEConfig.router_options has {key!r}, which router {cfg.router!r} does "
+                    f"not take (its options: {known}){did_you_mean(key, cls.OPTIONS)}")
+        opts = {**cls.OPTIONS, **given}
+        cls.validate_options(cfg, opts)
+        return opts
+
+    @classmethod
+    def validate_options(cls, cfg, opts: dict) -> None:
+        """Raise ConfigError for an invalid value in ``opts`` (all names known)."""
 
     @classmethod
     def check_top_k(cls, cfg, k: int) -> None:
