@@ -52,23 +52,6 @@ class DispatchPlan:
     def num_local(self) -> int:
         return self.counts.shape[1] // self.counts.shape[0]
 
-    @property
-    def send_counts(self) -> np.ndarray:
-        """(E,) rows this rank sends to each global expert."""
-        return self.counts[self.ep_rank]
-
-    @property
-    def recv_counts(self) -> np.ndarray:
-        """(ep, E_local) rows received per (source rank, local expert)."""
-        e = self.num_local
-        return self.counts[:, self.ep_rank * e:(self.ep_rank + 1) * e]
-
-    @property
-    def matrix(self) -> np.ndarray:
-        """(ep, ep) split matrix ``S[src][dst]`` of the dispatch exchange."""
-        ep = self.counts.shape[0]
-        return self.counts.reshape(ep, ep, -1).sum(2)
-
 
 def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Choices per expert. ``index_add`` rather than ``bincount``, which on CUDA reads the
@@ -80,15 +63,14 @@ def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None) -> 
     """Build the plan for ``experts: (T, k)`` (device work only, no communication)."""
     T, k = experts.shape
     flat = experts.t().reshape(-1)                       # priority order: choice-major
+    order = torch.argsort(flat, stable=True)             # expert-major, priority kept inside
+    counts = expert_counts(flat, num_experts)
     if capacity is None:
-        order = torch.argsort(flat, stable=True)         # expert-major, priority kept inside
         return DispatchPlan(num_experts, T, k, None, order, flat.numel(), flat.new_zeros(()),
-                            local_counts=expert_counts(flat, num_experts))
+                            local_counts=counts)
     # Slot of choice a inside its expert = how many earlier choices picked the same expert:
-    # its rank in a stable sort by expert minus the expert's first rank (GShard's cumsum).
-    order = torch.argsort(flat, stable=True)
-    counts_here = expert_counts(flat, num_experts)
-    starts = torch.cumsum(counts_here, 0) - counts_here
+    # its rank in the stable sort by expert minus the expert's first rank (GShard's cumsum).
+    starts = torch.cumsum(counts, 0) - counts
     ranked = torch.arange(flat.numel(), device=flat.device) - starts.index_select(
         0, flat.index_select(0, order))
     position = torch.empty_like(ranked).index_copy_(0, order, ranked)
