@@ -34,8 +34,9 @@ def block_rows(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, sizes) + np.arange(total, dtype=np.int64)
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+def to_device(a: np.ndarray, device: torch.device, dtype=np.int64) -> torch.Tensor:
+    """Host indices -> ``device`` (from pinned memory, non-blocking, on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -59,7 +60,7 @@ class Grouping:
     def build(cls, recv: np.ndarray, device: torch.device) -> "Grouping":
         ep, e_local = recv.shape
         counts = recv.sum(0).tolist()
-        offs = (to_device(np.cumsum(counts), device).to(torch.int32)
+        offs = (to_device(np.cumsum(counts), device, np.int32)
                 if len(set(counts)) > 1 else None)
         if e_local == 1 or ep == 1:
             return cls(counts, offs, None, None)
