@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from moeflow.errors import ConfigError
 from moeflow.experts.ffn import ExpertFFN
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")
@@ -25,6 +26,11 @@ def _entries(model: nn.Module) -> list[tuple[str, nn.Parameter, int | None]]:
     owner = {}
     for mname, m in model.named_modules():
         if isinstance(m, ExpertFFN):
+            if m.shard[1] > 1:
+                raise ConfigError(
+                    f"checkpoint of {mname or 'the model'}: its experts are sharded over "
+                    f"{m.shard[1]} ESP ranks (Parm), and checkpoints of expert shards are "
+                    "not implemented yet (issue 16); train with esp_size=1 to checkpoint")
             for pname, p in m.named_parameters(recurse=False):
                 owner[id(p)] = m.first_expert
     return [(n, p, owner.get(id(p))) for n, p in model.named_parameters()]

@@ -19,6 +19,9 @@ def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
     return ConfigError(f"{owner}.{name}={value!r} is invalid: {fix}")
 
 
+PARM_SCHEDULES_LATER = ("s1", "s2", "auto")   # Parm Fig. 3b/3c and Algorithm 1: not built yet
+
+
 def _require(cond: bool, owner: str, name: str, value, fix: str) -> None:
     if not cond:
         raise config_error(owner, name, value, fix)
@@ -171,6 +174,11 @@ class MoEConfig:
     choices in ``f_e``: ``"all_choices"`` (Megatron-core) or ``"first_choice"`` (GShard,
     DeepSpeed-MoE, Tutel); see ``moeflow/routing/losses.py``. With ``router="bilevel"`` it
     applies per level of SMILE's Eq. (4), whose ``f`` is the first choice (argmax).
+
+    ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/parallel/parm``,
+    used when the topology has ``mp_size`` or ``esp_size`` > 1): ``"baseline"`` is
+    DeepSpeed-MoE's order (Parm Fig. 3a); ``"s1"``, ``"s2"`` and ``"auto"`` (Algorithm 1) are
+    not implemented yet and are refused.
     """
 
     d_model: int
@@ -205,10 +213,18 @@ class MoEConfig:
     pipeline_degree: int = 1
     seed: int = 0
     layer_id: int = 0
+    parallel_schedule: str = "baseline"
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
         _positive_int(o, "pipeline_degree", self.pipeline_degree)
+        _require(self.parallel_schedule not in PARM_SCHEDULES_LATER, o, "parallel_schedule",
+                 self.parallel_schedule,
+                 "is not implemented yet (Parm's S1, S2 and Algorithm 1 are later stages of "
+                 "issue 16); use 'baseline'")
+        _require(self.parallel_schedule == "baseline", o, "parallel_schedule",
+                 self.parallel_schedule, "unknown schedule; use 'baseline' (DeepSpeed-MoE's "
+                 "order, Parm Fig. 3a)")
         if self.router == "bilevel":
             self._check_bilevel(o)
         for name in ("d_model", "d_expert", "num_experts", "top_k"):

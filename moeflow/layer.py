@@ -7,6 +7,8 @@ plug in without changing this file.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -16,6 +18,8 @@ from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.dispatch import capacity, combine, make_plan, permute
 from moeflow.experts import ExpertFFN
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
+from moeflow.parallel.parm.baseline import baseline_experts, check_parm_layer
+from moeflow.parallel.parm.collectives import esp_all_reduce
 from moeflow.phases import NULL_TIMER, PhaseTimer
 from moeflow.routing import ROUTERS
 from moeflow.schedule import SCHEDULERS
@@ -51,12 +55,17 @@ class MoELayer(nn.Module):
                 "ep_size")
         self.cfg, self.topo = cfg, topo
         self.num_local = cfg.num_experts // topo.ep_size
+        check_parm_layer(cfg, topo, expert_hidden(cfg))
         ROUTERS[cfg.router].check_topology(cfg, topo)
         self.router = ROUTERS[cfg.router](cfg)
         self.dcca = build_projections(cfg)      # BigMac's W_d / W_u; None for other structures
+        # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
+        reduce = (functools.partial(esp_all_reduce, group=topo.esp_group)
+                  if topo.esp_size > 1 else None)
         self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
                                  topo.ep_rank * self.num_local, self.num_local, cfg.activation,
-                                 cfg.seed, cfg.layer_id, bias=cfg.expert_bias)
+                                 cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
+                                 shard=(topo.esp_rank, topo.esp_size), reduce=reduce)
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
@@ -150,7 +159,10 @@ class MoELayer(nn.Module):
         runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite)
-        back = scheduled_experts(t.mark(send, None), plan, runner)
+        if self.topo.esp_size > 1:       # Parm's baseline schedule (Fig. 3a) with shards
+            back = baseline_experts(t.mark(send, None), plan, runner, self.topo)
+        else:
+            back = scheduled_experts(t.mark(send, None), plan, runner)
         with t.phase("combine", h):
             y = combine(t.mark(back, "combine"), plan, routing.weights)
         if self.dcca is not None:                          # BigMac: ascend after combine

@@ -14,6 +14,12 @@ as one batched matmul. Unequal (dropless) ones run as grouped GEMMs
 autocast the operands are cast to the autocast dtype first, as a dense ``Linear`` would be),
 with one matmul per expert as the fallback where torch has no grouped GEMM, for float64, and
 for widths whose rows are not 16-byte aligned (a grouped-GEMM layout requirement).
+
+Expert sharding (Parm's ESP, ``shard=(s, n)``): the module holds shard s of n of every local
+expert's hidden dimension, an exact slice of the global expert's weights (W1 / W3 columns,
+W2 rows, b1 / b3 entries, so still layout-independent); its output is a partial sum. ``reduce``
+(the ESP-AllReduce, :mod:`moeflow.parallel.parm.collectives`) sums the partials, and only then
+is b2, which every shard holds whole, added.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from moeflow.init import seeded_normal, seeded_uniform
 
 # Marks parameters whose copies live on a subset of ranks (expert shards), for sync_gradients.
 EXPERT_PARAM_ATTR = "_moeflow_expert"
+# Marks expert parameters that every ESP shard holds whole (b2), for gradient-norm clipping.
+ESP_WHOLE_ATTR = "_moeflow_esp_whole"
 
 
 class ExpertFFN(nn.Module):
@@ -38,17 +46,29 @@ class ExpertFFN(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, first_expert: int, num_local: int,
                  activation: str = "gelu", seed: int = 0, layer_id: int = 0,
-                 bias: bool = False):
+                 bias: bool = False, shard: tuple[int, int] = (0, 1), reduce=None):
         super().__init__()
         self.first_expert, self.num_local, self.activation = first_expert, num_local, activation
         ids = range(first_expert, first_expert + num_local)
+        s, n = shard
+        if d_hidden % n or not 0 <= s < n:
+            raise ValueError(f"ExpertFFN shard {s} of {n}: the hidden width {d_hidden} must be "
+                             "a multiple of the shard count")
+        self.shard, self.reduce = (s, n), reduce
+        width = d_hidden // n
+        # the dimension of each weight (per expert) that holds the hidden units
+        hidden_dim = {"w1": 1, "w3": 1, "w2": 0, "b1": 0, "b3": 0}
 
         def stack(name: str, shape: tuple[int, ...], fan_in: int) -> nn.Parameter:
             init = seeded_uniform if len(shape) == 1 else seeded_normal
             w = torch.stack([init(shape, 1.0 / math.sqrt(fan_in), seed, "layer", layer_id,
                                   "expert", e, name) for e in ids])
+            if n > 1 and name in hidden_dim:          # ESP: an exact slice of the global
+                w = w.narrow(1 + hidden_dim[name], s * width, width).contiguous()
             p = nn.Parameter(w)
             setattr(p, EXPERT_PARAM_ATTR, True)
+            if n > 1 and name not in hidden_dim:
+                setattr(p, ESP_WHOLE_ATTR, True)
             return p
 
         self.w1 = stack("w1", (d_model, d_hidden), d_model)
@@ -65,7 +85,7 @@ class ExpertFFN(nn.Module):
     def _add_bias(self, y: torch.Tensor, name: str, i: int | None) -> torch.Tensor:
         """``y`` plus bias ``name`` of local expert ``i`` (of every expert, ``y`` stacked
         ``(E_local, rows, .)``, when ``i`` is None); ``y`` itself without biases."""
-        if not self.has_bias:
+        if not self.has_bias or (name == "b2" and self.reduce is not None):
             return y
         b = getattr(self, name).to(y.dtype)
         return y + (b[i] if i is not None else b.unsqueeze(1))
@@ -81,6 +101,16 @@ class ExpertFFN(nn.Module):
                 offsets: torch.Tensor | None = None) -> torch.Tensor:
         """``x: (R, M)`` rows grouped by local expert, ``counts[i]`` rows for expert i;
         ``offsets``: their int32 cumulative sums on ``x``'s device, if the caller has them."""
+        if self.reduce is None:
+            return self._partial(x, counts, offsets)
+        y = self.reduce(self._partial(x, counts, offsets))     # ESP: sum the shards' partials
+        if not self.has_bias:
+            return y
+        reps = torch.tensor(counts, device=y.device)
+        return y + self.b2.to(y.dtype).repeat_interleave(reps, dim=0, output_size=y.shape[0])
+
+    def _partial(self, x: torch.Tensor, counts: list[int],
+                 offsets: torch.Tensor | None = None) -> torch.Tensor:
         if len(counts) != self.num_local or sum(counts) != x.shape[0]:
             raise ValueError(f"ExpertFFN got counts {counts} for {x.shape[0]} rows and "
                              f"{self.num_local} local experts")
@@ -118,7 +148,7 @@ class ExpertFFN(nn.Module):
 
     def _add_row_bias(self, y: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
         """``y`` (rows grouped by expert) plus each row's expert bias ``name``."""
-        if not self.has_bias:
+        if not self.has_bias or (name == "b2" and self.reduce is not None):
             return y
         b = getattr(self, name).to(y.dtype)
         reps = torch.tensor(counts, device=b.device)

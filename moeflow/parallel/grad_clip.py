@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.experts.ffn import ESP_WHOLE_ATTR
 from moeflow.parallel.grad_sync import is_expert_param
 from moeflow.topology import Topology
 
@@ -35,9 +36,22 @@ def global_grad_norm(model: nn.Module, topo: Topology) -> torch.Tensor:
             (exp if is_expert_param(p) else rep).append(p.grad.detach())
     device = (rep or exp)[0].device if rep or exp else torch.device("cpu")
     rep_sq, exp_sq = _squared_norm(rep, device), _squared_norm(exp, device)
-    if topo.ep_size > 1:
+    if topo.esp_size > 1:         # Parm: every shard once (b2, held whole by every shard:
+        exp_sq = _esp_norm(model, topo, device)     # once per ESP group)
+        dist.all_reduce(exp_sq, group=topo.ep_esp_group)
+    elif topo.ep_size > 1:
         dist.all_reduce(exp_sq, group=topo.ep_group)
     return (rep_sq + exp_sq).sqrt()
+
+
+def _esp_norm(model: nn.Module, topo: Topology, device: torch.device) -> torch.Tensor:
+    """Squared norm of this rank's expert-shard gradients, whole-expert tensors (b2, the same
+    on every shard of an ESP group) divided by the ESP size so the block sum counts them once."""
+    shards, whole = [], []
+    for p in model.parameters():
+        if p.grad is not None and is_expert_param(p):
+            (whole if getattr(p, ESP_WHOLE_ATTR, False) else shards).append(p.grad.detach())
+    return _squared_norm(shards, device) + _squared_norm(whole, device) / topo.esp_size
 
 
 def clip_gradients(model: nn.Module, topo: Topology, max_norm: float) -> torch.Tensor:

@@ -10,6 +10,10 @@ The training loss is the mean over the N ranks of each rank's local loss, and ev
   the other EP groups (the expert-data-parallel group) saw the remaining ranks' tokens, so the
   global gradient is the sum over the expert-data-parallel group divided by N, **not** by the
   expert-data-parallel size (the classic bug: expert gradients N/dp times too large).
+  An ESP shard (Parm) is the same: the backward all-to-all brings it the contributions of every
+  rank of its EP&ESP block, and its expert-data-parallel group is the ranks at the same
+  position of the other blocks. With MP, the ranks of an MP group hold the same batch and
+  each contributes its (equal) local loss, so dividing by N still gives the mean.
 """
 
 from __future__ import annotations

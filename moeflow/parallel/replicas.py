@@ -9,7 +9,10 @@ kinds of tensors are replicated (see ``grad_sync``):
   rank, equal over the world; the source is global rank 0;
 * expert shards: different on each rank of an expert-parallel (EP) group by design, equal over
   the expert-data-parallel group (the ranks at the same EP position, which hold the same
-  experts); the source is that group's first rank, global rank ``ep_rank``.
+  experts); the source is that group's first rank, global rank ``ep_rank``. With Parm's
+  expert sharding (ESP) a rank's shard is replicated over the ranks at the same position of
+  the other EP&ESP blocks (``topo.expert_slot``), the same rule with EP&ESP blocks for EP
+  groups.
 
 :func:`prepare_model` broadcasts both kinds from their source. :func:`check_replicas` compares
 them without moving them: one float64 checksum pair per tensor, all of them in one small
@@ -81,7 +84,7 @@ def prepare_model(model: nn.Module, topo: Topology) -> nn.Module:
     replicated, experts = _split(model, buffers=True)
     _broadcast([t for _, t in replicated], 0, topo.world_group)
     if experts and topo.expert_dp_size > 1:
-        _broadcast([t for _, t in experts], topo.ep_rank, topo.expert_dp_group)
+        _broadcast([t for _, t in experts], topo.expert_slot, topo.expert_dp_group)
     setattr(model, CHECKED_ATTR, False)        # the next sync_gradients checks again
     return model
 
@@ -110,7 +113,7 @@ def check_replicas(model: nn.Module, topo: Topology) -> None:
     """Raise :class:`ReplicaMismatchError` if the replicas of any parameter differ.
 
     Collective (every rank must call it): one ``all_reduce`` of ``3 * 2 * (n_replicated +
-    ep_size * n_expert)`` float64 values over the world. Marks the model as checked.
+    expert_slots * n_expert)`` float64 values over the world. Marks the model as checked.
     """
     if not topo.distributed:
         return
@@ -119,10 +122,10 @@ def check_replicas(model: nn.Module, topo: Topology) -> None:
     device = first.device if first is not None else torch.device("cpu")
     rep_c, rep_s = _checksums([t for _, t in replicated], device)
     exp_c, exp_s = _checksums([t for _, t in experts], device)
-    n_rep, n_exp, ep = rep_c.numel(), exp_c.numel(), topo.ep_size
+    n_rep, n_exp, ep = rep_c.numel(), exp_c.numel(), topo.expert_slots
     length = n_rep + ep * n_exp
     vec = torch.full((3, length), float("-inf"), dtype=torch.float64, device=device)
-    off = n_rep + topo.ep_rank * n_exp          # this EP position's slot for expert checksums
+    off = n_rep + topo.expert_slot * n_exp      # this EP(&ESP) position's expert checksums
     for row, rep, exp in ((0, rep_c, exp_c), (1, -rep_c, -exp_c), (2, rep_s, exp_s)):
         vec[row, :n_rep] = rep
         vec[row, off:off + n_exp] = exp
@@ -148,7 +151,7 @@ def _message(bad: list[int], replicated, experts, n_rep: int, n_exp: int, hi, lo
             return "equal on every rank"
         pos = (i - n_rep) // n_exp
         return (f"equal over its expert-data-parallel group, the ranks {pos}, "
-                f"{pos + topo.ep_size}, ...")
+                f"{pos + topo.expert_slots}, ...")
 
     names = list(dict.fromkeys(name(i) for i in bad))
     i = bad[0]
