@@ -181,6 +181,16 @@ class Stopwatch:
         return time.perf_counter() - self._t0
 
 
+def to_device_async(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """Host integers (a list or numpy array) -> a tensor on ``device`` without making the host
+    wait: on CUDA the copy is from pinned memory and non-blocking (a copy from pageable memory
+    synchronises the stream first); elsewhere a plain tensor."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the work queued on ``device`` (a no-op on CPU)."""
     device = torch.device(device)

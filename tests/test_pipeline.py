@@ -100,3 +100,17 @@ def test_grouped_mm_only_where_torch_computes_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
     assert not grouped_mm_fits(torch.zeros(3, 16, dtype=torch.bfloat16).as_subclass(FakeCuda),
                                w.bfloat16())
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 4], [2, 2, 2], [0, 0, 5], [0, 0]])
+def test_row_expert_index_without_host_copies(counts):
+    """Per-row expert ids for biases come from device offsets (searchsorted) or int repeats,
+    never from a tensor built of host counts at call time (a pageable copy waits on CUDA)."""
+    import itertools
+
+    from moeflow.experts.ffn import _row_expert
+
+    want = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+    assert torch.equal(_row_expert(counts, offsets, torch.device("cpu")), want)
+    assert torch.equal(_row_expert(counts, None, torch.device("cpu")), want)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.devices import to_device_async
 from moeflow.init import seeded_normal, seeded_uniform
 
 # Marks parameters whose copies live on a subset of ranks (expert shards), for sync_gradients.
@@ -106,8 +107,7 @@ class ExpertFFN(nn.Module):
         y = self.reduce(self._partial(x, counts, offsets))     # ESP: sum the shards' partials
         if not self.has_bias:
             return y
-        reps = torch.tensor(counts, device=y.device)
-        return y + self.b2.to(y.dtype).repeat_interleave(reps, dim=0, output_size=y.shape[0])
+        return y + self.b2.to(y.dtype).index_select(0, _row_expert(counts, offsets, y.device))
 
     def _partial(self, x: torch.Tensor, counts: list[int],
                  offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,27 +132,39 @@ class ExpertFFN(nn.Module):
 
     def _grouped(self, x, counts, offsets, w1, w2, w3) -> torch.Tensor:
         if offsets is None:
-            offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
-                                   device=x.device)
+            offsets = to_device_async(list(itertools.accumulate(counts)), x.device, torch.int32)
         if torch.is_autocast_enabled(x.device.type):   # grouped_mm is not on autocast's list
             dt = torch.get_autocast_dtype(x.device.type)
             x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
             w3 = None if w3 is None else w3.to(dt)
-        h = self._add_row_bias(F.grouped_mm(x, w1, offs=offsets), "b1", counts)
+        rows = _row_expert(counts, offsets, x.device) if self.has_bias else None
+        h = self._add_row_bias(F.grouped_mm(x, w1, offs=offsets), "b1", rows)
         if self.activation == "swiglu":
-            h = F.silu(h) * self._add_row_bias(F.grouped_mm(x, w3, offs=offsets), "b3", counts)
+            h = F.silu(h) * self._add_row_bias(F.grouped_mm(x, w3, offs=offsets), "b3", rows)
         else:
             h = getattr(F, self.activation)(h)
-        y = self._add_row_bias(F.grouped_mm(h, w2, offs=offsets), "b2", counts)
+        y = self._add_row_bias(F.grouped_mm(h, w2, offs=offsets), "b2", rows)
         return _ContiguousGrad.apply(y)
 
-    def _add_row_bias(self, y: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
-        """``y`` (rows grouped by expert) plus each row's expert bias ``name``."""
+    def _add_row_bias(self, y: torch.Tensor, name: str, rows: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """``y`` (rows grouped by expert) plus each row's expert bias ``name``; ``rows``: the
+        local expert of each row (:func:`_row_expert`)."""
         if not self.has_bias or (name == "b2" and self.reduce is not None):
             return y
-        b = getattr(self, name).to(y.dtype)
-        reps = torch.tensor(counts, device=b.device)
-        return y + b.repeat_interleave(reps, dim=0, output_size=y.shape[0])
+        return y + getattr(self, name).to(y.dtype).index_select(0, rows)
+
+
+def _row_expert(counts: list[int], offsets: torch.Tensor | None,
+                device: torch.device) -> torch.Tensor:
+    """The local expert of each row of an expert-grouped buffer, on ``device`` without a host
+    wait: from the counts when they are equal, else from the device offsets (searchsorted)."""
+    if len(set(counts)) == 1:
+        return torch.arange(len(counts), device=device).repeat_interleave(counts[0])
+    if offsets is None:
+        offsets = to_device_async(list(itertools.accumulate(counts)), device, torch.int32)
+    return torch.searchsorted(offsets, torch.arange(sum(counts), device=device,
+                                                    dtype=offsets.dtype), right=True)
 
 
 class _ContiguousGrad(torch.autograd.Function):

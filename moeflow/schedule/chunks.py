@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeflow.devices import to_device_async
 from moeflow.dispatch.plan import DispatchPlan
 
 
@@ -34,12 +35,9 @@ def block_rows(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, sizes) + np.arange(total, dtype=np.int64)
 
 
-def to_device(a: np.ndarray, device: torch.device, dtype=np.int64) -> torch.Tensor:
+def to_device(a: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """Host indices -> ``device`` (from pinned memory, non-blocking, on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device_async(np.ascontiguousarray(a), device, dtype)
 
 
 @dataclass
@@ -60,7 +58,7 @@ class Grouping:
     def build(cls, recv: np.ndarray, device: torch.device) -> "Grouping":
         ep, e_local = recv.shape
         counts = recv.sum(0).tolist()
-        offs = (to_device(np.cumsum(counts), device, np.int32)
+        offs = (to_device(np.cumsum(counts), device, torch.int32)
                 if len(set(counts)) > 1 else None)
         if e_local == 1 or ep == 1:
             return cls(counts, offs, None, None)
