@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.topology import Topology
+from moeflow.devices import host_tensor_device
 
 # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns there)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -29,36 +29,29 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     return np.asarray(t.tolist(), dtype=np.int64)
 
 
-def gather_device_counts(counts: torch.Tensor, topo: Topology) -> np.ndarray:
-    """``counts: (E,)`` on the device -> ``N: (ep, E)`` on the host, row p from EP rank p."""
-    if topo.ep_size == 1:
+def gather_device_counts(counts: torch.Tensor, group, size: int) -> np.ndarray:
+    """``counts: (E,)`` on the device -> ``(size, E)`` on the host, row p from rank p of
+    ``group`` (the EP group; Parm's EP&ESP group)."""
+    if size == 1:
         return to_host(counts).reshape(1, -1)
-    out = counts.new_empty(topo.ep_size * counts.numel())
-    _all_gather(out, counts.contiguous(), group=topo.ep_group)
-    return to_host(out).reshape(topo.ep_size, -1)
+    out = counts.new_empty(size * counts.numel())
+    _all_gather(out, counts.contiguous(), group=group)
+    return to_host(out).reshape(size, -1)
 
 
-def _has_cpu_backend(group) -> bool:
-    try:
-        group._get_backend(torch.device("cpu"))
-    except (RuntimeError, AttributeError):
-        return False
-    return True
-
-
-def gather_host_ints(values: list[int], topo: Topology,
-                     device: torch.device) -> np.ndarray:
-    """Host integers of every EP rank, ``(ep, len(values))``, without touching the device when
-    the group has a CPU backend (else through ``device``: one synchronisation)."""
+def gather_host_ints(values: list[int], group, size: int) -> np.ndarray:
+    """Host integers of every rank of ``group``, ``(size, len(values))``, in host memory
+    throughout when the group has a CPU backend (else through the current GPU: one
+    synchronisation; :func:`moeflow.devices.host_tensor_device` decides)."""
     mine = np.asarray(values, dtype=np.int64)
-    if topo.ep_size == 1:
+    if size == 1:
         return mine.reshape(1, -1)
-    if not _has_cpu_backend(topo.ep_group):
-        t = torch.as_tensor(mine, device=device)
-        out = t.new_empty(topo.ep_size * t.numel())
-        _all_gather(out, t, group=topo.ep_group)
-        return to_host(out).reshape(topo.ep_size, -1)
-    got = np.empty(topo.ep_size * mine.size, dtype=np.int64)     # host memory throughout
-    _all_gather(torch.from_numpy(got), torch.from_numpy(mine),
-                                group=topo.ep_group)
-    return got.reshape(topo.ep_size, -1)
+    where = host_tensor_device(group)
+    if where.type != "cpu":
+        t = torch.as_tensor(mine, device=where)
+        out = t.new_empty(size * t.numel())
+        _all_gather(out, t, group=group)
+        return to_host(out).reshape(size, -1)
+    got = np.empty(size * mine.size, dtype=np.int64)
+    _all_gather(torch.from_numpy(got), torch.from_numpy(mine), group=group)
+    return got.reshape(size, -1)

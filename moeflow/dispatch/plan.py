@@ -80,13 +80,13 @@ def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None) -> 
     return DispatchPlan(num_experts, T, k, capacity, slot, send_rows, (~keep).sum())
 
 
-def exchange_counts(plan: DispatchPlan, topo: Topology, device: torch.device) -> None:
+def exchange_counts(plan: DispatchPlan, topo: Topology) -> None:
     """Give every rank the count matrix (collective over the EP group): dropless gathers the
     device counts (the one host synchronisation), capacity mode each rank's ``C_p`` as host
     integers, since rank p sends ``C_p`` rows to every expert."""
     if plan.capacity is None:
-        plan.counts = gather_device_counts(plan.local_counts, topo)
+        plan.counts = gather_device_counts(plan.local_counts, topo.ep_group, topo.ep_size)
     else:
-        caps = gather_host_ints([plan.capacity], topo, device)     # (ep, 1)
+        caps = gather_host_ints([plan.capacity], topo.ep_group, topo.ep_size)    # (ep, 1)
         plan.counts = np.repeat(caps, plan.num_experts, axis=1)
     plan.ep_rank = topo.ep_rank

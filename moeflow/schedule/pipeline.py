@@ -164,7 +164,7 @@ def scheduled_experts(send: torch.Tensor, plan: DispatchPlan,
     eagerly (the expert math is one batched or grouped GEMM per weight already).
     """
     if plan.counts is None:
-        exchange_counts(plan, runner.algo.topo, send.device)
+        exchange_counts(plan, runner.algo.topo)
     cp = ChunkPlan.build(plan, runner.r, send.device)
     params = list(runner.experts.parameters())
     if torch.is_grad_enabled() and (send.requires_grad or any(p.requires_grad for p in params)):

@@ -20,11 +20,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeflow.comm.exchange import to_host
+from moeflow.comm.exchange import gather_device_counts, gather_host_ints
 from moeflow.config import ConfigError, MoEConfig
-from moeflow.devices import host_tensor_device
 from moeflow.dispatch.plan import DispatchPlan
-from moeflow.parallel.parm.collectives import _all_gather, esp_all_gather, esp_split
+from moeflow.parallel.parm.collectives import esp_all_gather, esp_split
 from moeflow.schedule.chunks import block_rows, to_device
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 from moeflow.topology import Topology
@@ -55,24 +54,19 @@ def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
             "use router='topk' or esp_size=1")
 
 
-def _block_counts(plan: DispatchPlan, topo: Topology, device: torch.device) -> np.ndarray:
+def _block_counts(plan: DispatchPlan, topo: Topology) -> np.ndarray:
     """``C[slot][e]``: rows each rank of this EP&ESP block sends to expert e (collective over
     the block; dropless reads the device counts once, capacity sends host integers)."""
     u, E = topo.expert_slots, plan.num_experts
     if plan.capacity is None:
-        out = plan.local_counts.new_empty(u * E)
-        _all_gather(out, plan.local_counts.contiguous(), group=topo.ep_esp_group)
-        return to_host(out).reshape(u, E)
-    where = host_tensor_device(topo.ep_esp_group)
-    caps = torch.empty(u, dtype=torch.long, device=where)
-    _all_gather(caps, torch.tensor([plan.capacity], device=where), group=topo.ep_esp_group)
-    return np.repeat(to_host(caps).reshape(u, 1), E, axis=1)
+        return gather_device_counts(plan.local_counts, topo.ep_esp_group, u)
+    return np.repeat(gather_host_ints([plan.capacity], topo.ep_esp_group, u), E, axis=1)
 
 
 def baseline_experts(send: torch.Tensor, plan: DispatchPlan, runner: ScheduledExperts,
                      topo: Topology) -> torch.Tensor:
     """Differentiable: this rank's send buffer -> its rows back from the sharded experts."""
-    C = _block_counts(plan, topo, send.device)
+    C = _block_counts(plan, topo)
     ep, esp, me_ep, me_esp = topo.ep_size, topo.esp_size, topo.ep_rank, topo.esp_rank
     slot = (lambda i, s: i * esp + s) if topo.esp_in_node else (lambda i, s: s * ep + i)
     peers = C[[slot(me_ep, s) for s in range(esp)]]                  # (esp, E)
