@@ -105,6 +105,11 @@ class Topology:
         return self.world_size // self.mp_size
 
     @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank: the ranks of one MP group share it (and their batch)."""
+        return self.rank // self.mp_size
+
+    @property
     def expert_dp_size(self) -> int:
         return self.world_size // self.expert_slots
 

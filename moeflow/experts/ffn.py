@@ -38,6 +38,8 @@ from moeflow.init import seeded_normal, seeded_uniform
 EXPERT_PARAM_ATTR = "_moeflow_expert"
 # Marks expert parameters that every ESP shard holds whole (b2), for gradient-norm clipping.
 ESP_WHOLE_ATTR = "_moeflow_esp_whole"
+# The dimension of each expert's weight that holds the hidden units (split by ESP shards).
+HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 0, "b1": 0, "b3": 0}
 
 
 class ExpertFFN(nn.Module):
@@ -57,8 +59,7 @@ class ExpertFFN(nn.Module):
                              "a multiple of the shard count")
         self.shard, self.reduce = (s, n), reduce
         width = d_hidden // n
-        # the dimension of each weight (per expert) that holds the hidden units
-        hidden_dim = {"w1": 1, "w3": 1, "w2": 0, "b1": 0, "b3": 0}
+        hidden_dim = HIDDEN_DIM
 
         def stack(name: str, shape: tuple[int, ...], fan_in: int) -> nn.Parameter:
             init = seeded_uniform if len(shape) == 1 else seeded_normal

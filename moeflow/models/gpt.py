@@ -3,6 +3,14 @@ an :class:`~moeflow.layer.MoELayer` every ``moe_every`` blocks and a dense MLP e
 
 Every parameter is initialised from (seed, its name) only, so the model is the same function on
 one rank or many. The language-model head is tied to the token embedding.
+
+With ``topo.mp_size > 1`` (Parm's MP) attention and the dense MLP are Megatron tensor parallel
+over ``topo.mp_group`` (:mod:`moeflow.parallel.tensor_parallel`): ``qkv`` and ``up`` are
+column parallel (an MP rank keeps ``n_heads / mp_size`` heads and ``d_ff / mp_size`` hidden
+units), ``proj`` and ``down`` row parallel, so every block's output, hence every MoE layer's
+input, is replicated over the MP group, as Parm assumes (Section II-B). A shard is initialised
+as the slice of the global weight drawn from (seed, name). Embeddings, layer norms and the tied
+head stay replicated.
 """
 
 from __future__ import annotations
@@ -16,30 +24,37 @@ from torch import nn
 from moeflow.config import ModelConfig
 from moeflow.init import seeded_normal
 from moeflow.layer import MoELayer
+from moeflow.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                              check_divisible, shard_of, tp_shard)
 from moeflow.topology import Topology
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Causal self-attention; with MP, this rank's ``n_heads / mp_size`` heads (Megatron)."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology):
         super().__init__()
-        self.n_heads, self.dropout = cfg.n_heads, cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_heads, self.dropout = cfg.n_heads // topo.mp_size, cfg.dropout
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, topo, parts=3)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, topo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, M = x.shape
-        q, k, v = self.qkv(x).view(B, S, 3, self.n_heads, M // self.n_heads).unbind(2)
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.n_heads, self.head_dim).unbind(2)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(o.transpose(1, 2).reshape(B, S, M))
+        return self.proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``down(gelu(up(x)))``; with MP, this rank's ``d_ff / mp_size`` hidden units."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology):
         super().__init__()
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, topo)
+        self.down = RowParallelLinear(cfg.d_ff, cfg.d_model, topo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
@@ -49,8 +64,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, topo: Topology):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.ffn = MoELayer(cfg.moe_config(index), topo) if cfg.is_moe(index) else DenseMLP(cfg)
+        self.attn = Attention(cfg, topo)
+        self.ffn = (MoELayer(cfg.moe_config(index), topo) if cfg.is_moe(index)
+                    else DenseMLP(cfg, topo))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +78,9 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, topo: Topology | None = None):
         super().__init__()
         topo = topo or Topology.single()
+        check_divisible("ModelConfig", "n_heads", cfg.n_heads, topo.mp_size)
+        if cfg.num_moe_layers < cfg.n_layers:
+            check_divisible("ModelConfig", "d_ff", cfg.d_ff, topo.mp_size)
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
@@ -70,7 +89,8 @@ class GPT(nn.Module):
         self._init_dense()
 
     def _init_dense(self) -> None:
-        """GPT-2 init from (seed, parameter name); residual projections scaled by 1/sqrt(2L)."""
+        """GPT-2 init from (seed, parameter name); residual projections scaled by 1/sqrt(2L).
+        A tensor-parallel shard gets its slice of the global weight."""
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         moe_params = {id(p) for m in self.moe_layers() for p in m.parameters()}
         with torch.no_grad():
@@ -83,7 +103,10 @@ class GPT(nn.Module):
                     p.fill_(1.0)
                 else:
                     std = resid_std if name.endswith(("proj.weight", "down.weight")) else 0.02
-                    p.copy_(seeded_normal(tuple(p.shape), std, self.cfg.seed, "gpt", name))
+                    spec = tp_shard(p)
+                    shape = spec.global_shape if spec else tuple(p.shape)
+                    w = seeded_normal(shape, std, self.cfg.seed, "gpt", name)
+                    p.copy_(shard_of(w, spec) if spec else w)
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]

@@ -3,7 +3,8 @@
 ``torch.nn.utils.clip_grad_norm_`` would see only this rank's experts, so ranks would compute
 different norms and their replicated parameters would drift apart. Here the squared norm of the
 expert gradients is summed over the expert-parallel group (each expert counted once) and added
-to the replicated part (identical on every rank after sync_gradients).
+to the replicated part (identical on every rank after sync_gradients). Tensor-parallel shards
+(Parm's MP) are summed over the MP group, each shard counted once.
 
 Everything stays on the device: the norms are ``foreach`` kernels, the scale is
 ``min(1, max_norm / (norm + 1e-6))`` applied to every gradient as a tensor (multiplying by 1 when
@@ -18,6 +19,7 @@ from torch import nn
 
 from moeflow.experts.ffn import ESP_WHOLE_ATTR
 from moeflow.parallel.grad_sync import is_expert_param
+from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
 
 
@@ -30,12 +32,16 @@ def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
 def global_grad_norm(model: nn.Module, topo: Topology) -> torch.Tensor:
     """The L2 norm of all gradients, each expert counted once: a 0-dim float32 tensor on the
     gradients' device (no host synchronisation)."""
-    rep, exp = [], []
+    rep, exp, tp = [], [], []
     for p in model.parameters():
         if p.grad is not None:
-            (exp if is_expert_param(p) else rep).append(p.grad.detach())
-    device = (rep or exp)[0].device if rep or exp else torch.device("cpu")
+            (exp if is_expert_param(p) else tp if tp_shard(p) else rep).append(p.grad.detach())
+    device = (rep or exp or tp)[0].device if rep or exp or tp else torch.device("cpu")
     rep_sq, exp_sq = _squared_norm(rep, device), _squared_norm(exp, device)
+    if tp:                        # Parm's MP: each tensor-parallel shard once
+        tp_sq = _squared_norm(tp, device)
+        dist.all_reduce(tp_sq, group=topo.mp_group)
+        rep_sq = rep_sq + tp_sq
     if topo.esp_size > 1:         # Parm: every shard once (b2, held whole by every shard:
         exp_sq = _esp_norm(model, topo, device)     # once per ESP group)
         dist.all_reduce(exp_sq, group=topo.ep_esp_group)

@@ -14,6 +14,12 @@ The training loss is the mean over the N ranks of each rank's local loss, and ev
   rank of its EP&ESP block, and its expert-data-parallel group is the ranks at the same
   position of the other blocks. With MP, the ranks of an MP group hold the same batch and
   each contributes its (equal) local loss, so dividing by N still gives the mean.
+* a tensor-parallel shard (Parm's MP, ``parallel.tensor_parallel``) on MP rank m holds
+  d(loss_g)/dW_m of its MP group g's loss (the f/g operators made it exact); the global loss is
+  the mean over the ``dp_size`` MP groups, so the gradient is the sum over the data-parallel
+  group (the ranks with MP rank m) divided by ``dp_size`` (= N / mp_size). Replicated
+  parameters need nothing new: each MP rank holds the same full gradient, so the world sum
+  divided by N is that mean too.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 from moeflow.parallel.replicas import CHECKED_ATTR, check_replicas
+from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
 
 _BUCKET_BYTES = 32 * 1024 * 1024
@@ -46,16 +53,17 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
         return
     if not getattr(model, CHECKED_ATTR, False):
         check_replicas(model, topo)
-    replicated, experts = [], []
+    replicated, experts, tp = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        (experts if is_expert_param(p) else replicated).append(p.grad)
+        (experts if is_expert_param(p) else tp if tp_shard(p) else replicated).append(p.grad)
     _sum_then_scale(replicated, topo.world_group, 1.0 / topo.world_size)
     _sum_then_scale(experts, topo.expert_dp_group if topo.expert_dp_size > 1 else None,
                     1.0 / topo.world_size)
+    _sum_then_scale(tp, topo.dp_group if topo.dp_size > 1 else None, 1.0 / topo.dp_size)
 
 
 def _sum_then_scale(grads: list[torch.Tensor], group, scale: float) -> None:

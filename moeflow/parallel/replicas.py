@@ -12,7 +12,10 @@ kinds of tensors are replicated (see ``grad_sync``):
   experts); the source is that group's first rank, global rank ``ep_rank``. With Parm's
   expert sharding (ESP) a rank's shard is replicated over the ranks at the same position of
   the other EP&ESP blocks (``topo.expert_slot``), the same rule with EP&ESP blocks for EP
-  groups.
+  groups;
+* tensor-parallel shards (Parm's MP, ``parallel.tensor_parallel``): different on each rank of
+  an MP group, equal over the data-parallel group (the ranks with the same MP rank); the source
+  is that group's first rank, global rank ``mp_rank``.
 
 :func:`prepare_model` broadcasts both kinds from their source. :func:`check_replicas` compares
 them without moving them: one float64 checksum pair per tensor, all of them in one small
@@ -31,6 +34,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
+from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
 
 CHECKED_ATTR = "_moeflow_replicas_checked"   # set on a model once check_replicas passed
@@ -45,14 +49,16 @@ def _is_expert(t: torch.Tensor) -> bool:
     return bool(getattr(t, EXPERT_PARAM_ATTR, False))
 
 
-def _split(model: nn.Module, buffers: bool) -> tuple[list, list]:
-    """(name, tensor) of the replicated and of the expert tensors, in module order."""
+def _split(model: nn.Module, buffers: bool) -> tuple[list, list, list]:
+    """(name, tensor) of the replicated, the expert and the tensor-parallel tensors, in module
+    order."""
     named = list(model.named_parameters())
     if buffers:
         named += list(model.named_buffers())
-    replicated = [(n, t) for n, t in named if not _is_expert(t)]
+    replicated = [(n, t) for n, t in named if not _is_expert(t) and tp_shard(t) is None]
     experts = [(n, t) for n, t in named if _is_expert(t)]
-    return replicated, experts
+    tp = [(n, t) for n, t in named if tp_shard(t) is not None]
+    return replicated, experts, tp
 
 
 @torch.no_grad()
@@ -81,10 +87,12 @@ def prepare_model(model: nn.Module, topo: Topology) -> nn.Module:
     """
     if not topo.distributed:
         return model
-    replicated, experts = _split(model, buffers=True)
+    replicated, experts, tp = _split(model, buffers=True)
     _broadcast([t for _, t in replicated], 0, topo.world_group)
     if experts and topo.expert_dp_size > 1:
         _broadcast([t for _, t in experts], topo.expert_slot, topo.expert_dp_group)
+    if tp and topo.dp_size > 1:
+        _broadcast([t for _, t in tp], topo.mp_rank, topo.dp_group)
     setattr(model, CHECKED_ATTR, False)        # the next sync_gradients checks again
     return model
 
@@ -113,42 +121,57 @@ def check_replicas(model: nn.Module, topo: Topology) -> None:
     """Raise :class:`ReplicaMismatchError` if the replicas of any parameter differ.
 
     Collective (every rank must call it): one ``all_reduce`` of ``3 * 2 * (n_replicated +
-    expert_slots * n_expert)`` float64 values over the world. Marks the model as checked.
+    expert_slots * n_expert + mp_size * n_tensor_parallel)`` float64 values over the world.
+    Marks the model as checked.
     """
     if not topo.distributed:
         return
-    replicated, experts = _split(model, buffers=False)
+    replicated, experts, tp = _split(model, buffers=False)
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     rep_c, rep_s = _checksums([t for _, t in replicated], device)
     exp_c, exp_s = _checksums([t for _, t in experts], device)
+    tp_c, tp_s = _checksums([t for _, t in tp], device)
     n_rep, n_exp, ep = rep_c.numel(), exp_c.numel(), topo.expert_slots
-    length = n_rep + ep * n_exp
+    n_tp = tp_c.numel()
+    length = n_rep + ep * n_exp + topo.mp_size * n_tp
     vec = torch.full((3, length), float("-inf"), dtype=torch.float64, device=device)
     off = n_rep + topo.expert_slot * n_exp      # this EP(&ESP) position's expert checksums
-    for row, rep, exp in ((0, rep_c, exp_c), (1, -rep_c, -exp_c), (2, rep_s, exp_s)):
+    off_tp = n_rep + ep * n_exp + topo.mp_rank * n_tp      # this MP rank's shard checksums
+    for row, rep, exp, tps in ((0, rep_c, exp_c, tp_c), (1, -rep_c, -exp_c, -tp_c),
+                               (2, rep_s, exp_s, tp_s)):
         vec[row, :n_rep] = rep
         vec[row, off:off + n_exp] = exp
+        vec[row, off_tp:off_tp + n_tp] = tps
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=topo.world_group)
     hi, lo, scale = vec[0], -vec[1], vec[2]
     bad = ((hi - lo) > _REL_TOL * scale).nonzero().flatten().tolist()
     if bad:
-        raise ReplicaMismatchError(_message(bad, replicated, experts, n_rep, n_exp, hi, lo,
-                                            topo))
+        raise ReplicaMismatchError(_message(bad, replicated, experts, tp, n_rep, n_exp, n_tp,
+                                            hi, lo, topo))
     setattr(model, CHECKED_ATTR, True)
 
 
-def _message(bad: list[int], replicated, experts, n_rep: int, n_exp: int, hi, lo,
-             topo: Topology) -> str:
+def _message(bad: list[int], replicated, experts, tp, n_rep: int, n_exp: int, n_tp: int,
+             hi, lo, topo: Topology) -> str:
+    n_all_exp = topo.expert_slots * n_exp
+
     def name(i: int) -> str:
         if i < n_rep:
             return f"replicated parameter {replicated[i // 2][0]!r}"
+        if i >= n_rep + n_all_exp:
+            m, j = divmod(i - n_rep - n_all_exp, n_tp)
+            return f"tensor-parallel parameter {tp[j // 2][0]!r} of MP rank {m}"
         pos, j = divmod(i - n_rep, n_exp)
         return f"expert parameter {experts[j // 2][0]!r} of expert-parallel rank {pos}"
 
     def where(i: int) -> str:
         if i < n_rep:
             return "equal on every rank"
+        if i >= n_rep + n_all_exp:
+            m = (i - n_rep - n_all_exp) // n_tp
+            return (f"equal over its data-parallel group, the ranks {m}, {m + topo.mp_size}, "
+                    "...")
         pos = (i - n_rep) // n_exp
         return (f"equal over its expert-data-parallel group, the ranks {pos}, "
                 f"{pos + topo.expert_slots}, ...")
