@@ -83,9 +83,11 @@ def test_layer_refuses_what_the_baseline_cannot_run(results):
     assert "router='bilevel'" in errors["bilevel"] and "esp_size=1" in errors["bilevel"]
 
 
-def test_checkpoints_of_expert_shards_are_refused():
+def test_checkpoints_of_expert_shards_outside_a_layer_are_refused():
+    """Shards are stored whole over their layer's ESP mesh (tests/test_checkpoint_layouts.py);
+    shards without a layer have none."""
     from moeflow.checkpoint import checkpoint_state
 
     model = torch.nn.Sequential(ExpertFFN(4, 8, 0, 2, shard=(1, 2)))
-    with pytest.raises(ConfigError, match="sharded over 2 ESP ranks.*not implemented yet"):
+    with pytest.raises(ConfigError, match=r"ESP shards \(1 of 2\) outside a MoELayer"):
         checkpoint_state(model, None, torch.tensor(0))

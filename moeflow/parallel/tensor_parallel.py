@@ -56,6 +56,13 @@ class TPShard:
     rank: int
     size: int
 
+    @property
+    def local_view(self) -> tuple[int, ...]:
+        """``view`` with the split dimension cut to this rank's block."""
+        v = list(self.view)
+        v[self.dim] //= self.size
+        return tuple(v)
+
 
 def shard_of(full: torch.Tensor, spec: TPShard) -> torch.Tensor:
     """This rank's block of the global tensor ``full`` (a contiguous copy)."""
@@ -130,9 +137,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, topo: Topology, parts: int = 1):
         super().__init__()
         self.topo = topo
+        view, dim = (((out_features, in_features), 0) if parts == 1
+                     else ((parts, out_features // parts, in_features), 1))
         self.spec = TPShard((out_features, in_features),
-                            (out_features // topo.mp_size, in_features),
-                            (parts, out_features // parts, in_features), 1,
+                            (out_features // topo.mp_size, in_features), view, dim,
                             topo.mp_rank, topo.mp_size)
         self.weight = _sharded_weight(self.spec)
 
