@@ -382,6 +382,8 @@ class ModelConfig:
     pipeline_degree: int = 1
     dropout: float = 0.0
     seed: int = 0
+    # Parm (issue 16): the MoE layers' MP+EP+ESP schedule (MoEConfig.parallel_schedule)
+    parallel_schedule: str = "baseline"
 
     def __post_init__(self) -> None:
         o = "ModelConfig"
@@ -467,9 +469,15 @@ class TrainConfig:
     ep_size: int | None = None    # None = all ranks (pure expert parallelism)
     device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
     dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
+    # Parm (issue 16): tensor parallelism of the dense layers over mp_size ranks, each expert
+    # sharded over esp_size ranks; ESP groups inside a node (Section IV-A case 2) or EP groups
+    mp_size: int = 1
+    esp_size: int = 1
+    esp_in_node: bool = True
 
     # the moeflow train option of each field: --field-name, except these
-    FLAGS = {"collective_timeout_s": "--timeout"}
+    FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
+             "esp_in_node": "--esp-placement"}
 
     @classmethod
     def flag(cls, name: str) -> str:
@@ -501,6 +509,10 @@ class TrainConfig:
         if self.ep_size is not None:
             self._require(isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
                           and self.ep_size > 0, "ep_size", "must be a positive integer")
+        for name in ("mp_size", "esp_size"):
+            v = getattr(self, name)
+            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                          "must be a positive integer (1: no Parm parallelism of that kind)")
         self._require(self.device in DEVICES, "device",
                       f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
         self._require(self.dtype in DTYPES, "dtype",

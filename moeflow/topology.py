@@ -214,9 +214,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_parm_layout(world: int, local: int, ep: int, mp: int, esp: int,
-                       esp_in_node: bool) -> None:
-    """Raise ConfigError naming the size, the world and the fix when a layout can't be placed."""
+def check_parm_layout(world: int, local: int, ep: int, mp: int, esp: int,
+                      esp_in_node: bool) -> None:
+    """Raise ConfigError naming the size, the world and the fix when a layout can't be placed
+    (also called by ``moeflow train`` before any rank starts)."""
     sizes = f"(world {world} = {world // local} nodes x {local} ranks)"
     for name, v in (("mp_size", mp), ("esp_size", esp)):
         if v <= 0 or world % v:
@@ -245,7 +246,7 @@ def _check_parm_layout(world: int, local: int, ep: int, mp: int, esp: int,
 def _parm_topology(world: int, rank: int, local: int, ep: int, mp: int, esp: int,
                    esp_in_node: bool) -> Topology:
     """The MP+EP+ESP topology, its groups taken from two DeviceMeshes (module docstring)."""
-    _check_parm_layout(world, local, ep, mp, esp, esp_in_node)
+    check_parm_layout(world, local, ep, mp, esp, esp_in_node)
     key = (id(dist.group.WORLD), world, ep, local, mp, esp, esp_in_node)
     if key in _CACHE:
         return _CACHE[key]

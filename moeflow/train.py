@@ -3,7 +3,11 @@
 Runs on every rank (torch.distributed initialised, or a world of one). AdamW with linear
 warm-up and cosine decay, global-norm gradient clipping that counts each expert once, periodic
 validation, metrics as JSON lines, a progress bar on rank 0, and DCP checkpoints that resume
-exactly (the batch of step s depends only on (seed, s, rank)).
+exactly (the batch of step s depends only on (seed, s, data-parallel rank)).
+
+Parm (``--mp`` / ``--esp``, docs/parm.md): the GPT's dense layers are tensor parallel over MP
+groups of consecutive ranks, which share one batch (drawn for the data-parallel rank
+``rank // mp_size``), and the experts are sharded over ESP groups.
 
 Devices: ``TrainConfig.device`` (``--device``) puts the model and the batches on
 ``cuda:LOCAL_RANK`` or the CPU; ``TrainConfig.dtype`` (``--dtype``) runs forward passes under
@@ -83,7 +87,8 @@ def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology,
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(cfg.eval_batches):
-        x, y = corpus.batch("val", cfg.batch_size, model.cfg.seq_len, cfg.seed, i, topo.rank)
+        x, y = corpus.batch("val", cfg.batch_size, model.cfg.seq_len, cfg.seed, i,
+                            topo.dp_rank)
         with autocast(device, dtype):
             total += model(_to_device(x, device), _to_device(y, device))[1].double()
     model.train()
@@ -176,7 +181,7 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, cfg)
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.seq_len, cfg.seed,
-                                 self.step, topo.rank)
+                                 self.step, topo.dp_rank)     # an MP group shares its batch
         with autocast(self.device, self.dtype):
             _, ce = self.model(_to_device(x, self.device), _to_device(y, self.device))
             aux = self.model.aux_loss
@@ -203,7 +208,7 @@ class Trainer:
             self._write_config()
         if topo.distributed:
             dist.barrier()
-        tokens_per_step = topo.world_size * cfg.batch_size * self.mcfg.seq_len
+        tokens_per_step = topo.dp_size * cfg.batch_size * self.mcfg.seq_len
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -250,6 +255,9 @@ class Trainer:
 def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
                  data: str | None, resume: bool, progress: bool = True) -> dict:
     """Entry point on every rank (torch.distributed already initialised, or a world of one)."""
-    topo = Topology.from_env(ep_size=train_cfg.ep_size)
-    torch.manual_seed(train_cfg.seed + topo.rank)      # only gate noise / dropout draw from it
+    topo = Topology.from_env(ep_size=train_cfg.ep_size, mp_size=train_cfg.mp_size,
+                             esp_size=train_cfg.esp_size, esp_in_node=train_cfg.esp_in_node)
+    # only gate noise / dropout draw from it; the ranks of an MP group draw the same numbers,
+    # so the replicated activations of the tensor-parallel GPT get the same dropout mask
+    torch.manual_seed(train_cfg.seed + topo.dp_rank)
     return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress).run(resume)

@@ -105,9 +105,37 @@ def locate(model: GPT) -> dict[str, tuple]:
     return where
 
 
-def worker(layouts: list[str]) -> dict:
+def trainer_batches(out_dir: str) -> dict:
+    """One step of ``moeflow train``'s Trainer at MP=2, ESP=2: the batches each rank drew and
+    its loss (the ranks of an MP group must share both)."""
+    import torch.distributed as dist
+
+    from moeflow.train import Trainer
+
+    topo = topology("mp2_esp2")
+    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
+                       d_expert=32)
+    trainer = Trainer(mcfg, TrainConfig(steps=1, batch_size=2), out_dir, topo, progress=False)
+    seen, draw = [], trainer.corpus.batch
+
+    def recording(*args):
+        seen.append(args)
+        return draw(*args)
+
+    trainer.corpus.batch = recording
+    loss = trainer.train_step()[0]
+    x = draw(*seen[0])[0]
+    everyone = [torch.zeros_like(x) for _ in range(topo.world_size)]
+    dist.all_gather(everyone, x)
+    return {"seen": seen, "loss": float(loss), "dp_rank": topo.dp_rank,
+            "batches": everyone}
+
+
+def worker(layouts: list[str], out_dir: str) -> dict:
     torch.manual_seed(0)
-    return {layout: run_layout(layout) for layout in layouts}
+    out = {layout: run_layout(layout) for layout in layouts}
+    out["trainer"] = trainer_batches(out_dir)
+    return out
 
 
 def reference(mp: int) -> dict:

@@ -1,5 +1,6 @@
 """Tensor parallelism of the GPT (Parm's MP): a full training step on 4 ranks equals one process
-in float64, shards are slices of the global weights, bad sizes are refused."""
+in float64, shards are slices of the global weights, bad sizes are refused, and the trainer
+feeds the ranks of an MP group one batch."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ PARAM_TOL = dict(rtol=1e-9, atol=1e-9)
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch_local(cases.worker, cases.WORLD, list(cases.LAYOUTS), timeout_s=180)
+def results(tmp_path_factory):
+    return launch_local(cases.worker, cases.WORLD, list(cases.LAYOUTS),
+                        str(tmp_path_factory.mktemp("trainer")), timeout_s=180)
 
 
 @pytest.mark.multirank
@@ -51,6 +53,19 @@ def test_diverged_tensor_parallel_shard_is_named(results):
         msg = results[rank]["mp2_ep2"]["mismatch"]
         assert msg is not None and "tensor-parallel parameter 'blocks.0.attn.qkv.weight' of " \
                                     "MP rank 0" in msg, msg
+
+
+@pytest.mark.multirank
+def test_trainer_feeds_an_mp_group_one_batch(results):
+    """moeflow train draws the batch of the data-parallel rank (rank // mp_size)."""
+    got = [results[rank]["trainer"] for rank in range(cases.WORLD)]
+    for rank in range(cases.WORLD):
+        assert got[rank]["seen"][0][-1] == got[rank]["dp_rank"] == rank // 2
+        assert got[rank]["seen"] == got[rank ^ 1]["seen"]
+        assert got[rank]["loss"] == got[rank ^ 1]["loss"]
+    batches = got[0]["batches"]
+    assert torch.equal(batches[0], batches[1]) and torch.equal(batches[2], batches[3])
+    assert not torch.equal(batches[0], batches[2])
 
 
 def _fake_topo(rank: int, mp: int) -> Topology:

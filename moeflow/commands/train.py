@@ -37,9 +37,14 @@ TRAIN_HELP = {
     "log_every": "write a metrics line every this many steps (and at the end)",
     "checkpoint_every": "also save a checkpoint every this many steps (0: at the end only)",
     "seed": "seed of the batches and the router noise (the weights' seed is --set seed=N)",
-    "ep_size": "expert-parallel group size (default: all ranks); the experts are replicated "
-               "over nproc / ep-size groups",
+    "ep_size": "expert-parallel group size (default: all ranks, divided by --esp); the "
+               "experts are replicated over nproc / (ep-size x esp) groups",
+    "mp_size": "Parm: tensor-parallel (MP) group size: attention heads and the dense MLP are "
+               "split over this many consecutive ranks, which share one batch",
+    "esp_size": "Parm: expert-sharding (ESP) group size: each expert's hidden dimension is "
+                "split over this many ranks",
 }
+ESP_PLACEMENTS = {"esp-in-node": True, "ep-in-node": False}
 
 
 def register(sub) -> None:
@@ -56,11 +61,14 @@ def register(sub) -> None:
                    help="continue from the latest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("collective_timeout_s", "device", "dtype"):
+        if f.name in ("collective_timeout_s", "device", "dtype", "esp_in_node"):
             continue
         p.add_argument(TrainConfig.flag(f.name), dest=f.name, default=f.default,
                        type=int if f.default is None else type(f.default),
                        help=TRAIN_HELP.get(f.name, f"TrainConfig.{f.name}"))
+    p.add_argument("--esp-placement", default="esp-in-node", choices=sorted(ESP_PLACEMENTS),
+                   help="Parm: which groups sit inside a node: the ESP groups (Section IV-A "
+                        "case 2) or the EP groups (case 3)")
     add_device_arg(p, default=TrainConfig.device)
     p.add_argument("--dtype", default=TrainConfig.dtype, choices=DTYPES,
                    help="forward precision: bf16 runs forward passes under bf16 autocast "
@@ -74,14 +82,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     """The model and train configs that ``moeflow train ARGS`` runs (validated)."""
     mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                          if f.name != "collective_timeout_s"},
-                       collective_timeout_s=args.timeout)
+                          if f.name not in ("collective_timeout_s", "esp_in_node")},
+                       collective_timeout_s=args.timeout,
+                       esp_in_node=ESP_PLACEMENTS[getattr(args, "esp_placement", "esp-in-node")])
     return mcfg, tcfg
 
 
-def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int) -> None:
-    """The expert-parallel layout the ranks will build, checked before they start."""
-    ep = tcfg.ep_size or world
+def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int,
+                 local: int | None = None) -> None:
+    """The expert-parallel (and Parm MP / ESP) layout the ranks will build, checked before
+    they start. ``local``: ranks per node (default: all on one node)."""
+    if tcfg.mp_size > 1 or tcfg.esp_size > 1:
+        check_parm_sizes(mcfg, tcfg, world, local or world)
+    esp = tcfg.esp_size if world % tcfg.esp_size == 0 else 1
+    ep = tcfg.ep_size or world // esp
     if world % ep:
         raise ConfigError(f"--ep-size {ep} is invalid with {world} ranks: it must "
                           f"divide the number of ranks; pick one of "
@@ -92,6 +106,32 @@ def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int) -> None:
             f"{ep} (--ep-size; default: all ranks): every rank holds num_experts / ep-size "
             f"experts; use {-(-mcfg.num_experts // ep) * ep} experts or --ep-size "
             f"{math.gcd(mcfg.num_experts, world)}")
+
+
+def check_parm_sizes(mcfg: ModelConfig, tcfg: TrainConfig, world: int, local: int) -> None:
+    """--mp / --esp against the world, the node size and the model (Parm, docs/parm.md)."""
+    from moeflow.experts.structure import expert_hidden
+    from moeflow.parallel.tensor_parallel import check_divisible
+    from moeflow.topology import check_parm_layout
+
+    mp, esp = tcfg.mp_size, tcfg.esp_size
+    for flag, v in (("--mp", mp), ("--esp", esp)):
+        if world % v:
+            raise ConfigError(f"{flag} {v} is invalid with {world} ranks: it must divide the "
+                              f"number of ranks; pick one of "
+                              f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    ep = tcfg.ep_size or world // esp
+    check_parm_layout(world, local, ep, mp, esp, tcfg.esp_in_node)
+    check_divisible("ModelConfig", "n_heads", mcfg.n_heads, mp)
+    if mcfg.num_moe_layers < mcfg.n_layers:
+        check_divisible("ModelConfig", "d_ff", mcfg.d_ff, mp)
+    if mcfg.num_moe_layers:
+        hidden = expert_hidden(mcfg.moe_config(mcfg.moe_layer_ids()[0]))
+        if hidden % esp:
+            raise ConfigError(f"--esp {esp} is invalid with an expert hidden width of {hidden} "
+                              f"(--set d_expert={mcfg.d_expert}): each expert's hidden "
+                              f"dimension is split over the ESP group; pick --esp from "
+                              f"{[d for d in range(1, hidden + 1) if hidden % d == 0 and world % d == 0]}")
 
 
 def check_data(args: argparse.Namespace, mcfg: ModelConfig, tcfg: TrainConfig) -> None:
@@ -113,8 +153,9 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or str(Path("runs") / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     # Everything that can fail before training is checked here, once, not in every rank.
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
     if world >= 1:
-        check_layout(mcfg, tcfg, world)
+        check_layout(mcfg, tcfg, world, local)
     check_data(args, mcfg, tcfg)
     if args.resume:
         _, step = latest_checkpoint(out)
