@@ -28,6 +28,17 @@ SCHEDULES = {
     "s2_aas": dict(parallel_schedule="s2", parm_saa=False),
 }
 LAYOUT_8 = (2, 2, 2, True)           # 8 ranks as 2 nodes x 4
+# composability on one layout: BigMac (exact), a lossy codec with chunks and OptSche on the
+# EP&ESP payloads (close to the reference: bf16 rounding)
+EXTRAS_LAYOUT = "mp2_esp2_esp_in_node"
+EXTRAS = {
+    "bigmac_s1": ("s1", "bigmac_swiglu_capacity", {}),
+    "bigmac_s2": ("s2_saa", "bigmac_swiglu_capacity", {}),
+    "codec_chunks_s1": ("s1", "dropless_k2",
+                        dict(codec="bf16", pipeline_degree=2, schedule="optsche")),
+    "codec_chunks_s2_aas": ("s2_aas", "dropless_k2",
+                            dict(codec="bf16", pipeline_degree=2, schedule="optsche")),
+}
 
 
 def schedule_cases(schedule: str) -> list[str]:
@@ -54,6 +65,9 @@ def rank_worker(layouts: list[str]) -> dict:
         if topo.mp_size > 1:
             out[(layout, "saa_vs_aas")] = saa_vs_aas(topo)
         out[(layout, "auto")] = auto_choices(topo)
+    topo = topology(EXTRAS_LAYOUT)
+    for key, (schedule, case, kw) in EXTRAS.items():
+        out[("extra", key)] = run_rank(case, topo, **{**SCHEDULES[schedule], **kw})
     out["errors"] = layer_errors(topology("mp2_esp2_esp_in_node"))
     out["fits"] = measure_parm_fits(topology("mp2_ep2"), elements=(256, 1024), width=8,
                                     warmup=0, reps=1).to_json()
@@ -125,13 +139,19 @@ def layer_errors(topo: Topology) -> dict[str, str]:
 
 def reference_s1(name: str, world: int, mp: int, **kw) -> dict:
     """One process; rank r's batch runs as its MP parts, each a batch of its own."""
+    return reference_parts(name, world, mp, mp, **kw)
+
+
+def reference_parts(name: str, world: int, mp: int, parts_per_batch: int, **kw) -> dict:
+    """One process; rank r's batch (shared by its MP group) runs as ``parts_per_batch`` parts,
+    each a batch of its own (1: the whole batch, the reference of the baseline and S2)."""
     layer = parity.make_layer(name, Topology.single(), **kw)
     ys, xs, auxs, total = [], [], [], 0.0
     for r in range(world):
         x, g = parity.make_batch(name, batch_index(r, mp))
         x.requires_grad_()
         parts, losses = [], []
-        for rows in token_rows(x.shape[0], mp):
+        for rows in token_rows(x.shape[0], parts_per_batch):
             parts.append(layer(x[rows.start:rows.stop]))
             losses.append(layer.aux_loss)
         y, aux = torch.cat(parts), torch.stack(losses).mean()

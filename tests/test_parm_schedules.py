@@ -43,6 +43,24 @@ def test_schedule_parity(results, layout, schedule):
                                            WORLD, f"({layout}, {schedule}, {name})")
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", list(cases.EXTRAS))
+def test_composability(results, key):
+    """BigMac exactly; bf16 on the EP&ESP payloads with 2 chunks and OptSche to bf16 rounding."""
+    schedule, name, _ = cases.EXTRAS[key]
+    mp = parm_cases.LAYOUTS[cases.EXTRAS_LAYOUT][0]
+    ref = cases.reference_parts(name, WORLD, mp, mp if schedule == "s1" else 1)
+    for rank in range(WORLD):
+        got = results[rank][("extra", key)]
+        if key.startswith("bigmac"):
+            parm_cases.assert_rank_matches(got, ref, rank, WORLD, key)
+            continue
+        torch.testing.assert_close(got["y"], ref["y"][rank], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got["x_grad"], WORLD * ref["x_grad"][rank], rtol=2e-2,
+                                   atol=2e-2)
+        assert not torch.equal(got["y"], ref["y"][rank])        # the codec did round
+
+
 def test_s1_reference_differs_from_the_whole_batch():
     """S1 gates each MP part alone, so its capacity (and drops) differ from the whole batch's
     (capacity 1.0: 6 tokens give C = 3, parts of 3 give C = 2): the S1 parity cases compare
