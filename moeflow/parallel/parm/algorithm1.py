@@ -51,6 +51,13 @@ def algorithm1(fits: ParmFits, tokens: int, E: int, M: int, k: int, f: float, n_
     return Prediction("s1" if t_d1 <= t_d2 else "s2", t_d1, t_d2)       # lines 6-9
 
 
+def use_fits(topo: Topology, fits: ParmFits) -> None:
+    """Give every ``auto`` layer on ``topo`` these fits (instead of measuring them on its first
+    call); e.g. fits measured once by ``moeflow bench parm`` or loaded with
+    ``ParmFits.from_json``. Call it on every rank with the same fits."""
+    _FITS[id(topo)] = fits
+
+
 class AutoSchedule:
     """``parallel_schedule="auto"`` for one layer (see the module docstring)."""
 
