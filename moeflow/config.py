@@ -19,7 +19,7 @@ def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
     return ConfigError(f"{owner}.{name}={value!r} is invalid: {fix}")
 
 
-PARM_SCHEDULES_LATER = ("s1", "s2", "auto")   # Parm Fig. 3b/3c and Algorithm 1: not built yet
+PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
 
 
 def _require(cond: bool, owner: str, name: str, value, fix: str) -> None:
@@ -177,8 +177,10 @@ class MoEConfig:
 
     ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/parallel/parm``,
     used when the topology has ``mp_size`` or ``esp_size`` > 1): ``"baseline"`` is
-    DeepSpeed-MoE's order (Parm Fig. 3a); ``"s1"``, ``"s2"`` and ``"auto"`` (Algorithm 1) are
-    not implemented yet and are refused.
+    DeepSpeed-MoE's order (Parm Fig. 3a); ``"s1"`` pauses MP before the gate (Fig. 3b),
+    ``"s2"`` after it (Fig. 3c), both with the EP&ESP-AlltoAll; ``"auto"`` picks S1 or S2 per
+    call by Algorithm 1. ``parm_saa`` runs S2's second all-to-all and MP-AllGather at once
+    (SAA, Section III-D; ``False``: sequentially, AAS). See docs/parm.md.
     """
 
     d_model: int
@@ -213,18 +215,18 @@ class MoEConfig:
     pipeline_degree: int = 1
     seed: int = 0
     layer_id: int = 0
+    # Parm (issue 16): schedule of MP+EP+ESP, and S2's SAA (True) or AAS (False)
     parallel_schedule: str = "baseline"
+    parm_saa: bool = True
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
         _positive_int(o, "pipeline_degree", self.pipeline_degree)
-        _require(self.parallel_schedule not in PARM_SCHEDULES_LATER, o, "parallel_schedule",
-                 self.parallel_schedule,
-                 "is not implemented yet (Parm's S1, S2 and Algorithm 1 are later stages of "
-                 "issue 16); use 'baseline'")
-        _require(self.parallel_schedule == "baseline", o, "parallel_schedule",
-                 self.parallel_schedule, "unknown schedule; use 'baseline' (DeepSpeed-MoE's "
-                 "order, Parm Fig. 3a)")
+        _require(self.parallel_schedule in PARM_SCHEDULES, o, "parallel_schedule",
+                 self.parallel_schedule, "unknown schedule; use one of "
+                 f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1)")
+        _require(isinstance(self.parm_saa, bool), o, "parm_saa", self.parm_saa,
+                 "must be True (SAA) or False (AAS)")
         if self.router == "bilevel":
             self._check_bilevel(o)
         for name in ("d_model", "d_expert", "num_experts", "top_k"):

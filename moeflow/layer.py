@@ -18,7 +18,9 @@ from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.dispatch import capacity, combine, make_plan, permute
 from moeflow.experts import ExpertFFN
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
-from moeflow.parallel.parm.baseline import baseline_experts, check_parm_layer
+from moeflow.parallel.parm import schedules as parm
+from moeflow.parallel.parm.baseline import baseline_experts
+from moeflow.parallel.parm.checks import check_parm_layer
 from moeflow.parallel.parm.collectives import esp_all_reduce
 from moeflow.phases import NULL_TIMER, PhaseTimer
 from moeflow.routing import ROUTERS
@@ -67,6 +69,7 @@ class MoELayer(nn.Module):
                                  cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
                                  shard=(topo.esp_rank, topo.esp_size), reduce=reduce)
         self.algo = ALLTOALLS[cfg.a2a](topo)
+        self.parm = parm.ParmParts.build(self, cfg, topo)  # S1 / S2 / auto; None otherwise
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
         self.scheduler = SCHEDULERS[cfg.schedule]()
@@ -142,6 +145,10 @@ class MoELayer(nn.Module):
         route_k = {} if k == cfg.top_k else {"top_k": k}
         shape = x.shape
         h = x.reshape(-1, cfg.d_model)
+        sched = None if self.parm is None else self.parm.choose(self, h.shape[0], k, factor)
+        n_mp = h.shape[0]
+        if sched == "s1":                 # Parm S1 (Fig. 3b): MP-Split before the gate
+            h = parm.mp_split_tokens(h, self.topo)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
         with t.phase("route", h):
@@ -159,7 +166,9 @@ class MoELayer(nn.Module):
         runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite)
-        if self.topo.esp_size > 1:       # Parm's baseline schedule (Fig. 3a) with shards
+        if sched is not None:            # Parm S1 / S2: EP&ESP-AlltoAll (Section III-C)
+            back = self.parm.experts(cfg, sched, t.mark(send, None), plan, runner)
+        elif self.topo.esp_size > 1:     # Parm's baseline schedule (Fig. 3a) with shards
             back = baseline_experts(t.mark(send, None), plan, runner, self.topo)
         else:
             back = scheduled_experts(t.mark(send, None), plan, runner)
@@ -169,6 +178,9 @@ class MoELayer(nn.Module):
             with t.phase("project", y):
                 y = self.dcca.up(t.mark(y, "project"))
         self.aux_loss = routing.aux_loss
+        if sched == "s1":                 # MP-AllGather after the layer; MP parts' mean loss
+            y = parm.mp_gather_tokens(y, n_mp, self.topo)
+            self.aux_loss = parm.mp_mean_loss(routing.aux_loss, self.topo)
         n_choices = max(1, routing.experts.numel())
         self._stats = {"balance_loss": routing.balance_loss.detach(),
                        "z_loss": routing.z_loss.detach(),

@@ -65,16 +65,6 @@ def test_shards_sum_to_the_expert():
     torch.testing.assert_close(partial + b2, full(x, counts), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["s1", "s2", "auto"])
-def test_later_schedules_are_refused(schedule):
-    with pytest.raises(ConfigError, match=f"parallel_schedule='{schedule}'.*not implemented "
-                                          "yet.*use 'baseline'"):
-        MoEConfig(d_model=8, d_expert=8, num_experts=4, parallel_schedule=schedule)
-    with pytest.raises(ConfigError, match="parallel_schedule='gpipe'.*unknown"):
-        MoEConfig(d_model=8, d_expert=8, num_experts=4, parallel_schedule="gpipe")
-    assert MoEConfig(d_model=8, d_expert=8, num_experts=4).parallel_schedule == "baseline"
-
-
 @pytest.mark.multirank
 def test_layer_refuses_what_the_baseline_cannot_run(results):
     errors = results[0]["errors"]

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
-from moeflow.commands import bench_bigmac, bench_net
+from moeflow.commands import bench_bigmac, bench_net, bench_parm
 from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
 from moeflow.registry import did_you_mean
 
@@ -33,6 +33,7 @@ def register(sub) -> None:
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
     bench_net.register_bench(bsub)
+    bench_parm.register_bench(bsub)
 
     sched = bsub.add_parser("schedule", help="ScheMoE ablation (codec, Pipe-A2A, OptSche) and "
                                              "the profiler-driven chooser on one MoE layer")

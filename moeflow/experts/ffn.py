@@ -87,7 +87,7 @@ class ExpertFFN(nn.Module):
     def _add_bias(self, y: torch.Tensor, name: str, i: int | None) -> torch.Tensor:
         """``y`` plus bias ``name`` of local expert ``i`` (of every expert, ``y`` stacked
         ``(E_local, rows, .)``, when ``i`` is None); ``y`` itself without biases."""
-        if not self.has_bias or (name == "b2" and self.reduce is not None):
+        if not self.has_bias or (name == "b2" and self._b2_outside):
             return y
         b = getattr(self, name).to(y.dtype)
         return y + (b[i] if i is not None else b.unsqueeze(1))
@@ -109,6 +109,25 @@ class ExpertFFN(nn.Module):
         if not self.has_bias:
             return y
         return y + self.b2.to(y.dtype).index_select(0, _row_expert(counts, offsets, y.device))
+
+    @property
+    def _b2_outside(self) -> bool:
+        """A shard's partial output never holds b2 (it is added once, after the sum)."""
+        return self.reduce is not None or self.shard[1] > 1
+
+    def partial(self, x: torch.Tensor, counts: list[int],
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Parm's EP&ESP-AlltoAll (Section III-C): this shard's partial output, summed over
+        the shards by the tokens' rank (local combine) instead of an ESP-AllReduce. b2 enters
+        as ``b2 / n`` on every shard, so the sum holds it once; its gradient on every shard is
+        the whole ``sum_rows g`` (every shard gets the same rows and the same output gradients),
+        as for the replicated b2 of the ESP-AllReduce path. A whole expert (n = 1) is itself."""
+        y = self._partial(x, counts, offsets)
+        n = self.shard[1]
+        if not self.has_bias or n == 1:
+            return y
+        b2 = _ReplicaShare.apply(self.b2.to(y.dtype), n)
+        return y + b2.index_select(0, _row_expert(counts, offsets, y.device))
 
     def _partial(self, x: torch.Tensor, counts: list[int],
                  offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +170,7 @@ class ExpertFFN(nn.Module):
                       ) -> torch.Tensor:
         """``y`` (rows grouped by expert) plus each row's expert bias ``name``; ``rows``: the
         local expert of each row (:func:`_row_expert`)."""
-        if not self.has_bias or (name == "b2" and self.reduce is not None):
+        if not self.has_bias or (name == "b2" and self._b2_outside):
             return y
         return y + getattr(self, name).to(y.dtype).index_select(0, rows)
 
@@ -166,6 +185,19 @@ def _row_expert(counts: list[int], offsets: torch.Tensor | None,
         offsets = to_device_async(list(itertools.accumulate(counts)), device, torch.int32)
     return torch.searchsorted(offsets, torch.arange(sum(counts), device=device,
                                                     dtype=offsets.dtype), right=True)
+
+
+class _ReplicaShare(torch.autograd.Function):
+    """``b / n`` forward; the gradient passes whole: n replicas each add their share to one sum,
+    and each replica's gradient is that of the one logical parameter."""
+
+    @staticmethod
+    def forward(ctx, b, n):
+        return b / n
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 class _ContiguousGrad(torch.autograd.Function):

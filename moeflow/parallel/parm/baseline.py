@@ -20,53 +20,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeflow.comm.exchange import gather_device_counts, gather_host_ints
-from moeflow.config import ConfigError, MoEConfig
 from moeflow.dispatch.plan import DispatchPlan
 from moeflow.parallel.parm.collectives import esp_all_gather, esp_split
+from moeflow.parallel.parm.ep_esp import block_counts
 from moeflow.schedule.chunks import block_rows, to_device
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 from moeflow.topology import Topology
 
-# all-to-all algorithms that only use the EP group's own ranks (the hierarchical ones assume
-# that EP groups map onto nodes, which ESP changes)
-_ESP_ALLTOALLS = ("direct", "pairwise")
-
-
-def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
-    """Refuse, with the fix, what the baseline with expert shards cannot run."""
-    if topo.esp_size == 1:
-        return
-    if hidden % topo.esp_size:
-        raise ConfigError(
-            f"MoEConfig.d_expert={cfg.d_expert} (expert hidden width {hidden}) is invalid for "
-            f"esp_size={topo.esp_size}: each expert's hidden dimension is split over the ESP "
-            f"group, so it must be a multiple of {topo.esp_size}; change d_expert or esp_size")
-    if cfg.a2a not in _ESP_ALLTOALLS:
-        raise ConfigError(
-            f"MoEConfig.a2a={cfg.a2a!r} is not supported with esp_size={topo.esp_size}: the "
-            "hierarchical algorithms assume EP groups laid over nodes, which expert sharding "
-            f"changes; use one of {', '.join(_ESP_ALLTOALLS)}")
-    if cfg.router == "bilevel":
-        raise ConfigError(
-            f"MoEConfig.router='bilevel' is not supported with esp_size={topo.esp_size}: "
-            "SMILE's node-level routing assumes one expert group per node of the EP group; "
-            "use router='topk' or esp_size=1")
-
-
-def _block_counts(plan: DispatchPlan, topo: Topology) -> np.ndarray:
-    """``C[slot][e]``: rows each rank of this EP&ESP block sends to expert e (collective over
-    the block; dropless reads the device counts once, capacity sends host integers)."""
-    u, E = topo.expert_slots, plan.num_experts
-    if plan.capacity is None:
-        return gather_device_counts(plan.local_counts, topo.ep_esp_group, u)
-    return np.repeat(gather_host_ints([plan.capacity], topo.ep_esp_group, u), E, axis=1)
-
-
 def baseline_experts(send: torch.Tensor, plan: DispatchPlan, runner: ScheduledExperts,
                      topo: Topology) -> torch.Tensor:
     """Differentiable: this rank's send buffer -> its rows back from the sharded experts."""
-    C = _block_counts(plan, topo)
+    C = block_counts(plan, topo)
     ep, esp, me_ep, me_esp = topo.ep_size, topo.esp_size, topo.ep_rank, topo.esp_rank
     slot = (lambda i, s: i * esp + s) if topo.esp_in_node else (lambda i, s: s * ep + i)
     peers = C[[slot(me_ep, s) for s in range(esp)]]                  # (esp, E)

@@ -5,6 +5,12 @@ shards' partial outputs, ESP-Split after the second EP-AlltoAll. The pairs (as i
 mappings): AllGather -> ReduceScatter (each rank's input gradient is partial), AllReduce ->
 identity (its output is replicated, so is its gradient), Split -> AllGather ("the split
 operations ... introduce the AllGather communication in backpropagation", Fig. 3 caption).
+MP movements of the Parm schedules (Section III-B, PauseMP): MP-Split keeps this MP rank's
+part of a tensor replicated over the MP group; its backward is the AllGather of the parts'
+gradients, averaged over the group (each MP rank's loss counts, so the AllGather's backward, a
+reduce-scatter sum, hands a part N_MP replicas' gradients; the mean gives back one replica's,
+what the replicated input of a tensor-parallel layer expects). MP-AllGather's backward is the
+reduce-scatter (sum). The EP&ESP-AlltoAll's backward is the all-to-all the other way.
 Row counts may differ per rank (dropless, or capacity from unequal local batches): blocks are
 padded to the largest and cut after the collective.
 """
@@ -89,3 +95,63 @@ def esp_split(y: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor
 def esp_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """ESP-AllReduce (sum) of partial outputs. Backward: identity (the sum is replicated)."""
     return _AllReduce.apply(x, group)
+
+
+def _reduce_scatter_rows(g: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor:
+    """Sum over ``group`` of every rank's ``g`` (blocks of ``sizes`` rows), this rank's block."""
+    top = max(sizes)
+    padded = torch.cat([_padded(b, top) for b in torch.split(g.contiguous(), sizes)])
+    out = g.new_empty((top,) + tuple(g.shape[1:]))
+    _reduce_scatter(out, padded, group=group)
+    return out[:sizes[me]]
+
+
+class _MPSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows, me, group):
+        ctx.rows, ctx.me, ctx.group, ctx.n = rows, me, group, x.shape[0]
+        return x.index_select(0, rows[me])
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, n = ctx.rows, len(ctx.rows)
+        got = _gather(g.contiguous(), [r.numel() for r in rows], ctx.group)
+        full = g.new_zeros((ctx.n,) + tuple(g.shape[1:]))
+        full.index_add_(0, torch.cat(rows), got)
+        return full / n, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),
+                           input_split_sizes=list(send), group=group)
+    return out
+
+
+def mp_split(x: torch.Tensor, rows: list[torch.Tensor], me: int, group) -> torch.Tensor:
+    """MP-Split: rows ``rows[me]`` of ``x`` (replicated over the MP ``group``; ``rows[m]`` are
+    MP rank m's rows, known to every rank). Backward: AllGather of the parts' gradients, put
+    back in place and averaged over the group (module docstring)."""
+    return _MPSplit.apply(x, list(rows), me, group)
+
+
+def mp_all_gather(x: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor:
+    """MP-AllGather of rows (``sizes[m]`` from MP rank m). Backward: ReduceScatter (sum)."""
+    return _AllGather.apply(x, list(sizes), me, group)
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """One all-to-all of rows over ``group`` (``send[j]`` rows to rank j, ``recv[j]`` from it).
+    Backward: the all-to-all back (the splits swapped)."""
+    return _AllToAll.apply(x, list(send), list(recv), group)

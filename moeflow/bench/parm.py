@@ -1,0 +1,128 @@
+"""``moeflow bench parm``: Parm's schedules side by side (a scaled-down Table III / IV grid).
+
+For every layout (N_MP, N_EP, N_ESP) that fits the world and every MoE case (tokens per rank
+``B L``, width ``M`` with ``H = 2 M``, capacity factor ``f``), one MoE layer per variant --
+``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas`` and ``auto``
+(Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
+hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
+are reported. Per layout, the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the
+running cluster first (:func:`moeflow.parallel.parm.fits.measure_parm_fits`) and Algorithm 1's
+predictions (communication only, Eq. 13 and line 5) are recorded next to the measured step
+times. The summary gives the speedups over the baseline per (N_MP, N_ESP) (Table IV), how often
+S1 / S2 beat the baseline (Eq. 6, 10), how often Algorithm 1 picked the faster of S1 and S2
+where they differ by more than 10 %, and SAA vs AAS.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from moeflow.bench.schedule import time_variants
+from moeflow.config import MoEConfig
+from moeflow.devices import resolve_device
+from moeflow.parallel.parm.algorithm1 import algorithm1, use_fits
+from moeflow.parallel.parm.fits import measure_parm_fits
+from moeflow.topology import Topology
+
+VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
+            ("s1", dict(parallel_schedule="s1")),
+            ("s2", dict(parallel_schedule="s2")),
+            ("s2-aas", dict(parallel_schedule="s2", parm_saa=False)),
+            ("auto", dict(parallel_schedule="auto"))]
+
+
+def layouts(world: int, local: int) -> list[tuple[int, int, int]]:
+    """(N_MP, N_EP, N_ESP) with N_MP, N_ESP in {1, 2} and MP or ESP > 1, ESP in a node."""
+    out = []
+    for mp in (1, 2):
+        for esp in (1, 2):
+            if (mp, esp) == (1, 1) or local % esp or local % mp:
+                continue
+            out.append((mp, world // esp // mp, esp))
+    return out
+
+
+def bench_worker(opts: dict) -> dict:
+    world_topo = Topology.from_env()
+    device = resolve_device(opts.get("device", "cpu"))
+    rows, fits_out = [], {}
+    for mp, ep, esp in layouts(world_topo.world_size, world_topo.local_size):
+        topo = Topology.from_env(ep_size=ep, mp_size=mp, esp_size=esp, esp_in_node=True)
+        fits = measure_parm_fits(topo, device=device)
+        use_fits(topo, fits)                 # the auto layers' Algorithm 1 takes these
+        fits_out[f"{mp},{ep},{esp}"] = fits.to_json()
+        for tokens in opts["tokens"]:
+            for f in opts["capacity_factors"]:
+                M = opts["d_model"]
+                base = MoEConfig(d_model=M, d_expert=2 * M, num_experts=ep * opts["experts_per_ep"],
+                                 top_k=opts["top_k"], capacity_factor=f, seed=1)
+                gen = torch.Generator().manual_seed(4000 + topo.rank // mp)
+                x = torch.randn(tokens, M, generator=gen).to(device)
+                variants = list(VARIANTS)
+                got = time_variants(base, variants, topo, x, opts["warmup"], opts["reps"])
+                pred = algorithm1(fits, tokens, base.num_experts, M, base.top_k, f, esp, mp)
+                rows.append({"n_mp": mp, "n_ep": ep, "n_esp": esp, "tokens_per_rank": tokens,
+                             "d_model": M, "d_expert": 2 * M, "num_experts": base.num_experts,
+                             "top_k": base.top_k, "capacity_factor": f,
+                             "step_ms": {r["variant"]: r["step_ms"] for r in got},
+                             "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
+                             "auto_choice": pred.schedule,
+                             "predicted_comm_ms": {"s1": 1e3 * pred.t_d1,
+                                                   "s2": 1e3 * pred.t_d2}})
+    return {"topology": repr(world_topo), "fits": fits_out, "rows": rows,
+            "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Table IV analog, the share of cases S1 / S2 beat the baseline, Algorithm 1's accuracy."""
+    table: dict[str, dict] = {}
+    beat = {"s1": 0, "s2": 0, "any": 0}
+    decided = correct = 0
+    saa_vs_aas = []
+    for r in rows:
+        t = r["step_ms"]
+        key = f"N_MP={r['n_mp']},N_ESP={r['n_esp']}"
+        sp = table.setdefault(key, {"s1": [], "s2": [], "auto": []})
+        for v in ("s1", "s2", "auto"):
+            sp[v].append(t["baseline"] / t[v])
+        beat["s1"] += t["s1"] < t["baseline"]
+        beat["s2"] += t["s2"] < t["baseline"]
+        beat["any"] += min(t["s1"], t["s2"]) < t["baseline"]
+        saa_vs_aas.append(t["s2-aas"] / t["s2"])
+        if abs(t["s1"] - t["s2"]) > 0.1 * min(t["s1"], t["s2"]):
+            decided += 1
+            correct += r["auto_choice"] == ("s1" if t["s1"] < t["s2"] else "s2")
+    n = len(rows)
+    return {"mean_speedup_over_baseline": {k: {v: statistics.mean(s) for v, s in d.items()}
+                                           for k, d in table.items()},
+            "cases": n, "s1_beats_baseline": beat["s1"], "s2_beats_baseline": beat["s2"],
+            "s1_or_s2_beats_baseline": beat["any"],
+            "algorithm1_cases_differing_by_10pct": decided,
+            "algorithm1_picked_faster": correct,
+            "saa_speedup_over_aas_mean": statistics.mean(saa_vs_aas) if saa_vs_aas else None}
+
+
+def format_result(res: dict) -> str:
+    lines = [res["topology"],
+             f"{'MP,EP,ESP':>9} {'BL':>5} {'f':>4} " + " ".join(f"{v:>9}" for v, _ in VARIANTS)
+             + f" {'alg1':>5} {'pred s1':>8} {'pred s2':>8}", "-" * 100]
+    for r in res["rows"]:
+        t = r["step_ms"]
+        lines.append(f"{r['n_mp']},{r['n_ep']},{r['n_esp']:<5} {r['tokens_per_rank']:>5} "
+                     f"{r['capacity_factor']:>4} " + " ".join(f"{t[v]:>9.1f}" for v, _ in VARIANTS)
+                     + f" {r['auto_choice']:>5} {r['predicted_comm_ms']['s1']:>8.2f} "
+                     f"{r['predicted_comm_ms']['s2']:>8.2f}")
+    s = res["summary"]
+    lines.append("step ms (median); pred = Algorithm 1's communication time, ms")
+    for k, d in s["mean_speedup_over_baseline"].items():
+        lines.append(f"{k}: mean speedup over baseline  S1 {d['s1']:.2f}x  S2 {d['s2']:.2f}x  "
+                     f"Parm(auto) {d['auto']:.2f}x")
+    lines.append(f"S1 beats baseline in {s['s1_beats_baseline']}/{s['cases']}, S2 in "
+                 f"{s['s2_beats_baseline']}/{s['cases']}, S1 or S2 in "
+                 f"{s['s1_or_s2_beats_baseline']}/{s['cases']}")
+    lines.append(f"Algorithm 1 picked the faster in {s['algorithm1_picked_faster']}/"
+                 f"{s['algorithm1_cases_differing_by_10pct']} cases where S1 and S2 differ "
+                 f"by > 10%; SAA vs AAS: mean AAS/SAA time {s['saa_speedup_over_aas_mean']:.3f}")
+    return "\n".join(lines)

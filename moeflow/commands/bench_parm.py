@@ -1,0 +1,45 @@
+"""``moeflow bench parm``: Parm's baseline, S1, S2 (SAA / AAS) and auto side by side (see
+:mod:`moeflow.bench.parm`); run it under ``moeflow cluster run`` for real link differences."""
+
+from __future__ import annotations
+
+import argparse
+
+from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
+
+
+def _list(kind):
+    return lambda text: [kind(v) for v in text.split(",") if v]
+
+
+def register_bench(bsub) -> None:
+    p = bsub.add_parser("parm", help="Parm: baseline vs S1 vs S2 (SAA/AAS) vs auto over MP/ESP "
+                                     "layouts, with Algorithm 1's predictions")
+    p.add_argument("--tokens", type=_list(int), default=[512, 2048],
+                   help="tokens per rank B*L, a comma list (default 512,2048)")
+    p.add_argument("--d-model", type=int, default=256, help="width M (experts: H = 2M)")
+    p.add_argument("--experts-per-ep", type=int, default=2,
+                   help="experts per EP rank (num_experts = this x N_EP)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--capacity-factors", type=_list(float), default=[1.2, 2.4],
+                   help="f, a comma list (Table III: 1.2,2.4)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per variant")
+    add_device_arg(p)
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON here (default: print only)")
+    add_launch_args(p, default_nproc=4)
+    p.set_defaults(func=run_parm)
+
+
+def run_parm(args: argparse.Namespace) -> int:
+    from moeflow.bench.parm import bench_worker, format_result
+    from moeflow.commands.bench import _report
+
+    for name in ("d_model", "experts_per_ep", "top_k", "reps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"moeflow bench parm: --{name.replace('_', '-')} "
+                             f"{getattr(args, name)} must be >= 1")
+    opts = {k: getattr(args, k) for k in ("tokens", "d_model", "experts_per_ep", "top_k",
+                                          "capacity_factors", "warmup", "reps", "device")}
+    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
