@@ -16,7 +16,8 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.dispatch import capacity, combine, make_plan, permute
-from moeflow.experts import ExpertFFN
+from moeflow.experts.ffn import EXPERTS
+from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
 from moeflow.parallel.parm.baseline import baseline_experts, check_parm_layer
 from moeflow.parallel.parm.collectives import esp_all_reduce
@@ -62,10 +63,13 @@ class MoELayer(nn.Module):
         # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
         reduce = (functools.partial(esp_all_reduce, group=topo.esp_group)
                   if topo.esp_size > 1 else None)
-        self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
-                                 topo.ep_rank * self.num_local, self.num_local, cfg.activation,
-                                 cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
-                                 shard=(topo.esp_rank, topo.esp_size), reduce=reduce)
+        self.experts = EXPERTS[cfg.expert_module](
+            comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
+            cfg.activation, cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
+            shard=(topo.esp_rank, topo.esp_size), reduce=reduce,
+            activation_options=cfg.activation_options)
+        # shared experts (DeepSeek-V3, Qwen2-MoE): replicated, on this rank's tokens, as task S
+        self.shared = SharedExperts(cfg) if cfg.num_shared_experts else None
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
@@ -141,7 +145,7 @@ class MoELayer(nn.Module):
             self.router.check_top_k(cfg, k)
         route_k = {} if k == cfg.top_k else {"top_k": k}
         shape = x.shape
-        h = x.reshape(-1, cfg.d_model)
+        h = tokens = x.reshape(-1, cfg.d_model)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
         with t.phase("route", h):
@@ -158,9 +162,14 @@ class MoELayer(nn.Module):
                      else h.new_zeros((), dtype=torch.long))
         runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
-                                  self.timeline or t.timeline, nonfinite)
+                                  self.timeline or t.timeline, nonfinite, self.shared)
+        shared_y = None
         if self.topo.esp_size > 1:       # Parm's baseline schedule (Fig. 3a) with shards
             back = baseline_experts(t.mark(send, None), plan, runner, self.topo)
+            if self.shared is not None:  # not overlapped on this path
+                shared_y = self.shared(tokens)
+        elif self.shared is not None:    # task S, beside the all-to-all
+            back, shared_y = scheduled_experts(t.mark(send, None), plan, runner, tokens)
         else:
             back = scheduled_experts(t.mark(send, None), plan, runner)
         with t.phase("combine", h):
@@ -168,6 +177,8 @@ class MoELayer(nn.Module):
         if self.dcca is not None:                          # BigMac: ascend after combine
             with t.phase("project", y):
                 y = self.dcca.up(t.mark(y, "project"))
+        if shared_y is not None:                           # DeepSeek-V3 Eq. 12: + sum FFN^(s)
+            y = y + shared_y.to(y.dtype)
         self.aux_loss = routing.aux_loss
         n_choices = max(1, routing.experts.numel())
         self._stats = {"balance_loss": routing.balance_loss.detach(),
