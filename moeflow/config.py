@@ -314,6 +314,14 @@ class MoEConfig:
                  f"unknown name; registered: {', '.join(sorted(reg))} (register your own "
                  f"with moeflow.register_experts){did_you_mean(self.expert_module, reg)}")
 
+    @classmethod
+    def from_hf(cls, config, layer_id: int = 0, **overrides) -> "MoEConfig":
+        """The recipe for one MoE layer of a transformers model's ``config`` (issue 20;
+        :func:`moeflow.integrations.hf.recipes.moe_config_from_hf`, docs/hf.md)."""
+        from moeflow.integrations.hf.recipes import moe_config_from_hf
+
+        return moe_config_from_hf(config, layer_id, **overrides)
+
     @property
     def shared_hidden(self) -> int:
         """The shared experts' total hidden width (0 without shared experts)."""
