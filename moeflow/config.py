@@ -32,7 +32,9 @@ def _positive_int(owner: str, name: str, value) -> None:
              owner, name, value, "must be a positive integer")
 
 
-ACTIVATIONS = ("gelu", "swiglu", "relu")     # built in; any elementwise F function also works
+ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # built in (the "activation"
+# registry, moeflow/experts/activations.py, holds them and user ones); any elementwise F
+# function also works
 # How f_e of the load-balancing loss counts top-k choices (see moeflow/routing/losses.py):
 # all k choices (Megatron-core) or each token's first choice (GShard, DeepSpeed-MoE, Tutel).
 BALANCE_LOSSES = ("all_choices", "first_choice")   # = moeflow.routing.losses.BALANCE_LOSSES
@@ -73,20 +75,22 @@ def _elementwise_in_F(name) -> bool:
 
 
 def _check_activation(o: str, name) -> None:
-    if name in ACTIVATIONS or _elementwise_in_F(name):
+    reg = registry("activation")
+    if name in reg or _elementwise_in_F(name):
         return
     import difflib
 
     import torch.nn.functional as F
 
-    names = sorted(set(ACTIVATIONS) | {n for n in dir(F) if not n.startswith("_")})
+    names = sorted(set(reg) | {n for n in dir(F) if not n.startswith("_")})
     close = [n for n in difflib.get_close_matches(str(name), names, n=6, cutoff=0.6)
-             if n in ACTIVATIONS or _elementwise_in_F(n)][:3]
+             if n in reg or _elementwise_in_F(n)][:3]
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
     known = (f"torch.nn.functional.{name} is not an elementwise function of one tensor; "
              if isinstance(name, str) and hasattr(F, name) else "")
     raise config_error(o, "activation", name,
-                       f"{known}choose one of {', '.join(ACTIVATIONS)} or the name of an elementwise "
+                       f"{known}choose one of {', '.join(sorted(reg))} (register your own with "
+                       "moeflow.register_activation) or the name of an elementwise "
                        f"function of one tensor in torch.nn.functional (e.g. silu, mish, "
                        f"leaky_relu, tanh){hint}")
 
@@ -208,6 +212,16 @@ class MoEConfig:
     # settings only one router knows (e.g. router="deepseek_v3": n_group, topk_group, ...),
     # checked by that router class (Router.OPTIONS)
     router_options: dict | None = None
+    # Today's architectures (issue 20): shared experts (DeepSeek-V3, Qwen2-MoE) computed on
+    # every rank beside the routed ones, of hidden width num_shared_experts *
+    # shared_expert_hidden (default d_expert), optionally scaled by Qwen2-MoE's gate
+    # sigmoid(x W_g); the activation's own settings (e.g. clamped_swiglu's alpha / limit,
+    # checked by the Activation class); the expert module by name (the "experts" registry).
+    num_shared_experts: int = 0
+    shared_expert_hidden: int | None = None
+    shared_expert_gate: bool = False
+    activation_options: dict | None = None
+    expert_module: str = "ffn"
     codec: str = "none"
     codec_backward: bool = False
     a2a: str = "direct"
@@ -271,6 +285,49 @@ class MoEConfig:
                  "router_options", self.router_options,
                  "must be a dict of the router's settings (or None)")
         self.router_options = registry("router")[self.router].check_options(self)
+        self._check_architecture_pieces(o)
+
+    def _check_architecture_pieces(self, o: str) -> None:
+        """Shared experts, activation options, expert module (issue 20)."""
+        n = self.num_shared_experts
+        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 0, o,
+                 "num_shared_experts", n, "must be an integer >= 0 (0: no shared experts)")
+        if self.shared_expert_hidden is not None:
+            _positive_int(o, "shared_expert_hidden", self.shared_expert_hidden)
+        _require(isinstance(self.shared_expert_gate, bool), o, "shared_expert_gate",
+                 self.shared_expert_gate, "must be True (Qwen2-MoE's sigmoid(x W_g) gate on "
+                 "the shared experts' output) or False")
+        _require(n > 0 or (self.shared_expert_hidden is None and not self.shared_expert_gate),
+                 o, "num_shared_experts", n, "shared_expert_hidden / shared_expert_gate are "
+                 "set but there are no shared experts; set num_shared_experts >= 1")
+        _require(self.activation_options is None or isinstance(self.activation_options, dict),
+                 o, "activation_options", self.activation_options,
+                 "must be a dict of the activation's settings (or None)")
+        acts = registry("activation")
+        if self.activation in acts:
+            self.activation_options = acts[self.activation].check_options(
+                self.activation, self.activation_options)
+        else:
+            _require(not self.activation_options, o, "activation_options",
+                     self.activation_options, f"activation {self.activation!r} (a "
+                     "torch.nn.functional function) takes no options; leave it unset")
+        reg = registry("experts")
+        _require(self.expert_module in reg, o, "expert_module", self.expert_module,
+                 f"unknown name; registered: {', '.join(sorted(reg))} (register your own "
+                 f"with moeflow.register_experts){did_you_mean(self.expert_module, reg)}")
+
+    @classmethod
+    def from_hf(cls, config, layer_id: int = 0, **overrides) -> "MoEConfig":
+        """The recipe for one MoE layer of a transformers model's ``config`` (issue 20;
+        :func:`moeflow.integrations.hf.recipes.moe_config_from_hf`, docs/hf.md)."""
+        from moeflow.integrations.hf.recipes import moe_config_from_hf
+
+        return moe_config_from_hf(config, layer_id, **overrides)
+
+    @property
+    def shared_hidden(self) -> int:
+        """The shared experts' total hidden width (0 without shared experts)."""
+        return self.num_shared_experts * (self.shared_expert_hidden or self.d_expert)
 
     def _check_bilevel(self, o: str) -> None:
         n = self.bilevel_nodes

@@ -16,7 +16,8 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.dispatch import capacity, combine, make_plan, permute
-from moeflow.experts import ExpertFFN
+from moeflow.experts.ffn import EXPERTS
+from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
 from moeflow.parallel.parm import schedules as parm
 from moeflow.parallel.parm.baseline import baseline_experts
@@ -64,10 +65,13 @@ class MoELayer(nn.Module):
         # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
         reduce = (functools.partial(esp_all_reduce, group=topo.esp_group)
                   if topo.esp_size > 1 else None)
-        self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
-                                 topo.ep_rank * self.num_local, self.num_local, cfg.activation,
-                                 cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
-                                 shard=(topo.esp_rank, topo.esp_size), reduce=reduce)
+        self.experts = EXPERTS[cfg.expert_module](
+            comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
+            cfg.activation, cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
+            shard=(topo.esp_rank, topo.esp_size), reduce=reduce,
+            activation_options=cfg.activation_options)
+        # shared experts (DeepSeek-V3, Qwen2-MoE): replicated, on this rank's tokens, as task S
+        self.shared = SharedExperts(cfg) if cfg.num_shared_experts else None
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.parm = parm.ParmParts.build(self, cfg, topo)  # S1 / S2 / auto; None otherwise
         self.codec = CODECS[cfg.codec]()
@@ -149,6 +153,7 @@ class MoELayer(nn.Module):
         n_mp = h.shape[0]
         if sched == "s1":                 # Parm S1 (Fig. 3b): MP-Split before the gate
             h = parm.mp_split_tokens(h, self.topo)
+        tokens = h                        # the shared experts' input (this rank's tokens)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
         with t.phase("route", h):
@@ -165,11 +170,18 @@ class MoELayer(nn.Module):
                      else h.new_zeros((), dtype=torch.long))
         runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
-                                  self.timeline or t.timeline, nonfinite)
+                                  self.timeline or t.timeline, nonfinite, self.shared)
+        shared_y = None
         if sched is not None:            # Parm S1 / S2: EP&ESP-AlltoAll (Section III-C)
             back = self.parm.experts(cfg, sched, t.mark(send, None), plan, runner)
+            if self.shared is not None:  # not overlapped on this path
+                shared_y = self.shared(tokens)
         elif self.topo.esp_size > 1:     # Parm's baseline schedule (Fig. 3a) with shards
             back = baseline_experts(t.mark(send, None), plan, runner, self.topo)
+            if self.shared is not None:  # not overlapped on this path
+                shared_y = self.shared(tokens)
+        elif self.shared is not None:    # task S, beside the all-to-all
+            back, shared_y = scheduled_experts(t.mark(send, None), plan, runner, tokens)
         else:
             back = scheduled_experts(t.mark(send, None), plan, runner)
         with t.phase("combine", h):
@@ -177,6 +189,8 @@ class MoELayer(nn.Module):
         if self.dcca is not None:                          # BigMac: ascend after combine
             with t.phase("project", y):
                 y = self.dcca.up(t.mark(y, "project"))
+        if shared_y is not None:                           # DeepSeek-V3 Eq. 12: + sum FFN^(s)
+            y = y + shared_y.to(y.dtype)
         self.aux_loss = routing.aux_loss
         if sched == "s1":                 # MP-AllGather after the layer; MP parts' mean loss
             y = parm.mp_gather_tokens(y, n_mp, self.topo)

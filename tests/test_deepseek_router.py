@@ -32,7 +32,7 @@ def _reference(x, w, bias, n_group, topk_group, k, norm, scale):
                        range(n_group)]
         group_score = torch.tensor([sum(v) for v in group_score], dtype=torch.float64)
         keep = set(group_score.topk(topk_group).indices.tolist())
-        masked = torch.tensor([float(choice[e]) if e // size in keep else 0.0
+        masked = torch.tensor([float(choice[e]) if e // size in keep else float("-inf")
                                for e in range(E)], dtype=torch.float64)
         idx = masked.topk(k).indices
         wt = s[idx]

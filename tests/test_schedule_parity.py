@@ -14,7 +14,7 @@ SCHEDULES = ["sequential", "pipelined", "optsche"]
 VARIANTS = [dict(a2a=a, schedule=s, pipeline_degree=r)
             for a, s, r in itertools.product(ALGOS, SCHEDULES, [1, 2, 4])]
 NAMES = ["capacity_k2", "dropless_k2", "zero_token_rank", "bigmac_k8", "bilevel_top1",
-         "bilevel_dropless_2x2"]
+         "bilevel_dropless_2x2", "shared_gated_capacity"]
 WORLD = 4
 
 

@@ -1,10 +1,13 @@
-"""FFN experts ``E(h) = W2 act(W1 h)`` or SwiGLU ``W2 (silu(W1 h) * W3 h)``.
+"""FFN experts ``E(h) = W2 act(W1 h)`` or, with a gated activation, ``W2 act(W1 h, W3 h)``
+(SwiGLU: ``silu(W1 h) * W3 h``; GPT-OSS's clamped SwiGLU).
 
-``act`` is GELU, ReLU or any elementwise function of ``torch.nn.functional`` named in
-``MoEConfig.activation`` (silu, mish, leaky_relu, ...). With ``bias=True`` (Tutel's
-``has_fc1_bias`` / ``has_fc2_bias``) the projections are affine: ``W2 act(W1 h + b1) + b2``
-(and ``W3 h + b3`` for SwiGLU); biases are initialised like ``nn.Linear``'s,
-``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, from the expert's global identity.
+``act`` is an activation of the registry in :mod:`moeflow.experts.activations` (gelu, relu,
+swiglu, clamped_swiglu, user-registered ones) or any elementwise function of
+``torch.nn.functional`` named in ``MoEConfig.activation`` (silu, mish, leaky_relu, ...).
+With ``bias=True`` (Tutel's ``has_fc1_bias`` / ``has_fc2_bias``; GPT-OSS) the projections are
+affine: ``W2 act(W1 h + b1) + b2`` (and ``W3 h + b3`` for a gated activation); biases are
+initialised like ``nn.Linear``'s, ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, from the expert's
+global identity.
 
 One module holds the ``E_local`` experts of this rank as stacked weights ``(E_local, ...)``;
 expert ``first_expert + i`` is row ``i``, and its initial weights depend only on the seed, the
@@ -32,7 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.devices import to_device_async
+from moeflow.experts.activations import Activation, build_activation
 from moeflow.init import seeded_normal, seeded_uniform
+from moeflow.registry import Registry
 
 # Marks parameters whose copies live on a subset of ranks (expert shards), for sync_gradients.
 EXPERT_PARAM_ATTR = "_moeflow_expert"
@@ -43,15 +48,26 @@ HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 0, "b1": 0, "b3": 0}
 
 
 class ExpertFFN(nn.Module):
+    """The built-in expert module (``MoEConfig.expert_module="ffn"``). A registered expert
+    module (``@moeflow.register_experts("name")``) subclasses it and keeps its constructor and
+    ``forward(x, counts, offsets)`` contract and its layout: parameters stacked over the
+    ``num_local`` experts from ``first_expert`` on (checkpoints, gradient sync and the Hugging
+    Face conversion index them by global expert id)."""
+
     #: Unequal counts run as grouped GEMMs where they fit (``grouped_mm_fits``); set False on
     #: an instance to force the per-expert loop (``moeflow bench layer`` compares the two).
     use_grouped_mm: bool = True
 
     def __init__(self, d_model: int, d_hidden: int, first_expert: int, num_local: int,
-                 activation: str = "gelu", seed: int = 0, layer_id: int = 0,
-                 bias: bool = False, shard: tuple[int, int] = (0, 1), reduce=None):
+                 activation: str | Activation = "gelu", seed: int = 0, layer_id: int = 0,
+                 bias: bool = False, shard: tuple[int, int] = (0, 1), reduce=None,
+                 activation_options: dict | None = None):
         super().__init__()
-        self.first_expert, self.num_local, self.activation = first_expert, num_local, activation
+        self.act = (activation if isinstance(activation, Activation)
+                    else build_activation(activation, activation_options))
+        self.first_expert, self.num_local, self.activation = first_expert, num_local, \
+            self.act.name
+        gated = self.act.gated
         ids = range(first_expert, first_expert + num_local)
         s, n = shard
         if d_hidden % n or not 0 <= s < n:
@@ -74,13 +90,13 @@ class ExpertFFN(nn.Module):
             return p
 
         self.w1 = stack("w1", (d_model, d_hidden), d_model)
-        if activation == "swiglu":
+        if gated:
             self.w3 = stack("w3", (d_model, d_hidden), d_model)
         self.w2 = stack("w2", (d_hidden, d_model), d_hidden)
         self.has_bias = bias
         if bias:
             self.b1 = stack("b1", (d_hidden,), d_model)
-            if activation == "swiglu":
+            if gated:
                 self.b3 = stack("b3", (d_hidden,), d_model)
             self.b2 = stack("b2", (d_model,), d_hidden)
 
@@ -94,10 +110,10 @@ class ExpertFFN(nn.Module):
 
     def _act(self, h: torch.Tensor, x: torch.Tensor, w3: torch.Tensor | None,
              i: int | None = None) -> torch.Tensor:
-        if self.activation == "swiglu":
-            gate = x @ w3 if x.dim() == 2 else torch.bmm(x, w3)
-            return F.silu(h) * self._add_bias(gate, "b3", i)
-        return getattr(F, self.activation)(h)     # gelu, relu or a validated F function
+        if self.act.gated:
+            up = x @ w3 if x.dim() == 2 else torch.bmm(x, w3)
+            return self.act(h, self._add_bias(up, "b3", i))
+        return self.act(h)
 
     def forward(self, x: torch.Tensor, counts: list[int],
                 offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,7 +151,7 @@ class ExpertFFN(nn.Module):
             raise ValueError(f"ExpertFFN got counts {counts} for {x.shape[0]} rows and "
                              f"{self.num_local} local experts")
         w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
-        w3 = self.w3.to(x.dtype) if self.activation == "swiglu" else None
+        w3 = self.w3.to(x.dtype) if self.act.gated else None
         if len(set(counts)) == 1:                         # one batched matmul
             xs = x.reshape(self.num_local, counts[0], x.shape[1])
             h = self._act(self._add_bias(torch.bmm(xs, w1), "b1", None), xs, w3)
@@ -159,10 +175,10 @@ class ExpertFFN(nn.Module):
             w3 = None if w3 is None else w3.to(dt)
         rows = _row_expert(counts, offsets, x.device) if self.has_bias else None
         h = self._add_row_bias(F.grouped_mm(x, w1, offs=offsets), "b1", rows)
-        if self.activation == "swiglu":
-            h = F.silu(h) * self._add_row_bias(F.grouped_mm(x, w3, offs=offsets), "b3", rows)
+        if self.act.gated:
+            h = self.act(h, self._add_row_bias(F.grouped_mm(x, w3, offs=offsets), "b3", rows))
         else:
-            h = getattr(F, self.activation)(h)
+            h = self.act(h)
         y = self._add_row_bias(F.grouped_mm(h, w2, offs=offsets), "b2", rows)
         return _ContiguousGrad.apply(y)
 
@@ -173,6 +189,11 @@ class ExpertFFN(nn.Module):
         if not self.has_bias or (name == "b2" and self._b2_outside):
             return y
         return y + getattr(self, name).to(y.dtype).index_select(0, rows)
+
+
+EXPERTS = Registry("experts", ExpertFFN)
+register_experts = EXPERTS.register
+register_experts("ffn")(ExpertFFN)
 
 
 def _row_expert(counts: list[int], offsets: torch.Tensor | None,

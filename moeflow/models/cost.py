@@ -61,7 +61,7 @@ def _widths(cfg: ModelConfig) -> tuple[int, int, float]:
 def model_cost(cfg: ModelConfig, bytes_per_element: int = 4, ep_size: int = 1) -> ModelCost:
     M, S, V = cfg.d_model, cfg.seq_len, cfg.vocab_size
     E, k, F = cfg.num_experts, cfg.top_k, cfg.d_expert
-    a = 3 if cfg.activation == "swiglu" else 2
+    a = 3 if _gated(cfg.activation) else 2
     w, h, r = _widths(cfg)
     proj = 2 * M * w if cfg.structure == "bigmac" else 0
     n_moe = cfg.num_moe_layers
@@ -160,3 +160,9 @@ def format_costs(costs: list[ModelCost], tokens: int | None = None) -> str:
             for c in costs))
     return "\n".join(lines)
 
+
+def _gated(activation: str) -> bool:
+    """Whether the experts hold a third (up) projection for this activation."""
+    from moeflow.experts.activations import ACTIVATIONS
+
+    return activation in ACTIVATIONS and ACTIVATIONS[activation].gated

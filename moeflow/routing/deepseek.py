@@ -8,7 +8,9 @@ Per token t and expert i (``MoEConfig.router="deepseek_v3"``, settings in ``rout
   gate weights come from the unbiased ``s_i`` (Eq. 16 with the bias of section 2.1.2).
 * Group-limited (node-limited) routing: the experts form ``n_group`` equal groups; a group's
   score is the sum of its two highest biased affinities, and only the ``topk_group`` best
-  groups are eligible (as transformers' ``DeepseekV3TopkRouter``: ineligible scores become 0).
+  groups are eligible (ineligible scores become -inf, as in DeepSeek-V3's inference code and
+  transformers' ``DeepseekV3TopkRouter``: with a negative bias an eligible expert's biased
+  score can be below 0, and it must still win over every ineligible one).
   With one group per node this bounds how many nodes a token's copies reach, the property
   SMILE's bi-level routing gets from its node router (``routing/bilevel.py``).
 * ``g_i = s_i / sum_{j in top-k} s_j`` when renormalising (``MoEConfig.renormalize``, default
@@ -94,7 +96,7 @@ class DeepSeekV3Router(Router):
             group_scores = biased.view(T, g, E // g).topk(2, dim=-1).values.sum(-1)
             groups = group_scores.topk(o["topk_group"], dim=-1).indices
             mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
-            biased = biased.masked_fill(mask.repeat_interleave(E // g, 1) == 0, 0.0)
+            biased = biased.masked_fill(mask.repeat_interleave(E // g, 1) == 0, float("-inf"))
         experts = biased.topk(k, dim=-1).indices
         weights = scores.gather(1, experts)                                  # unbiased s_i
         if cfg.renormalize is not False:                                     # Eq. 16

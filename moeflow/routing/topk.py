@@ -2,6 +2,9 @@
 
 Router math runs in float32 at least (float64 when the input is float64). Optional Gaussian
 gate noise is added to the logits in training mode only.
+
+``router_options={"bias": True}`` adds a learned bias to the logits, ``x W + b`` (GPT-OSS's
+router; its softmax over the top-k logits equals the renormalised top-k of this softmax).
 """
 
 from __future__ import annotations
@@ -16,10 +19,23 @@ from moeflow.routing.losses import balance_loss, z_loss
 
 @register_router("topk")
 class TopKRouter(Router):
+    OPTIONS = {"bias": False}
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.weight = nn.Parameter(seeded_normal((cfg.d_model, cfg.num_experts), 0.02,
                                                  cfg.seed, "layer", cfg.layer_id, "router"))
+        self.bias = (nn.Parameter(seeded_normal((cfg.num_experts,), 0.02, cfg.seed, "layer",
+                                                cfg.layer_id, "router_bias"))
+                     if cfg.router_options.get("bias") else None)
+
+    @classmethod
+    def validate_options(cls, cfg, opts: dict) -> None:
+        from moeflow.errors import ConfigError
+
+        if not isinstance(opts["bias"], bool):
+            raise ConfigError(f"MoEConfig.router_options['bias']={opts['bias']!r} is invalid: "
+                              "it must be True (logits x W + b, GPT-OSS) or False")
 
     @classmethod
     def check_top_k(cls, cfg, k: int) -> None:
@@ -32,6 +48,8 @@ class TopKRouter(Router):
         k = cfg.top_k if top_k is None else top_k
         dt = torch.promote_types(x.dtype, torch.float32)
         logits = x.to(dt) @ self.weight.to(dt)
+        if self.bias is not None:
+            logits = logits + self.bias.to(dt)
         if self.training and cfg.gate_noise > 0:
             logits = logits + torch.randn_like(logits) * cfg.gate_noise
         probs = torch.softmax(logits, dim=-1)

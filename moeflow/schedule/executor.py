@@ -11,6 +11,11 @@ If a task raises, every communication task already issued is drained (waited for
 errors dropped) before the exception propagates, so a caller that catches it and goes on never
 has this step's collectives interleaved with the next step's.
 
+A side task (``side``: the shared experts, task ``S``) runs on the computing lane right before
+the first task that consumes a communication result, i.e. where the computing lane would
+otherwise wait for the first all-to-all (with the sequential scheduler, which overlaps
+nothing, that point comes after the all-to-all has run inline). It adds no host wait.
+
 Every task's start and end are recorded for the timeline and the profiler (CUDA events on GPUs,
 resolved when the timeline is read).
 """
@@ -25,7 +30,7 @@ import torch
 
 from moeflow.schedule.schedulers import Scheduler
 from moeflow.schedule.streams import Clock, CommLane, Handoff
-from moeflow.schedule.tasks import Task
+from moeflow.schedule.tasks import SIDE, Task
 
 __all__ = ["CommLane", "Stage", "TaskRecord", "Timeline", "run_schedule"]
 
@@ -115,16 +120,21 @@ def _drain(pending: dict[Task, Future]) -> None:
 
 def run_schedule(stage: Stage, r: int, scheduler: Scheduler, lane: CommLane,
                  timeline: Timeline | None, phase: str,
-                 device: torch.device | None = None) -> list[Any]:
-    """Execute the 7r tasks; return the D2 results of the r chunks in chunk order."""
+                 device: torch.device | None = None,
+                 side: Callable[[int, Any], tuple[Any, int]] | None = None) -> list[Any]:
+    """Execute the 7r tasks (and the side task ``S`` if given, its result discarded: it
+    returns through its own closure); return the D2 results of the r chunks in chunk
+    order."""
     device = device or torch.device("cpu")
     handoff, clock = Handoff(lane, device), Clock(device)
     results: dict[Task, Any] = {}
     pending: dict[Task, Future] = {}
 
+    fns = dict(stage.fns, **({SIDE: side} if side is not None else {}))
+
     def timed(task: Task, lane_name: str, arg: Any) -> Any:
         t0 = clock.stamp()
-        out, size = stage.fns[task.kind](task.chunk, arg)
+        out, size = fns[task.kind](task.chunk, arg)
         if timeline is not None:
             timeline.add(task, phase, lane_name, t0, clock.stamp(), size)
         return out
@@ -134,10 +144,14 @@ def run_schedule(stage: Stage, r: int, scheduler: Scheduler, lane: CommLane,
         out = timed(task, "comm", payload)
         return out, handoff.leave()
 
+    side_pending = side is not None
     try:
         for task in scheduler.order(r):
             pred = task.predecessor()
             if pred is not None and pred.is_comm:
+                if side_pending:         # the computing lane would wait here: run S first
+                    timed(Task(SIDE, 0), "compute", None)
+                    side_pending = False
                 arg, done = pending.pop(pred).result()
                 handoff.consume(done, arg)
             else:
@@ -150,6 +164,8 @@ def run_schedule(stage: Stage, r: int, scheduler: Scheduler, lane: CommLane,
                               else _done(lane.run(fn, device)))
             else:
                 results[task] = out
+        if side_pending:
+            timed(Task(SIDE, 0), "compute", None)
     except BaseException:
         _drain(pending)
         raise

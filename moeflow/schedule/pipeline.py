@@ -14,6 +14,9 @@ give the same function; a chunk may be empty (r larger than a rank's rows is leg
   they encode them; the count of such values is reported in the layer's ``stats``
   (``nonfinite_payload``) instead of raising on one rank while the others wait.
 * Without autograd (eval, ``torch.no_grad``) the experts run without building a graph.
+* Shared experts (``ScheduledExperts.shared``) run as the side task ``S`` on this rank's
+  tokens: in forward on the layer input, in backward on the gradient of their output, each
+  time while the first all-to-all of the pass is in flight (:mod:`.executor`).
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ class ScheduledExperts:
 
     def __init__(self, experts: torch.nn.Module, algo: AllToAll, codec: Codec,
                  backward_codec: Codec, scheduler: Scheduler, r: int, lane: CommLane,
-                 timeline: Timeline | None, nonfinite: torch.Tensor | None = None):
+                 timeline: Timeline | None, nonfinite: torch.Tensor | None = None,
+                 shared: torch.nn.Module | None = None):
         self.experts, self.algo, self.codec = experts, algo, codec
+        self.shared = shared             # shared experts (task S), or None
         self.backward_codec, self.scheduler, self.r = backward_codec, scheduler, r
         self.lane, self.timeline = lane, timeline
         self.nonfinite = nonfinite       # 0-dim counter, in place; None: not counted
@@ -78,8 +83,8 @@ class ScheduledExperts:
         buf, layout, dtype = packed
         return codec.decode(unpack(buf, layout), dtype), buf.shape[0] * width
 
-    def _run(self, source: torch.Tensor, cp: ChunkPlan, codec: Codec, expert, phase: str
-             ) -> torch.Tensor:
+    def _run(self, source: torch.Tensor, cp: ChunkPlan, codec: Codec, expert, phase: str,
+             side=None) -> torch.Tensor:
         """Run the 7r tasks over the rows of ``source`` (the send buffer in forward, the
         gradient of the returned rows in backward); ``expert(i, rows)`` is task E."""
         width = source.shape[1]
@@ -97,12 +102,15 @@ class ScheduledExperts:
             "D2": lambda i, p: self._decode(codec, p, width),
         })
         chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline, phase,
-                              source.device)
+                              source.device, side)
         return _assemble(chunks, cp, source)
 
-    def forward(self, send: torch.Tensor, cp: ChunkPlan, keep_graph: bool = True
-                ) -> tuple[torch.Tensor, list]:
+    def forward(self, send: torch.Tensor, cp: ChunkPlan, keep_graph: bool = True,
+                shared_in: torch.Tensor | None = None) -> tuple[torch.Tensor, list, dict]:
+        """The returned rows, the experts' saved graphs, and ``{"y": shared experts' output,
+        "saved": their graph}`` (empty without shared experts)."""
         saved: list = [None] * self.r
+        side_out: dict = {}
 
         def expert(i, x):
             g = cp.groupings[i]
@@ -114,11 +122,29 @@ class ScheduledExperts:
             saved[i] = (inp, out)
             return out.detach(), inp.numel()
 
-        return self._run(send, cp, self.codec, expert, "forward"), saved
+        def side(_i, _arg):                       # task S, forward
+            if not keep_graph:
+                side_out["y"] = self.shared(shared_in)
+            else:
+                with torch.enable_grad():
+                    inp = shared_in.detach().requires_grad_()
+                    out = self.shared(inp)
+                side_out["saved"] = (inp, out)
+                side_out["y"] = out.detach()
+            return None, shared_in.numel()
+
+        back = self._run(send, cp, self.codec, expert, "forward",
+                         side if shared_in is not None else None)
+        return back, saved, side_out
 
     def backward(self, grad: torch.Tensor, cp: ChunkPlan, saved: list,
-                 params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list]:
+                 params: list[torch.nn.Parameter], shared_grad: torch.Tensor | None = None,
+                 side_saved: dict | None = None, shared_params: list | None = None
+                 ) -> tuple[torch.Tensor, list, tuple]:
+        """Gradients of the send buffer and the experts' parameters, and ``(input gradient,
+        parameter gradients)`` of the shared experts (``()`` without them)."""
         param_grads: list = [None] * len(params)
+        side_grads: list = []
 
         def expert(i, g):
             inp, out = saved[i]
@@ -129,7 +155,15 @@ class ScheduledExperts:
             saved[i] = None
             return got[0], g.numel()
 
-        return self._run(grad, cp, self.backward_codec, expert, "backward"), param_grads
+        def side(_i, _arg):                       # task S, backward
+            inp, out = side_saved.pop("saved")
+            side_grads.extend(torch.autograd.grad(out, [inp] + shared_params, shared_grad,
+                                                  allow_unused=True))
+            return None, shared_grad.numel()
+
+        back = self._run(grad, cp, self.backward_codec, expert, "backward",
+                         side if shared_grad is not None else None)
+        return back, param_grads, tuple(side_grads)
 
 
 def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> torch.Tensor:
@@ -142,21 +176,44 @@ def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> 
 class _Scheduled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send, runner, cp, *params):
-        back, saved = runner.forward(send, cp)
+        back, saved, _ = runner.forward(send, cp)
         ctx.runner, ctx.cp, ctx.saved, ctx.params = runner, cp, saved, params
         return back
 
     @staticmethod
     def backward(ctx, grad):
-        grad_send, param_grads = ctx.runner.backward(grad.contiguous(), ctx.cp, ctx.saved,
-                                                     list(ctx.params))
+        grad_send, param_grads, _ = ctx.runner.backward(grad.contiguous(), ctx.cp, ctx.saved,
+                                                        list(ctx.params))
         return (grad_send, None, None, *param_grads)
+
+
+class _ScheduledShared(torch.autograd.Function):
+    """:class:`_Scheduled` with the shared experts as task S: inputs ``(send, shared_in)``,
+    outputs ``(returned rows, shared experts' output)``."""
+
+    @staticmethod
+    def forward(ctx, send, shared_in, runner, cp, n_expert_params, *params):
+        back, saved, side = runner.forward(send, cp, shared_in=shared_in)
+        ctx.runner, ctx.cp, ctx.saved, ctx.side = runner, cp, saved, side
+        ctx.params, ctx.n = params, n_expert_params
+        return back, side["y"]
+
+    @staticmethod
+    def backward(ctx, grad, shared_grad):
+        n = ctx.n
+        grad_send, param_grads, side = ctx.runner.backward(
+            grad.contiguous(), ctx.cp, ctx.saved, list(ctx.params[:n]),
+            shared_grad.contiguous(), ctx.side, list(ctx.params[n:]))
+        return (grad_send, side[0], None, None, None, *param_grads, *side[1:])
 
 
 @torch.compiler.disable
 def scheduled_experts(send: torch.Tensor, plan: DispatchPlan,
-                      runner: ScheduledExperts) -> torch.Tensor:
-    """Differentiable: the send buffer -> rows returned from the experts (same order).
+                      runner: ScheduledExperts, shared_in: torch.Tensor | None = None):
+    """Differentiable: the send buffer -> rows returned from the experts (same order); with
+    ``shared_in`` (the layer's tokens on this rank) and ``runner.shared``, also the shared
+    experts' output on them, computed as task S while the all-to-all is in flight:
+    ``(rows, shared_out)``.
 
     Collective: learns the count matrix first. This is where ``torch.compile`` breaks the
     graph (once per MoE layer): everything before (routing, plan, permute) and after (combine,
@@ -167,6 +224,15 @@ def scheduled_experts(send: torch.Tensor, plan: DispatchPlan,
         exchange_counts(plan, runner.algo.topo)
     cp = ChunkPlan.build(plan, runner.r, send.device)
     params = list(runner.experts.parameters())
-    if torch.is_grad_enabled() and (send.requires_grad or any(p.requires_grad for p in params)):
-        return _Scheduled.apply(send, runner, cp, *params)
-    return runner.forward(send, cp, keep_graph=False)[0]
+    if shared_in is None:
+        if torch.is_grad_enabled() and (send.requires_grad
+                                        or any(p.requires_grad for p in params)):
+            return _Scheduled.apply(send, runner, cp, *params)
+        return runner.forward(send, cp, keep_graph=False)[0]
+    shared_params = list(runner.shared.parameters())
+    if torch.is_grad_enabled() and (send.requires_grad or shared_in.requires_grad or any(
+            p.requires_grad for p in params + shared_params)):
+        return _ScheduledShared.apply(send, shared_in, runner, cp, len(params), *params,
+                                      *shared_params)
+    back, _, side = runner.forward(send, cp, keep_graph=False, shared_in=shared_in)
+    return back, side["y"]

@@ -33,10 +33,11 @@ class LinearModel:
 
 
 def model_key(rec: TaskRecord) -> str:
-    """Which model a record feeds: comm, codec (C/D) or experts (forward / backward)."""
+    """Which model a record feeds: comm, codec (C/D), experts (forward / backward) or the
+    shared experts' side task (S_forward / S_backward)."""
     kind = rec.task.kind[0]
-    if kind == "E":
-        return f"E_{rec.phase}"
+    if kind in ("E", "S"):
+        return f"{kind}_{rec.phase}"
     return {"A": "A", "C": "C", "D": "D"}[kind]
 
 

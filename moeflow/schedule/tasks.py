@@ -1,4 +1,11 @@
-"""The tasks of one pipelined MoE layer and their data dependencies (ScheMoE Eq. 3-9)."""
+"""The tasks of one pipelined MoE layer and their data dependencies (ScheMoE Eq. 3-9).
+
+Besides the 7r chunk tasks, a layer with shared experts has one side task ``S`` (the shared
+experts on this rank's tokens, forward or backward): a computing task that depends on no
+chunk task and that nothing but the layer's output depends on. The executor runs it where the
+computing lane would first wait for an all-to-all (:func:`moeflow.schedule.executor.
+run_schedule`), so it overlaps the dispatch all-to-all; schedulers order only the chunk tasks.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from typing import NamedTuple
 KINDS = ("C1", "A1", "D1", "E", "C2", "A2", "D2")   # chain order within a chunk (Eq. 4-9)
 COMM = ("A1", "A2")
 COMPUTE = ("C1", "D1", "E", "C2", "D2")
+SIDE = "S"              # the shared experts' task (one per pass, no chunk dependencies)
 
 
 class Task(NamedTuple):

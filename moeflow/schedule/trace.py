@@ -36,7 +36,7 @@ def gantt_png(records: list[TaskRecord], path: str, title: str = "") -> None:
         raise RuntimeError("PNG timelines need matplotlib: pip install 'moeflow[plot]'") from err
     if not records:
         raise ValueError("the timeline is empty: run the layer with layer.timeline set first")
-    colors = {"C": "#4c72b0", "A": "#dd8452", "D": "#55a868", "E": "#c44e52"}
+    colors = {"C": "#4c72b0", "A": "#dd8452", "D": "#55a868", "E": "#c44e52", "S": "#8172b3"}
     phases = [p for p in ("forward", "backward") if any(r.phase == p for r in records)]
     fig, axes = plt.subplots(len(phases), 1, figsize=(11, 1.6 + 1.3 * len(phases)),
                              squeeze=False)

@@ -1,0 +1,1 @@
+"""Bridges between moeflow and other libraries (optional dependencies, imported on use)."""
