@@ -34,6 +34,7 @@ EXTRAS_LAYOUT = "mp2_esp2_esp_in_node"
 EXTRAS = {
     "bigmac_s1": ("s1", "bigmac_swiglu_capacity", {}),
     "bigmac_s2": ("s2_saa", "bigmac_swiglu_capacity", {}),
+    "pairwise_s2": ("s2_aas", "capacity_k2", dict(a2a="pairwise")),
     "codec_chunks_s1": ("s1", "dropless_k2",
                         dict(codec="bf16", pipeline_degree=2, schedule="optsche")),
     "codec_chunks_s2_aas": ("s2_aas", "dropless_k2",

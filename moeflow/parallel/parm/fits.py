@@ -16,6 +16,7 @@ the same fits (each time is the slowest rank's).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -40,16 +41,19 @@ class ParmFits:
 
     def to_json(self) -> dict:
         def ab(v: AlphaBeta) -> dict:
-            return {"alpha_s": v.alpha, "beta_s_per_element": v.beta, "r2": v.r2,
-                    "max_rel_err": v.max_rel_err}
+            def num(q: float) -> float | None:        # no fit (N_MP = 1): None, not NaN
+                return None if math.isnan(q) else q
+            return {"alpha_s": v.alpha, "beta_s_per_element": v.beta, "r2": num(v.r2),
+                    "max_rel_err": num(v.max_rel_err)}
         return {"ag_mp": ab(self.ag_mp), "a2a": ab(self.a2a), "overlap": ab(self.overlap),
                 "points": self.points}
 
     @classmethod
     def from_json(cls, d: dict) -> "ParmFits":
         def ab(v):
-            return AlphaBeta(v["alpha_s"], v["beta_s_per_element"], 0, v.get("r2", 0.0),
-                             v.get("max_rel_err", 0.0))
+            return AlphaBeta(v["alpha_s"], v["beta_s_per_element"], 0,
+                             math.nan if v.get("r2") is None else v["r2"],
+                             math.nan if v.get("max_rel_err") is None else v["max_rel_err"])
         return cls(ab(d["ag_mp"]), ab(d["a2a"]), ab(d["overlap"]), d.get("points"))
 
 
