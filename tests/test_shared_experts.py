@@ -180,3 +180,24 @@ def test_layout_independent_init_and_parameter_count():
         assert torch.equal(p, q), n
     assert a.shared.w1.shape == (8, 15) and a.shared.w2.shape == (15, 8)
     assert sum(p.numel() for p in a.shared.parameters()) == 3 * 8 * 15 + 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity_factor", [1.0, None], ids=["capacity", "dropless"])
+def test_shared_task_on_one_gpu(capacity_factor):
+    """On CUDA: task S on the compute stream, the same function as the sequential schedule,
+    and no host sync added (capacity: none; dropless: the counts only)."""
+    cfg = mf.MoEConfig(d_model=64, d_expert=128, num_experts=4, top_k=2,
+                       capacity_factor=capacity_factor, num_shared_experts=2,
+                       shared_expert_gate=True, activation="swiglu", schedule="optsche",
+                       pipeline_degree=2)
+    layer = mf.MoELayer(cfg).cuda()
+    ref = mf.MoELayer(cfg.replace(schedule="sequential")).cuda()
+    x = torch.randn(300, 64, device="cuda")
+    layer.timeline = Timeline()
+    torch.testing.assert_close(layer(x), ref(x), rtol=1e-6, atol=1e-7)
+    assert {r.lane for r in layer.timeline.records if r.task.kind == "S"} == {"compute"}
+    xs = x.detach().requires_grad_()
+    host_sync.step_syncs(layer, xs)
+    syncs = host_sync.step_syncs(layer, xs)
+    assert sum(syncs.values()) == (0 if capacity_factor else 1), syncs
