@@ -3,20 +3,26 @@
 Stacked expert weights are stored one entry per *global* expert id
 (``blocks.1.ffn.experts.w1/expert/5``), so each rank writes exactly the experts it holds and
 replicated tensors are written once (DCP de-duplicates equal keys). A checkpoint saved on 4
-ranks loads on 2 or on 1. AdamW's moments are stored the same way.
+ranks loads on 2 or on 1. AdamW's moments are stored the same way. The auto-tuned exchange settings of the MoE
+layers (issue 18) are kept beside the tensors in ``autotune.json``, so a resume on the same
+topology does not re-tune.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moeflow.errors import ConfigError
 from moeflow.experts.ffn import ExpertFFN
+from moeflow.schedule.autotune import restore_tuning, tuning_state
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -75,9 +81,15 @@ def _single_process_ok():
         yield
 
 
+TUNING_FILE = "autotune.json"   # issue 18: the layers' auto-tuned choices (JSON, by module)
+
+
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     with _single_process_ok():
         dcp.save(checkpoint_state(model, optimizer, torch.tensor(step)), checkpoint_id=path)
+    tuned = tuning_state(model)
+    if tuned and (not dist.is_initialized() or dist.get_rank() == 0):
+        (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -86,4 +98,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     state = checkpoint_state(model, optimizer, step)
     with _single_process_ok():
         dcp.load(state, checkpoint_id=path)
+    tuning = Path(path) / TUNING_FILE            # absent before issue 18 or without auto
+    if tuning.exists():
+        restore_tuning(model, json.loads(tuning.read_text()))
     return int(state["step"])

@@ -252,4 +252,7 @@ def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
     """Entry point on every rank (torch.distributed already initialised, or a world of one)."""
     topo = Topology.from_env(ep_size=train_cfg.ep_size)
     torch.manual_seed(train_cfg.seed + topo.rank)      # only gate noise / dropout draw from it
+    if progress and topo.rank == 0:
+        from moeflow.schedule.autotune import log_to_stderr
+        log_to_stderr()                                 # issue 18: the tuner's progress lines
     return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress).run(resume)
