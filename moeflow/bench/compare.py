@@ -5,16 +5,18 @@ one untimed check step each on the same input: outputs and input gradients (of
 ``mean(y^2)``) must agree to ``atol + rtol * |ref|`` (float32 tolerances; reported, and the
 run fails when they do not). Then warm-up steps (moeflow's ``"auto"`` settings are tuned in
 its first one, so tuning is not timed) and ``reps`` timed repetitions, interleaved (moeflow,
-peer, moeflow, peer, ...), every step forward + backward of ``mean(y^2) + aux``, ranks aligned
+peer, moeflow, peer, ...), every step forward + backward of ``mean(y^2) + aux``
+(``input_grad``: the input needs its gradient too, as every MoE layer but a first one's does;
+default off: parameter gradients only, as the issue's setups were measured), ranks aligned
 by a barrier, a step's time the slowest rank's. Reported: medians, and ``speedup`` = peer's
 median / moeflow's median (> 1: moeflow is faster).
 
 After that, ``reps`` more moeflow steps with the phase timer give the phase breakdown, and the
 CPU compute efficiency (issue 18): the layer's executed FLOPs (experts: 12 S M H for S
 computed rows, padded capacity slots included, 18 S M H with SwiGLU; router: 6 T M E) per
-second, as a fraction of ``torch.matmul``'s FLOP/s on an ``(S/E_local, M) x (M, H)`` product
-measured in the same run (interleaved with the layer's steps); experts alone use the experts
-phase time, the whole layer the step time.
+second, as a fraction of ``torch.matmul``'s FLOP/s on ``E_local`` products ``(S/E_local, M) x
+(M, H)`` measured in the same run (once before each of the layer's timed steps); experts alone
+use the experts phase time, the whole layer the step time.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _step(fn, x: torch.Tensor, topo: Topology, aux: bool = True) -> float:
     y, a = fn(x)
     loss = y.square().mean()
     (loss + a if aux and a is not None else loss).backward()
+    x.grad = None
     return slowest(watch.stop(), topo)
 
 
@@ -55,6 +58,7 @@ def _agreement(layer: MoELayer, peer_fn, x: torch.Tensor, topo: Topology) -> dic
         got[name] = (y.detach(), xi.grad)
     out = {}
     ok = True
+    x = x.detach()
     for i, what in enumerate(("y", "dx")):
         a, b = got["moeflow"][i].float(), got["peer"][i].float()
         out[f"max_abs_diff_{what}"] = slowest(float((a - b).abs().max()), topo)
@@ -63,19 +67,21 @@ def _agreement(layer: MoELayer, peer_fn, x: torch.Tensor, topo: Topology) -> dic
     return out
 
 
-def matmul_flops(rows: int, m: int, h: int, device: torch.device, gen: torch.Generator
-                 ) -> tuple[float, callable]:
-    """A ``(rows, m) x (m, h)`` product and a function timing one (seconds)."""
+def matmul_flops(rows: int, m: int, h: int, times: int, device: torch.device,
+                 gen: torch.Generator) -> tuple[float, callable]:
+    """``times`` products ``(rows, m) x (m, h)`` (one per local expert: the FLOPs of the
+    experts' first forward GEMM) and a function timing them (seconds)."""
     a = torch.randn(rows, m, generator=gen).to(device)
     b = torch.randn(m, h, generator=gen).to(device)
 
     def once() -> float:
         synchronize(device)
         t = time.perf_counter()
-        torch.matmul(a, b)
+        for _ in range(times):
+            torch.matmul(a, b)
         synchronize(device)
         return time.perf_counter() - t
-    return 2.0 * rows * m * h, once
+    return 2.0 * rows * m * h * times, once
 
 
 def layer_flops(layer: MoELayer, tokens: int) -> dict:
@@ -108,6 +114,7 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
     other = peer.build(layer)
     gen = torch.Generator().manual_seed(1000 + topo.rank)
     x = torch.randn(opts["tokens"], cfg.d_model, generator=gen).to(device)
+    x.requires_grad_(bool(opts.get("input_grad")))   # a later layer's input needs its gradient
 
     def ours(v):
         return layer(v), layer.aux_loss
@@ -123,7 +130,8 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
         m.zero_grad(set_to_none=True)
     fl = layer_flops(layer, opts["tokens"])
     per_expert = max(1, fl["rows"] // layer.num_local)   # rows one local expert computes
-    mm_flops, mm_once = matmul_flops(per_expert, cfg.d_model, cfg.d_expert, device, gen)
+    mm_flops, mm_once = matmul_flops(per_expert, cfg.d_model, cfg.d_expert, layer.num_local,
+                                     device, gen)
     times = {"moeflow": [], peer_name: []}
     for i in range(opts["warmup"] + opts["reps"]):
         for name, fn, mod in (("moeflow", ours, layer), (peer_name, theirs, other)):
@@ -154,7 +162,7 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
             "tokens_per_rank": opts["tokens"], "config": {k: opts[k] for k in (
                 "d_model", "d_expert", "num_experts", "top_k", "capacity_factor",
                 "activation", "a2a", "schedule", "pipeline_degree")},
-            "threads": torch.get_num_threads(), "warmup": opts["warmup"], "reps": opts["reps"],
+            "input_grad": x.requires_grad, "threads": torch.get_num_threads(), "warmup": opts["warmup"], "reps": opts["reps"],
             "moeflow_settings": {"a2a": layer.cfg.a2a, "schedule": layer.cfg.schedule,
                                  "pipeline_degree": layer.cfg.pipeline_degree},
             "tuned": tuned, "agreement": check,

@@ -43,6 +43,9 @@ def register(sub) -> None:
     cmp.add_argument("--a2a", default="auto", help="moeflow's all-to-all (--compare; default "
                                                    "auto: tuned at the first forward)")
     cmp.add_argument("--schedule", default="auto", help="moeflow's schedule (--compare)")
+    cmp.add_argument("--input-grad", action="store_true",
+                     help="the layer's input needs its gradient too (--compare; default: "
+                          "parameter gradients only)")
     cmp.add_argument("--degree", default="auto",
                      help="moeflow's pipelining degree (--compare; an integer or auto)")
     add_launch_args(layer, default_nproc=1)
@@ -143,7 +146,8 @@ def run_compare(args: argparse.Namespace) -> int:
             "num_experts": args.num_experts, "top_k": args.top_k,
             "capacity_factor": args.capacity_factor, "activation": args.activation,
             "a2a": args.a2a, "schedule": args.schedule, "pipeline_degree": degree,
-            "warmup": args.warmup, "reps": args.reps, "device": args.device}
+            "warmup": args.warmup, "reps": args.reps, "device": args.device,
+            "input_grad": args.input_grad}
     return _report(run_on_ranks(compare_worker, args, args.compare, opts), args,
                    format_compare)
 

@@ -214,7 +214,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
     algos = candidate_algorithms(requested, topo)
     schedules = list(SCHEDULES) if requested.schedule == AUTO else [requested.schedule]
     degrees = list(DEGREES) if requested.pipeline_degree == AUTO else [requested.pipeline_degree]
-    x = x.detach()
+    x = x.detach().requires_grad_(x.requires_grad)   # same backward as the real step
     measured: list[dict] = []
     with _Preserved(layer), torch.enable_grad():
         layer._tuning = True

@@ -87,17 +87,23 @@ class ScheduledExperts:
         def rows(i: int) -> torch.Tensor:
             return source if self.r == 1 else source.index_select(0, cp.rows[i])
 
+        def unless_none(fn):
+            # backward without an input gradient: E returns None and the way back is skipped
+            return lambda i, v: (None, 0) if v is None else fn(i, v)
+
         stage = Stage({
             "C1": lambda i, _: self._encode(codec, rows(i)),
             "A1": lambda i, p: self._exchange(p, cp, i, False),
             "D1": lambda i, p: self._decode(codec, p, width),
             "E": expert,
-            "C2": lambda i, y: self._encode(codec, y),
-            "A2": lambda i, p: self._exchange(p, cp, i, True),
-            "D2": lambda i, p: self._decode(codec, p, width),
+            "C2": unless_none(lambda i, y: self._encode(codec, y)),
+            "A2": unless_none(lambda i, p: self._exchange(p, cp, i, True)),
+            "D2": unless_none(lambda i, p: self._decode(codec, p, width)),
         })
         chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline, phase,
                               source.device)
+        if any(c is None for c in chunks):
+            return None
         return _assemble(chunks, cp, source)
 
     def forward(self, send: torch.Tensor, cp: ChunkPlan, keep_graph: bool = True
@@ -117,17 +123,23 @@ class ScheduledExperts:
         return self._run(send, cp, self.codec, expert, "forward"), saved
 
     def backward(self, grad: torch.Tensor, cp: ChunkPlan, saved: list,
-                 params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list]:
+                 params: list[torch.nn.Parameter], input_grad: bool = True
+                 ) -> tuple[torch.Tensor | None, list]:
+        """``input_grad=False`` (the send buffer needs no gradient, e.g. the layer's input is
+        a leaf without grad): the experts compute parameter gradients only, and the way back
+        (C2, A2, D2) carries nothing, as autograd would skip it (Tutel's backward does). The
+        flag must be the same on every rank (it is whenever the model is)."""
         param_grads: list = [None] * len(params)
+        first = 0 if input_grad else 1
 
         def expert(i, g):
             inp, out = saved[i]
-            got = torch.autograd.grad(out, [inp] + params, g, allow_unused=True)
-            for j, pg in enumerate(got[1:]):
+            got = torch.autograd.grad(out, ([inp] + params)[first:], g, allow_unused=True)
+            for j, pg in enumerate(got[1 - first:]):
                 if pg is not None:
                     param_grads[j] = pg if param_grads[j] is None else param_grads[j] + pg
             saved[i] = None
-            return got[0], g.numel()
+            return (got[0] if input_grad else None), g.numel()
 
         return self._run(grad, cp, self.backward_codec, expert, "backward"), param_grads
 
@@ -149,7 +161,7 @@ class _Scheduled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_send, param_grads = ctx.runner.backward(grad.contiguous(), ctx.cp, ctx.saved,
-                                                     list(ctx.params))
+                                                     list(ctx.params), ctx.needs_input_grad[0])
         return (grad_send, None, None, *param_grads)
 
 
