@@ -20,20 +20,27 @@ on any other (more or fewer ranks, other EP / MP / ESP sizes), optimizer state i
 AdamW's moments are stored the same way as their parameters. :func:`load` first compares the
 checkpoint's entries with the model's and refuses, naming the entries, a checkpoint of another
 model (missing or extra tensors, other shapes) before reading anything.
+
+The auto-tuned exchange settings of the MoE layers (issue 18) are kept beside the tensors in
+``autotune.json``, so a resume on the same topology does not re-tune.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moeflow.errors import ConfigError
 from moeflow.experts.ffn import HIDDEN_DIM, ExpertFFN
 from moeflow.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from moeflow.schedule.autotune import restore_tuning, tuning_state
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -131,9 +138,15 @@ def _single_process_ok():
         yield
 
 
+TUNING_FILE = "autotune.json"   # issue 18: the layers' auto-tuned choices (JSON, by module)
+
+
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     with _single_process_ok():
         dcp.save(checkpoint_state(model, optimizer, torch.tensor(step)), checkpoint_id=path)
+    tuned = tuning_state(model)
+    if tuned and (not dist.is_initialized() or dist.get_rank() == 0):
+        (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
 
 
 def _model_keys(model: nn.Module) -> set[str] | None:
@@ -190,4 +203,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     with _single_process_ok():
         _fit_to_checkpoint(path, state, _model_keys(model))
         dcp.load(state, checkpoint_id=path)
+    tuning = Path(path) / TUNING_FILE            # absent before issue 18 or without auto
+    if tuning.exists():
+        restore_tuning(model, json.loads(tuning.read_text()))
     return int(state["step"])

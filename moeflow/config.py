@@ -19,6 +19,7 @@ def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
     return ConfigError(f"{owner}.{name}={value!r} is invalid: {fix}")
 
 
+AUTO = "auto"      # issue 18: a2a / schedule / pipeline_degree chosen by measurement
 PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
 
 
@@ -235,7 +236,13 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
-        _positive_int(o, "pipeline_degree", self.pipeline_degree)
+        # issue 18 (auto-tuning): a2a / schedule / pipeline_degree may be "auto", resolved
+        # collectively by the layer's first forward (moeflow/schedule/autotune.py)
+        if self.pipeline_degree != AUTO:
+            _require(isinstance(self.pipeline_degree, int)
+                     and not isinstance(self.pipeline_degree, bool) and self.pipeline_degree > 0,
+                     o, "pipeline_degree", self.pipeline_degree,
+                     "must be a positive integer, or 'auto' (measured at the first forward)")
         _require(self.parallel_schedule in PARM_SCHEDULES, o, "parallel_schedule",
                  self.parallel_schedule, "unknown schedule; use one of "
                  f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1)")
@@ -276,6 +283,8 @@ class MoEConfig:
         for name, kind in (("router", "router"), ("codec", "codec"), ("a2a", "alltoall"),
                            ("schedule", "scheduler")):
             v = getattr(self, name)
+            if v == AUTO and name in ("a2a", "schedule"):      # issue 18: tuned at run time
+                continue
             reg = registry(kind)
             _require(v in reg, o, name, v,
                      f"unknown name; registered: {', '.join(sorted(reg))} "

@@ -25,7 +25,7 @@ from moeflow.parallel.parm.checks import check_parm_layer
 from moeflow.parallel.parm.collectives import esp_all_reduce
 from moeflow.phases import NULL_TIMER, PhaseTimer
 from moeflow.routing import ROUTERS
-from moeflow.schedule import SCHEDULERS
+from moeflow.schedule import SCHEDULERS, autotune
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 from moeflow.schedule.tasks import check_order
@@ -50,6 +50,14 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, topo: Topology | None = None):
         super().__init__()
         topo = topo or Topology.single()
+        # issue 18: "auto" a2a / schedule / pipeline_degree run as direct / sequential / 1
+        # until the first forward tunes them (moeflow/schedule/autotune.py)
+        self.requested_cfg = cfg
+        self.auto_fields = autotune.auto_fields(cfg)
+        self.tuned: autotune.TunedChoice | None = None
+        self._tuning = False
+        self._rows: int | None = None          # rows sent over the EP group by the last forward
+        cfg = autotune.placeholder(cfg)
         if cfg.num_experts % topo.ep_size:
             raise ConfigError(
                 f"MoEConfig.num_experts={cfg.num_experts} is invalid for an expert-parallel size "
@@ -118,6 +126,22 @@ class MoELayer(nn.Module):
                 f"capacity_factor={c.capacity_factor}, router={c.router}, codec={c.codec}, "
                 f"a2a={c.a2a}, schedule={c.schedule}, r={c.pipeline_degree}")
 
+    def tune(self, x: torch.Tensor, reps: int = 2) -> autotune.TunedChoice:
+        """Measure and fix the config's ``"auto"`` fields on input ``x`` (collective: every
+        rank calls it, as the first forward does); returns the choice, also in ``tuned``."""
+        if not self.auto_fields:
+            raise ConfigError("MoELayer.tune: this layer's MoEConfig has no 'auto' field "
+                              "(a2a, schedule, pipeline_degree); set one to 'auto' to tune it")
+        self.set_tuned(autotune.tune(self, x.reshape(-1, self.cfg.d_model),
+                                     self.requested_cfg, reps))
+        return self.tuned
+
+    def set_tuned(self, choice: autotune.TunedChoice) -> None:
+        """Fix a tuning result (from :meth:`tune`, or a checkpoint) for the auto fields."""
+        self.tuned = choice
+        autotune.apply(self, autotune.placeholder(self.requested_cfg).replace(
+            **{f: getattr(choice, f) for f in self.auto_fields}))
+
     @property
     def stat_tensors(self) -> dict[str, torch.Tensor | float]:
         """The last forward's statistics, losses as detached tensors (no device sync)."""
@@ -142,6 +166,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer input has last dimension {x.shape[-1]} but "
                              f"MoEConfig.d_model={cfg.d_model}; reshape the input or build the "
                              f"layer with d_model={x.shape[-1]}")
+        if self.auto_fields and not self._tuning and (self.tuned is None or (
+                torch.is_grad_enabled() and autotune.needs_retune(self.tuned.rows, self._rows))):
+            self.tune(x)                   # collective; every rank decides alike (see autotune)
+            cfg = self.cfg
         self._check_schedule()
         k, factor = cfg.per_call(top_k, capacity_factor)
         if k != cfg.top_k:
@@ -184,6 +212,12 @@ class MoELayer(nn.Module):
             back, shared_y = scheduled_experts(t.mark(send, None), plan, runner, tokens)
         else:
             back = scheduled_experts(t.mark(send, None), plan, runner)
+        # training forwards only (evaluation batches of another size must not re-tune)
+        if (self.auto_fields and not self._tuning and plan.counts is not None
+                and torch.is_grad_enabled()):
+            self._rows = int(plan.counts.sum())          # the same number on every EP rank
+            if self.tuned.rows is None:
+                self.tuned.rows = self._rows
         with t.phase("combine", h):
             y = combine(t.mark(back, "combine"), plan, routing.weights)
         if self.dcca is not None:                          # BigMac: ascend after combine
@@ -199,6 +233,11 @@ class MoELayer(nn.Module):
         self._stats = {"balance_loss": routing.balance_loss.detach(),
                        "z_loss": routing.z_loss.detach(),
                        "dropped_fraction": plan.dropped / n_choices}
+        if self.tuned is not None:
+            self._stats["autotune_pipeline_degree"] = float(self.cfg.pipeline_degree)
+            for key in ("predicted_ms", "measured_ms"):
+                if getattr(self.tuned, key) is not None:
+                    self._stats[f"autotune_{key}"] = getattr(self.tuned, key)
         if nonfinite is not None:       # forward's count; backward adds its own in place
             self._stats["nonfinite_payload"] = nonfinite
         return t.mark(y, None).reshape(shape)

@@ -114,3 +114,27 @@ def test_row_expert_index_without_host_copies(counts):
     offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
     assert torch.equal(_row_expert(counts, offsets, torch.device("cpu")), want)
     assert torch.equal(_row_expert(counts, None, torch.device("cpu")), want)
+
+
+@pytest.mark.parametrize("schedule,r", [("sequential", 1), ("optsche", 2)])
+def test_backward_without_input_grad_skips_the_way_back(schedule, r):
+    """A leaf input without grad: same parameter gradients, and the backward's C2/A2/D2
+    carry nothing (issue 18: Tutel's backward skips that exchange too)."""
+    from moeflow import MoEConfig, MoELayer
+    from moeflow.schedule.executor import Timeline
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(d_model=8, d_expert=12, num_experts=4, top_k=2, capacity_factor=1.25,
+                    schedule=schedule, pipeline_degree=r)
+    layer, x = MoELayer(cfg).double(), torch.randn(10, 8, dtype=torch.float64)
+    grads = []
+    for needs in (True, False):
+        layer.zero_grad(set_to_none=True)
+        layer.timeline = Timeline()
+        layer(x.clone().requires_grad_(needs)).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+        back = [rec.size for rec in layer.timeline.records
+                if rec.phase == "backward" and rec.task.kind in ("C2", "A2", "D2")]
+        assert (min(back) > 0) if needs else (max(back) == 0)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-14)

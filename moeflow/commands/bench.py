@@ -29,6 +29,25 @@ def register(sub) -> None:
     add_device_arg(layer)
     layer.add_argument("--out", default=None,
                        help="write the results as JSON here (default: print only)")
+    # issue 18: one layer side by side with a peer implementation (moeflow/bench/compare.py)
+    cmp = layer.add_argument_group("--compare (one GShard-style layer against a peer)")
+    cmp.add_argument("--compare", default=None, metavar="PEER",
+                     help="time this peer's layer with the same weights, interleaved, check the "
+                          "outputs agree and report the ratio: tutel (needs Tutel installed "
+                          "from source, see docs/benchmarks/layer.md) or moeflow-fixed")
+    cmp.add_argument("--num-experts", type=int, default=8, help="experts (--compare)")
+    cmp.add_argument("--top-k", type=int, default=2, help="experts per token (--compare)")
+    cmp.add_argument("--capacity-factor", type=float, default=1.25,
+                     help="capacity factor (--compare)")
+    cmp.add_argument("--activation", default="gelu", help="expert activation (--compare)")
+    cmp.add_argument("--a2a", default="auto", help="moeflow's all-to-all (--compare; default "
+                                                   "auto: tuned at the first forward)")
+    cmp.add_argument("--schedule", default="auto", help="moeflow's schedule (--compare)")
+    cmp.add_argument("--input-grad", action="store_true",
+                     help="the layer's input needs its gradient too (--compare; default: "
+                          "parameter gradients only)")
+    cmp.add_argument("--degree", default="auto",
+                     help="moeflow's pipelining degree (--compare; an integer or auto)")
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
@@ -90,6 +109,8 @@ def run_layer(args: argparse.Namespace) -> int:
     from moeflow.schedule import SCHEDULERS
     from moeflow.registry import did_you_mean
 
+    if args.compare is not None:
+        return run_compare(args)
     schedules = args.schedules.split(",")
     for s in schedules:
         if s not in SCHEDULERS:
@@ -104,6 +125,32 @@ def run_layer(args: argparse.Namespace) -> int:
             write_json(rows, args.out, "moeflow " + shlex.join(sys.argv[1:]))
             print(f"wrote {args.out}")
     return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from moeflow.bench.compare import compare_worker, format_compare
+    from moeflow.bench.peer import PEERS
+    from moeflow.config import ConfigError
+
+    if args.compare not in PEERS:
+        raise ConfigError(f"--compare {args.compare!r} is not a known peer; choose from "
+                          f"{', '.join(PEERS)}{did_you_mean(args.compare, PEERS)}")
+    why = PEERS[args.compare].missing()
+    if why:
+        print(f"moeflow bench layer --compare {args.compare}: skipped: {why}")
+        return 0
+    if args.warmup < 1:
+        raise SystemExit("moeflow bench layer --compare: --warmup must be >= 1 (moeflow's auto "
+                         "settings are tuned in the first warm-up step)")
+    degree = args.degree if args.degree == "auto" else int(args.degree)
+    opts = {"tokens": args.tokens, "d_model": args.d_model, "d_expert": args.d_expert,
+            "num_experts": args.num_experts, "top_k": args.top_k,
+            "capacity_factor": args.capacity_factor, "activation": args.activation,
+            "a2a": args.a2a, "schedule": args.schedule, "pipeline_degree": degree,
+            "warmup": args.warmup, "reps": args.reps, "device": args.device,
+            "input_grad": args.input_grad}
+    return _report(run_on_ranks(compare_worker, args, args.compare, opts), args,
+                   format_compare)
 
 
 def _report(res: dict | None, args: argparse.Namespace, format_result) -> int:

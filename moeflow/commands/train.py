@@ -78,9 +78,14 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+TRAIN_AUTO = {"a2a": "auto", "schedule": "auto", "pipeline_degree": "auto"}
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
     """The model and train configs that ``moeflow train ARGS`` runs (validated)."""
-    mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
+    # issue 18: the exchange settings are measured on the cluster unless --set fixes them
+    mcfg = model_preset(args.preset, **{**TRAIN_AUTO, **parse_overrides(args.overrides,
+                                                                        ModelConfig)})
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name not in ("collective_timeout_s", "esp_in_node")},
                        collective_timeout_s=args.timeout,

@@ -92,17 +92,23 @@ class ScheduledExperts:
         def rows(i: int) -> torch.Tensor:
             return source if self.r == 1 else source.index_select(0, cp.rows[i])
 
+        def unless_none(fn):
+            # backward without an input gradient: E returns None and the way back is skipped
+            return lambda i, v: (None, 0) if v is None else fn(i, v)
+
         stage = Stage({
             "C1": lambda i, _: self._encode(codec, rows(i)),
             "A1": lambda i, p: self._exchange(p, cp, i, False),
             "D1": lambda i, p: self._decode(codec, p, width),
             "E": expert,
-            "C2": lambda i, y: self._encode(codec, y),
-            "A2": lambda i, p: self._exchange(p, cp, i, True),
-            "D2": lambda i, p: self._decode(codec, p, width),
+            "C2": unless_none(lambda i, y: self._encode(codec, y)),
+            "A2": unless_none(lambda i, p: self._exchange(p, cp, i, True)),
+            "D2": unless_none(lambda i, p: self._decode(codec, p, width)),
         })
         chunks = run_schedule(stage, self.r, self.scheduler, self.lane, self.timeline, phase,
                               source.device, side)
+        if any(c is None for c in chunks):
+            return None
         return _assemble(chunks, cp, source)
 
     def forward(self, send: torch.Tensor, cp: ChunkPlan, keep_graph: bool = True,
@@ -139,21 +145,27 @@ class ScheduledExperts:
 
     def backward(self, grad: torch.Tensor, cp: ChunkPlan, saved: list,
                  params: list[torch.nn.Parameter], shared_grad: torch.Tensor | None = None,
-                 side_saved: dict | None = None, shared_params: list | None = None
-                 ) -> tuple[torch.Tensor, list, tuple]:
+                 side_saved: dict | None = None, shared_params: list | None = None,
+                 input_grad: bool = True) -> tuple[torch.Tensor | None, list, tuple]:
         """Gradients of the send buffer and the experts' parameters, and ``(input gradient,
-        parameter gradients)`` of the shared experts (``()`` without them)."""
+        parameter gradients)`` of the shared experts (``()`` without them).
+
+        ``input_grad=False`` (the send buffer needs no gradient, e.g. the layer's input is
+        a leaf without grad): the experts compute parameter gradients only, and the way back
+        (C2, A2, D2) carries nothing, as autograd would skip it (Tutel's backward does). The
+        flag must be the same on every rank (it is whenever the model is)."""
         param_grads: list = [None] * len(params)
         side_grads: list = []
+        first = 0 if input_grad else 1
 
         def expert(i, g):
             inp, out = saved[i]
-            got = torch.autograd.grad(out, [inp] + params, g, allow_unused=True)
-            for j, pg in enumerate(got[1:]):
+            got = torch.autograd.grad(out, ([inp] + params)[first:], g, allow_unused=True)
+            for j, pg in enumerate(got[1 - first:]):
                 if pg is not None:
                     param_grads[j] = pg if param_grads[j] is None else param_grads[j] + pg
             saved[i] = None
-            return got[0], g.numel()
+            return (got[0] if input_grad else None), g.numel()
 
         def side(_i, _arg):                       # task S, backward
             inp, out = side_saved.pop("saved")
@@ -182,8 +194,9 @@ class _Scheduled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_send, param_grads, _ = ctx.runner.backward(grad.contiguous(), ctx.cp, ctx.saved,
-                                                        list(ctx.params))
+        grad_send, param_grads, _ = ctx.runner.backward(
+            grad.contiguous(), ctx.cp, ctx.saved, list(ctx.params),
+            input_grad=ctx.needs_input_grad[0])
         return (grad_send, None, None, *param_grads)
 
 
@@ -203,7 +216,8 @@ class _ScheduledShared(torch.autograd.Function):
         n = ctx.n
         grad_send, param_grads, side = ctx.runner.backward(
             grad.contiguous(), ctx.cp, ctx.saved, list(ctx.params[:n]),
-            shared_grad.contiguous(), ctx.side, list(ctx.params[n:]))
+            shared_grad.contiguous(), ctx.side, list(ctx.params[n:]),
+            input_grad=ctx.needs_input_grad[0])
         return (grad_send, side[0], None, None, None, *param_grads, *side[1:])
 
 

@@ -1,0 +1,201 @@
+"""``moeflow bench layer --compare PEER``: moeflow's layer and a peer's, side by side.
+
+Both layers hold the same weights (the peer copies moeflow's, :mod:`moeflow.bench.peer`). First
+one untimed check step each on the same input: outputs and input gradients (of
+``mean(y^2)``) must agree to ``atol + rtol * |ref|`` (float32 tolerances; reported, and the
+run fails when they do not). Then warm-up steps (moeflow's ``"auto"`` settings are tuned in
+its first one, so tuning is not timed) and ``reps`` timed repetitions, interleaved (moeflow,
+peer, moeflow, peer, ...), every step forward + backward of ``mean(y^2) + aux``
+(``input_grad``: the input needs its gradient too, as every MoE layer but a first one's does;
+default off: parameter gradients only, as the issue's setups were measured), ranks aligned
+by a barrier, a step's time the slowest rank's. Reported: medians, and ``speedup`` = peer's
+median / moeflow's median (> 1: moeflow is faster).
+
+After that, ``reps`` more moeflow steps with the phase timer give the phase breakdown, and the
+CPU compute efficiency (issue 18): the layer's executed FLOPs (experts: 12 S M H for S
+computed rows, padded capacity slots included, 18 S M H with SwiGLU; router: 6 T M E) per
+second, as a fraction of ``torch.matmul``'s FLOP/s on ``E_local`` products ``(S/E_local, M) x
+(M, H)`` measured in the same run (once before each of the layer's timed steps); experts alone
+use the experts phase time, the whole layer the step time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from moeflow.bench.peer import PEERS
+from moeflow.bench.timing import slowest, start_aligned
+from moeflow.config import MoEConfig
+from moeflow.devices import resolve_device, synchronize
+from moeflow.layer import MoELayer
+from moeflow.phases import PhaseTimer
+from moeflow.topology import Topology
+
+PHASES = ("route", "permute", "all_to_all", "experts", "combine")
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _step(fn, x: torch.Tensor, topo: Topology, aux: bool = True) -> float:
+    watch = start_aligned(topo, x.device)
+    y, a = fn(x)
+    loss = y.square().mean()
+    (loss + a if aux and a is not None else loss).backward()
+    x.grad = None
+    return slowest(watch.stop(), topo)
+
+
+def _agreement(layer: MoELayer, peer_fn, x: torch.Tensor, topo: Topology) -> dict:
+    """Max abs differences of outputs and input gradients, and whether they are within
+    tolerance on every rank."""
+    got = {}
+    for name, fn in (("moeflow", lambda v: (layer(v), None)), ("peer", peer_fn)):
+        xi = x.detach().clone().requires_grad_()
+        y, _ = fn(xi)
+        y.square().mean().backward()
+        got[name] = (y.detach(), xi.grad)
+    out = {}
+    ok = True
+    x = x.detach()
+    for i, what in enumerate(("y", "dx")):
+        a, b = got["moeflow"][i].float(), got["peer"][i].float()
+        out[f"max_abs_diff_{what}"] = slowest(float((a - b).abs().max()), topo)
+        ok &= bool(torch.allclose(b, a, rtol=RTOL, atol=ATOL))
+    out["agree"] = slowest(0.0 if ok else 1.0, topo) == 0.0
+    return out
+
+
+def matmul_flops(rows: int, m: int, h: int, times: int, device: torch.device,
+                 gen: torch.Generator) -> tuple[float, callable]:
+    """``times`` products ``(rows, m) x (m, h)`` (one per local expert: the FLOPs of the
+    experts' first forward GEMM) and a function timing them (seconds)."""
+    a = torch.randn(rows, m, generator=gen).to(device)
+    b = torch.randn(m, h, generator=gen).to(device)
+
+    def once() -> float:
+        synchronize(device)
+        t = time.perf_counter()
+        for _ in range(times):
+            torch.matmul(a, b)
+        synchronize(device)
+        return time.perf_counter() - t
+    return 2.0 * rows * m * h * times, once
+
+
+def layer_flops(layer: MoELayer, tokens: int) -> dict:
+    """Executed FLOPs of one forward + backward (see the module docstring)."""
+    cfg = layer.cfg
+    k = cfg.top_k
+    if cfg.capacity_factor is None:
+        rows_local = tokens * k               # per rank on average (balanced load)
+    else:
+        from moeflow.dispatch import capacity
+        rows_local = capacity(tokens, k, cfg.num_experts, cfg.capacity_factor) * cfg.num_experts
+    per_mm = 2.0 * rows_local * cfg.d_model * cfg.d_expert
+    n_mm = 3 if cfg.activation == "swiglu" else 2
+    experts = 3 * n_mm * per_mm               # forward 1x, backward 2x
+    router = 3 * 2.0 * tokens * cfg.d_model * cfg.num_experts
+    return {"expert_flops": experts, "router_flops": router, "rows": rows_local}
+
+
+def compare_worker(peer_name: str, opts: dict) -> dict:
+    topo = Topology.from_env()
+    device = resolve_device(opts.get("device", "cpu"))
+    peer = PEERS[peer_name]
+    cfg = MoEConfig(d_model=opts["d_model"], d_expert=opts["d_expert"],
+                    num_experts=opts["num_experts"], top_k=opts["top_k"],
+                    capacity_factor=opts["capacity_factor"], activation=opts["activation"],
+                    seed=1, a2a=opts["a2a"], schedule=opts["schedule"],
+                    pipeline_degree=opts["pipeline_degree"], codec=opts.get("codec", "none"))
+    layer = MoELayer(cfg, topo).to(device)
+    peer.check(layer, opts["tokens"])
+    other = peer.build(layer)
+    gen = torch.Generator().manual_seed(1000 + topo.rank)
+    x = torch.randn(opts["tokens"], cfg.d_model, generator=gen).to(device)
+    x.requires_grad_(bool(opts.get("input_grad")))   # a later layer's input needs its gradient
+
+    def ours(v):
+        return layer(v), layer.aux_loss
+
+    def theirs(v):
+        return peer.forward(other, v)
+
+    # the first moeflow forward tunes its auto settings (collectively), before any timing
+    _step(ours, x, topo)
+    layer.zero_grad(set_to_none=True)
+    check = _agreement(layer, theirs, x, topo)
+    for m in (layer, other):
+        m.zero_grad(set_to_none=True)
+    fl = layer_flops(layer, opts["tokens"])
+    per_expert = max(1, fl["rows"] // layer.num_local)   # rows one local expert computes
+    mm_flops, mm_once = matmul_flops(per_expert, cfg.d_model, cfg.d_expert, layer.num_local,
+                                     device, gen)
+    times = {"moeflow": [], peer_name: []}
+    for i in range(opts["warmup"] + opts["reps"]):
+        for name, fn, mod in (("moeflow", ours, layer), (peer_name, theirs, other)):
+            t = _step(fn, x, topo)
+            mod.zero_grad(set_to_none=True)
+            if i >= opts["warmup"]:
+                times[name].append(t)
+    # phase breakdown + CPU efficiency (moeflow only), matmul timed between the steps
+    timer, phases, steps, mms = PhaseTimer(), {p: [] for p in PHASES}, [], []
+    for _ in range(opts["reps"]):
+        mms.append(slowest(mm_once(), topo))
+        layer.timer = timer
+        timer.reset()
+        steps.append(_step(ours, x, topo))
+        layer.timer = None
+        layer.zero_grad(set_to_none=True)
+        for p in PHASES:
+            phases[p].append(slowest(timer.forward.get(p, 0.0) + timer.backward.get(p, 0.0),
+                                     topo))
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    phase_ms = {p: 1e3 * statistics.median(v) for p, v in phases.items()}
+    mm_rate = mm_flops / statistics.median(mms)
+    # per rank: its experts compute E*C rows (E_local experts x ep*C), its router T tokens
+    expert_rate = fl["expert_flops"] / (phase_ms["experts"] / 1e3)
+    layer_rate = (fl["expert_flops"] + fl["router_flops"]) / statistics.median(steps)
+    tuned = layer.tuned.as_dict() if layer.tuned is not None else None
+    return {"peer": peer_name, "topology": repr(topo), "world_size": topo.world_size,
+            "tokens_per_rank": opts["tokens"], "config": {k: opts[k] for k in (
+                "d_model", "d_expert", "num_experts", "top_k", "capacity_factor",
+                "activation", "a2a", "schedule", "pipeline_degree")},
+            "input_grad": x.requires_grad, "threads": torch.get_num_threads(), "warmup": opts["warmup"], "reps": opts["reps"],
+            "moeflow_settings": {"a2a": layer.cfg.a2a, "schedule": layer.cfg.schedule,
+                                 "pipeline_degree": layer.cfg.pipeline_degree},
+            "tuned": tuned, "agreement": check,
+            "step_ms": ms, "samples_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
+            "speedup": ms[peer_name] / ms["moeflow"],
+            "phase_ms": phase_ms, "phase_step_ms": 1e3 * statistics.median(steps),
+            "efficiency": {"matmul_gflops": mm_rate / 1e9,
+                           "experts_gflops": expert_rate / 1e9,
+                           "layer_gflops": layer_rate / 1e9,
+                           "experts_fraction": expert_rate / mm_rate,
+                           "layer_fraction": layer_rate / mm_rate,
+                           "matmul_shape": [per_expert, cfg.d_model, cfg.d_expert]}}
+
+
+def format_compare(res: dict) -> str:
+    p = res["peer"]
+    a, e, ms = res["agreement"], res["efficiency"], res["step_ms"]
+    s = res["moeflow_settings"]
+    lines = [f"{res['topology']}, {res['tokens_per_rank']} tokens/rank, {res['threads']} "
+             f"threads/rank, {res['reps']} interleaved reps (medians)",
+             f"moeflow ({s['a2a']} / {s['schedule']} / r={s['pipeline_degree']}): "
+             f"{ms['moeflow']:.1f} ms   {p}: {ms[p]:.1f} ms   "
+             f"speedup {p}/moeflow = {res['speedup']:.3f}",
+             f"outputs agree: {a['agree']} (max |dy| {a['max_abs_diff_y']:.2e}, max |dx| "
+             f"{a['max_abs_diff_dx']:.2e})",
+             "moeflow phases (ms, fwd+bwd): " + ", ".join(
+                 f"{k} {v:.1f}" for k, v in res["phase_ms"].items())
+             + f"; step {res['phase_step_ms']:.1f}",
+             f"CPU efficiency: matmul {e['matmul_gflops']:.1f} GFLOP/s; experts "
+             f"{e['experts_gflops']:.1f} GFLOP/s = {e['experts_fraction']:.2f}; whole layer "
+             f"{e['layer_gflops']:.1f} GFLOP/s = {e['layer_fraction']:.2f}"]
+    t = res.get("tuned")
+    if t and t.get("measured_ms") is not None:
+        lines.append(f"auto-tuned in {t['tune_s']:.1f} s: predicted {t['predicted_ms']:.1f} ms,"
+                     f" measured {t['measured_ms']:.1f} ms")
+    return "\n".join(lines)

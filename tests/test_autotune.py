@@ -1,0 +1,78 @@
+"""Auto-tuning of a2a / schedule / pipeline_degree (issue 18): config, retune rule, and on 2
+gloo ranks in float64: the same function as a fixed choice, the same choice on every rank, no
+re-tune on resume, a re-tune after the rows grow more than 2x."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow import ConfigError, MoEConfig, MoELayer
+from moeflow.launch import launch_local
+from moeflow.schedule import autotune
+
+
+def test_config_accepts_auto_and_names_the_field():
+    cfg = MoEConfig(d_model=8, d_expert=8, num_experts=4, a2a="auto", schedule="auto",
+                    pipeline_degree="auto")
+    assert autotune.auto_fields(cfg) == ("a2a", "schedule", "pipeline_degree")
+    assert autotune.placeholder(cfg).pipeline_degree == 1
+    with pytest.raises(ConfigError, match="pipeline_degree.*'auto'"):
+        MoEConfig(d_model=8, d_expert=8, num_experts=4, pipeline_degree="fast")
+    with pytest.raises(ConfigError, match="a2a"):
+        MoEConfig(d_model=8, d_expert=8, num_experts=4, a2a="autox")
+
+
+def test_retune_rule():
+    assert not autotune.needs_retune(100, 200)
+    assert autotune.needs_retune(100, 201)
+    assert autotune.needs_retune(100, 49)
+    assert not autotune.needs_retune(None, 1000)
+
+
+def test_single_rank_resolves_without_profiling():
+    cfg = MoEConfig(d_model=8, d_expert=8, num_experts=4, a2a="auto", pipeline_degree="auto")
+    layer, ref = MoELayer(cfg), MoELayer(cfg.replace(a2a="direct", pipeline_degree=1))
+    x = torch.randn(10, 8)
+    torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=0)
+    assert layer.tuned.settings() == {"a2a": "direct", "schedule": "sequential",
+                                      "pipeline_degree": 1}
+    assert layer.tuned.measured_ms is None and layer.stats["autotune_pipeline_degree"] == 1.0
+    with pytest.raises(ConfigError, match="no 'auto' field"):
+        ref.tune(x)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from tests.autotune_worker import worker
+
+    return launch_local(worker, 2, str(tmp_path_factory.mktemp("ckpt") / "c"), timeout_s=120)
+
+
+@pytest.mark.multirank
+def test_auto_changes_speed_only(two_ranks):
+    for rank, res in two_ranks.items():
+        assert res["ref"].keys() == res["got"].keys()
+        for k in res["ref"]:
+            torch.testing.assert_close(res["got"][k], res["ref"][k], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+@pytest.mark.multirank
+def test_ranks_pick_the_same_and_report_it(two_ranks):
+    c0, c1 = two_ranks[0]["choice"], two_ranks[1]["choice"]
+    assert {k: c0[k] for k in ("a2a", "schedule", "pipeline_degree")} == \
+        {k: c1[k] for k in ("a2a", "schedule", "pipeline_degree")}
+    assert c0["measured_ms"] > 0 and c0["predicted_ms"] > 0 and c0["candidates"]
+    assert min(m["measured_ms"] for m in c0["candidates"]) == c0["measured_ms"]
+    assert two_ranks[0]["stats"]["autotune_measured_ms"] == c0["measured_ms"]
+    assert two_ranks[0]["calls_first"] and len(two_ranks[0]["calls_first"]) == 1
+
+
+@pytest.mark.multirank
+def test_resume_does_not_retune_and_growth_does(two_ranks):
+    for res in two_ranks.values():
+        assert res["calls_after_resume"] == 0
+        assert res["resumed_choice"] == {k: res["choice"][k]
+                                         for k in ("a2a", "schedule", "pipeline_degree")}
+        assert res["calls_after_growth"] == 1
