@@ -21,6 +21,7 @@ from moeflow.experts.structure import build_projections, comm_width, expert_hidd
 from moeflow.parallel.parm.baseline import baseline_experts, check_parm_layer
 from moeflow.parallel.parm.collectives import esp_all_reduce
 from moeflow.phases import NULL_TIMER, PhaseTimer
+from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
 from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
@@ -62,10 +63,19 @@ class MoELayer(nn.Module):
         # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
         reduce = (functools.partial(esp_all_reduce, group=topo.esp_group)
                   if topo.esp_size > 1 else None)
-        self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
-                                 topo.ep_rank * self.num_local, self.num_local, cfg.activation,
-                                 cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
-                                 shard=(topo.esp_rank, topo.esp_size), reduce=reduce)
+        if cfg.placement == "fssdp":     # HECATE FSSDP (issue 17): owner-only expert storage
+            _check_fssdp(cfg, topo)
+            self.experts = FSSDPExperts(comm_width(cfg), expert_hidden(cfg), cfg.num_experts,
+                                        cfg.activation, cfg.seed, cfg.layer_id,
+                                        cfg.expert_bias, cfg.fssdp, rank=topo.rank,
+                                        world=topo.world_size, local_size=topo.local_size,
+                                        group=topo.world_group)
+        else:
+            self.experts = ExpertFFN(comm_width(cfg), expert_hidden(cfg),
+                                     topo.ep_rank * self.num_local, self.num_local,
+                                     cfg.activation, cfg.seed, cfg.layer_id,
+                                     bias=cfg.expert_bias,
+                                     shard=(topo.esp_rank, topo.esp_size), reduce=reduce)
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
@@ -121,6 +131,13 @@ class MoELayer(nn.Module):
         """The last forward's statistics as floats (a device sync on GPU: read when logging)."""
         return {k: float(v) for k, v in self._stats.items()}
 
+    def prefetch(self) -> None:
+        """HECATE FSSDP: start this iteration's spAG on the layer's communication lane, so
+        that it overlaps what runs before the layer (the GPT block calls it before its
+        attention, Fig. 1c). A no-op for other placements or with ``early_gather=False``."""
+        if isinstance(self.experts, FSSDPExperts) and self.cfg.fssdp.early_gather:
+            self.experts.prefetch(self.lane)
+
     def forward(self, x: torch.Tensor, *, top_k: int | None = None,
                 capacity_factor: float | None | str = FROM_CONFIG) -> torch.Tensor:
         """``x: (..., d_model)``. ``top_k`` and ``capacity_factor`` override the config's for
@@ -144,6 +161,8 @@ class MoELayer(nn.Module):
         h = x.reshape(-1, cfg.d_model)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
+        fssdp = self.experts if isinstance(self.experts, FSSDPExperts) else None
+        experts = fssdp.begin() if fssdp is not None else self.experts   # spAG(P, P') done
         with t.phase("route", h):
             routing = self.router(t.mark(h, "route"), **route_k)   # reads x (pre-descend)
         if self.dcca is not None:                          # BigMac: descend before dispatch
@@ -151,18 +170,21 @@ class MoELayer(nn.Module):
                 h = self.dcca.down(t.mark(h, "project"))
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
-            plan = make_plan(routing.experts, cfg.num_experts, cap)
+            plan = (fssdp.plan(routing.experts, cap) if fssdp is not None   # HECATE 4.4
+                    else make_plan(routing.experts, cfg.num_experts, cap))
             send = permute(t.mark(h, "permute"), plan)
         nonfinite = (None if self.codec.represents_nonfinite
                      and self.backward_codec.represents_nonfinite
                      else h.new_zeros((), dtype=torch.long))
-        runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
+        runner = ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite)
         if self.topo.esp_size > 1:       # Parm's baseline schedule (Fig. 3a) with shards
             back = baseline_experts(t.mark(send, None), plan, runner, self.topo)
         else:
             back = scheduled_experts(t.mark(send, None), plan, runner)
+        if fssdp is not None:            # HECATE-RM frees the held experts here
+            back = fssdp.end(back)
         with t.phase("combine", h):
             y = combine(t.mark(back, "combine"), plan, routing.weights)
         if self.dcca is not None:                          # BigMac: ascend after combine
@@ -173,6 +195,21 @@ class MoELayer(nn.Module):
         self._stats = {"balance_loss": routing.balance_loss.detach(),
                        "z_loss": routing.z_loss.detach(),
                        "dropped_fraction": plan.dropped / n_choices}
+        if fssdp is not None:
+            self._stats.update(fssdp.stats())
         if nonfinite is not None:       # forward's count; backward adds its own in place
             self._stats["nonfinite_payload"] = nonfinite
         return t.mark(y, None).reshape(shape)
+
+
+def _check_fssdp(cfg: MoEConfig, topo: Topology) -> None:
+    """What FSSDP composes with (docs/hecate.md): it shards experts over the whole world, so
+    expert parallelism must span it, and Parm's MP/ESP shards are a different storage."""
+    if topo.ep_size != topo.world_size:
+        raise ConfigError(f"MoEConfig.placement='fssdp' shards experts over all ranks, but the "
+                          f"topology has ep_size={topo.ep_size} of {topo.world_size}: use "
+                          "ep_size=None (all ranks)")
+    if topo.esp_size > 1 or topo.mp_size > 1:
+        raise ConfigError("MoEConfig.placement='fssdp' cannot be combined with Parm's MP/ESP "
+                          f"(mp_size={topo.mp_size}, esp_size={topo.esp_size}): FSSDP keeps "
+                          "whole experts; use mp_size=esp_size=1 or placement='ep'")

@@ -54,6 +54,8 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.ffn, MoELayer):
+            self.ffn.prefetch()          # HECATE FSSDP: spAG overlaps the attention (Fig. 1c)
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.ffn(self.ln2(x)))
 

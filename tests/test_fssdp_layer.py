@@ -1,0 +1,122 @@
+"""MoELayer(placement="fssdp") (HECATE Section 3.2 / 4.4 in the layer): float64 parity of
+FSSDP = EP = one process over several AdamW steps, on 2 nodes x 2 ranks, with static, random
+and skewed materialized placements, capacity and dropless, re-materialization and a pipelined
+schedule; one optimizer-state entry per rank (its slot tensor); refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow import MoEConfig, MoELayer, Topology
+from moeflow.errors import ConfigError
+from moeflow.launch import launch_local
+from tests import fssdp_layer_worker as w
+from tests import parity
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch_local(w.worker, w.WORLD, w.CASES, list(w.VARIANTS), timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {c: w.reference(c) for c in w.CASES}
+
+
+def _check(got: dict, ref: dict, rank: int, label: str) -> None:
+    torch.testing.assert_close(got["y"], ref["y"][rank], **TOL, msg=lambda m: f"y {label}: {m}")
+    torch.testing.assert_close(got["x_grad"], w.WORLD * ref["x_grad"][rank], **TOL,
+                               msg=lambda m: f"x_grad {label}: {m}")
+    for kind in ("grads", "params", "dense_grads", "dense_params"):
+        for key, value in got[kind].items():
+            torch.testing.assert_close(value, ref[kind][key], **TOL,
+                                       msg=lambda m: f"{kind} {key} {label}: {m}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("variant", list(w.VARIANTS))
+@pytest.mark.parametrize("case", w.CASES)
+def test_matches_reference_over_adamw_steps(results, references, case, variant):
+    for step in range(w.STEPS):
+        seen = set()
+        for rank in range(w.WORLD):
+            got = results[rank][case, variant][step]
+            _check(got, references[case][step], rank, f"{case}/{variant} step {step} rank {rank}")
+            seen |= {e for e, _ in got["grads"]}
+        assert seen == set(range(8))          # every expert stored (and compared) somewhere
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("variant", [v for v in w.VARIANTS if v != "ep"])
+def test_one_copy_of_each_expert_and_its_state(results, variant):
+    for rank in range(w.WORLD):
+        got = results[rank]["dropless_k2", variant][-1]
+        assert sorted({e for e, _ in got["params"]}) == [2 * rank, 2 * rank + 1]
+    ep = results[0]["dropless_k2", "ep"][-1]
+    assert "states" not in ep
+
+
+@pytest.mark.multirank
+def test_replicas_compute_tokens_and_move_bytes(results):
+    """The manual placements really move experts and tokens: spAG bytes > 0, the hot expert's
+    replicas flatten the load (max/mean under skew is lower than with P' = P)."""
+    skew = [results[r]["hot_expert_dropless", "fssdp_skewed"][0] for r in range(w.WORLD)]
+    static = [results[r]["hot_expert_dropless", "fssdp_static"][0] for r in range(w.WORLD)]
+    assert sum(s["bytes"]["spag"][0] for s in skew) > 0
+    assert sum(s["bytes"]["sprs"][0] for s in skew) == sum(s["bytes"]["spag"][0] for s in skew)
+    assert all(s["bytes"]["spag"][0] == 0 for s in static)
+    ratio = skew[0]["stats"]["fssdp_load_max_over_mean"]
+    assert ratio < static[0]["stats"]["fssdp_load_max_over_mean"]
+    rm = [results[r]["hot_expert_dropless", "fssdp_skewed_rm"][0] for r in range(w.WORLD)]
+    assert all(s["bytes"]["spag_backward"] == s["bytes"]["spag"] for s in rm)
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="placement"):
+        parity.make_config("dropless_k2", placement="zero")
+    with pytest.raises(ConfigError, match="need placement='fssdp'"):
+        parity.make_config("dropless_k2", fssdp=dict(rematerialize=True))
+    with pytest.raises(ConfigError, match="unknown options"):
+        parity.make_config("dropless_k2", placement="fssdp", fssdp=dict(remat=True))
+    with pytest.raises(ConfigError, match="materialize"):
+        parity.make_config("dropless_k2", placement="fssdp", fssdp=dict(materialize="x"))
+    layer = MoELayer(parity.make_config("dropless_k2", placement="fssdp",
+                                        fssdp=dict(materialize="manual")), Topology.single())
+    with pytest.raises(ConfigError, match="set_holders"):
+        layer(torch.zeros(3, parity.D_MODEL))
+    with pytest.raises(ConfigError, match="ranks are 0..0"):
+        layer.experts.set_holders([{1}] * 8)          # a world of one: rank 1 does not exist
+    with pytest.raises(ConfigError, match="must contain the expert's owner"):
+        layer.experts.set_holders([{0}] * 7 + [set()])
+
+
+def test_single_process_fssdp_is_the_dense_layer():
+    cfg = MoEConfig(d_model=8, d_expert=12, num_experts=4, top_k=2, seed=3, capacity_factor=1.0)
+    a = MoELayer(cfg.replace(placement="fssdp"), Topology.single()).double()
+    b = MoELayer(cfg, Topology.single()).double()
+    x = torch.randn(10, 8, dtype=torch.float64)
+    torch.testing.assert_close(a(x), b(x), **TOL)
+    assert [n for n, _ in a.named_parameters()] == ["router.weight", "experts.slots"]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return launch_local(w.gpt_worker, w.WORLD, timeout_s=120)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("label", ["fssdp", "fssdp_rm"])
+def test_gpt_with_early_gather_trains_like_ep(gpt, label):
+    for rank in range(w.WORLD):
+        ep, fs = gpt[rank]["ep"], gpt[rank][label]
+        assert fs["prefetched"] == 3                  # the block's early spAG was pending
+        torch.testing.assert_close(torch.tensor(fs["losses"]), torch.tensor(ep["losses"]),
+                                   **TOL)
+        for key, value in fs["experts"].items():
+            torch.testing.assert_close(value, ep["experts"][key], **TOL)
+        for key, value in fs["dense"].items():
+            torch.testing.assert_close(value, ep["dense"][key], **TOL)
