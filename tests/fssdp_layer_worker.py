@@ -16,7 +16,7 @@ from moeflow.placement.layer_experts import FSSDPExperts
 from tests import parity
 
 WORLD, LOCAL, STEPS, LR = 4, 2, 3, 0.02
-CASES = ["capacity_k2", "dropless_k2", "hot_expert_capacity", "hot_expert_dropless",
+CASES = ["hot_expert_capacity", "hot_expert_dropless",
          "expert_bias_swiglu_dropless", "zero_token_rank"]
 # P' per step (8 experts, rank r owns experts 2r and 2r + 1): every set holds the owner.
 RANDOM = [
@@ -37,6 +37,14 @@ VARIANTS = {
     "fssdp_skewed_rm": dict(placement="fssdp",
                             fssdp=dict(materialize="manual", rematerialize=True),
                             holders=SKEWED),
+    # Algorithm 1 from the w = 5 window: branch t > m (slots by load), then t <= m with
+    # calibration after the gate and re-materialization
+    "fssdp_sparse": dict(placement="fssdp", fssdp=dict(materialize="sparse", overlap_degree=3,
+                                                       memory_capacity=1)),
+    "fssdp_sparse_cal_rm": dict(placement="fssdp",
+                                fssdp=dict(materialize="sparse", overlap_degree=2,
+                                           memory_capacity=2, calibrate=True,
+                                           bandwidth_Bps=1e12, rematerialize=True)),
     "fssdp_random_rm_r2": dict(placement="fssdp", pipeline_degree=2, schedule="optsche",
                                fssdp=dict(materialize="manual", rematerialize=True),
                                holders=RANDOM),
@@ -94,6 +102,7 @@ def run(name: str, topo: Topology, variant: dict) -> list[dict]:
         if isinstance(layer.experts, FSSDPExperts):
             rec["states"] = len(opt.state)
             rec["bytes"] = dict(layer.experts.bytes)
+            rec["holders"] = [sorted(h) for h in layer.experts.last_placement.holders]
         steps.append(rec)
     return steps
 

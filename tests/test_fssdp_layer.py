@@ -54,10 +54,22 @@ def test_matches_reference_over_adamw_steps(results, references, case, variant):
 @pytest.mark.parametrize("variant", [v for v in w.VARIANTS if v != "ep"])
 def test_one_copy_of_each_expert_and_its_state(results, variant):
     for rank in range(w.WORLD):
-        got = results[rank]["dropless_k2", variant][-1]
+        got = results[rank]["hot_expert_dropless", variant][-1]
         assert sorted({e for e, _ in got["params"]}) == [2 * rank, 2 * rank + 1]
-    ep = results[0]["dropless_k2", "ep"][-1]
+    ep = results[0]["hot_expert_dropless", "ep"][-1]
     assert "states" not in ep
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("variant", ["fssdp_sparse", "fssdp_sparse_cal_rm"])
+def test_algorithm1_gives_every_rank_the_same_plan(results, variant):
+    for case in w.CASES:
+        for step in range(w.STEPS):
+            plans = [results[r][case, variant][step]["holders"] for r in range(w.WORLD)]
+            assert all(p == plans[0] for p in plans)
+    # from the second step on, the window's hot experts are replicated
+    plans = results[0]["hot_expert_dropless", variant][1]["holders"]
+    assert len(plans[5]) > 1
 
 
 @pytest.mark.multirank

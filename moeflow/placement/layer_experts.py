@@ -40,9 +40,12 @@ from torch import nn
 from moeflow.comm.sparse import SparseAllGather, SparseReduceScatter, group_timeout
 from moeflow.errors import ConfigError
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
+from moeflow.placement.materialize import (LoadWindow, calibrate, link_bandwidth,
+                                           overlap_degree, sparse_materialize)
 from moeflow.placement.options import FSSDPOptions
 from moeflow.placement.placement import Placement
-from moeflow.placement.token_plan import fssdp_plan
+from moeflow.placement.timing import LazyInterval
+from moeflow.placement.token_plan import KeptChoices, fssdp_plan
 from moeflow.schedule.streams import CommLane, Handoff
 
 
@@ -174,6 +177,20 @@ class FSSDPExperts(nn.Module):
         self.last_loads: np.ndarray | None = None   # tokens each rank computed, last forward
         self._pending: tuple | None = None
         self._current: tuple | None = None
+        # Algorithm 1's inputs (Section 4.2): load window, t from measured times and bw, m
+        self.window = LoadWindow(num_experts, options.window)
+        self.bandwidth = options.bandwidth_Bps
+        if options.materialize == "sparse" and options.overlap_degree is None \
+                and self.bandwidth is None:
+            self.bandwidth = link_bandwidth(options.links, world // local_size > 1)
+        self.memory_capacity = (options.memory_capacity if options.memory_capacity is not None
+                                else len(self.slot_index))
+        self.non_moe = LazyInterval()       # block start (prefetch) -> layer start
+        self.expert_phase = LazyInterval()  # the exchange + experts of the forward
+        self.non_moe_s = 0.0                # the ranks' mean of the last measurements
+        self.token_s = 0.0                  # expert-phase seconds per token (ranks' mean)
+        self.last_t: int | None = None
+        self.calibrated = 0                 # forwards whose calibration changed P'
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, owned={sorted(self.slot_index)}, "
@@ -186,13 +203,29 @@ class FSSDPExperts(nn.Module):
         holding expert ``e``; must contain its owner (checked by :class:`Placement`)."""
         self.holders = [frozenset(h) for h in self.owners.materialize(holders).holders]
 
+    @property
+    def expert_bytes(self) -> int:
+        return self.numel * self.slots.element_size()
+
+    def overlap(self) -> int:
+        """``t`` of Algorithm 1: the option, or ``T_non-MoE * bw / expert_size``."""
+        if self.options.overlap_degree is not None:
+            return self.options.overlap_degree
+        return overlap_degree(self.non_moe_s, self.bandwidth, self.expert_bytes)
+
     def next_placement(self) -> Placement:
-        if self.options.materialize == "manual" and self.holders is not None:
+        mode = self.options.materialize
+        if mode == "manual" and self.holders is not None:
             return self.owners.materialize(self.holders)
-        if self.options.materialize == "manual":
+        if mode == "manual":
             raise ConfigError("MoEConfig.fssdp.materialize='manual' needs holders: call "
                               "layer.experts.set_holders(...) before the forward")
-        return self.owners                              # "static": P' = P
+        loads = self.window.estimate()
+        if mode == "static" or loads is None:
+            return self.owners                          # P' = P
+        self.last_t = self.overlap()
+        return sparse_materialize(self.owners, loads, self.last_t, self.memory_capacity,
+                                  self.local_size)      # Algorithm 1
 
     # -- spAG -------------------------------------------------------------------------------
     def _owned_rows(self) -> dict[int, torch.Tensor]:
@@ -205,6 +238,7 @@ class FSSDPExperts(nn.Module):
         timeout. A second call before that forward does nothing."""
         if self._pending is not None or self.world == 1:
             return
+        self.non_moe.start(self.slots.device)
         placement = self.next_placement()
         dev = self.slots.device
         hand = Handoff(lane, dev)
@@ -237,25 +271,57 @@ class FSSDPExperts(nn.Module):
 
     # -- the layer's hooks ------------------------------------------------------------------
     def begin(self) -> HeldFFN:
-        """Before routing: materialize ``P'`` (wait for the prefetch, or gather now) and bind
-        the held experts' weights."""
+        """Before routing: wait for this iteration's spAG (or run it now). The held experts
+        are bound by :meth:`plan`, after the optional calibration."""
+        self.non_moe.stop()
         placement, got, nbytes = self._gathered()
         self.bytes["spag"] = nbytes
-        flat = _Gather.apply(self.slots, self, placement, got)
-        self._current = (placement, flat)
-        return self.held.bind(self._views(flat))
+        self._current = (placement, got)
+        return self.held
 
     def plan(self, experts: torch.Tensor, capacity: int | None):
-        """The dispatch plan over ``P'`` (Section 4.4, :mod:`moeflow.placement.token_plan`)."""
-        placement = self._current[0]
-        plan, routes = fssdp_plan(experts, self.num_experts, capacity, placement, self.rank,
-                                  self.local_size, self.group, self.world)
+        """Collective. Exchange the counts (with this rank's measured times), update the load
+        window, calibrate ``P'`` if asked (Section 4.2), stack the held experts
+        (:class:`_Gather`, whose backward is spRS), bind them, and return the dispatch plan
+        over ``P'`` (Section 4.4, :mod:`moeflow.placement.token_plan`)."""
+        placement, got = self._current
+        extras = [round(self.non_moe.seconds() * 1e6), round(self.expert_phase.seconds() * 1e9
+                                                             / max(1, self._my_load()))]
+        kept = KeptChoices(experts, self.num_experts, capacity, self.group, self.world, extras)
+        self.non_moe_s = float(kept.extras[:, 0].mean()) / 1e6
+        self.token_s = float(kept.extras[:, 1].mean()) / 1e9
+        loads = kept.every.sum(0)
+        if self.options.calibrate and self.world > 1 and self.token_s > 0:
+            better = calibrate(self.owners, placement, kept.every, self.overlap(),
+                               self.memory_capacity, self.local_size, self.token_s,
+                               self.expert_bytes, self.bandwidth or float("inf"))
+            if better != placement:                     # the extra spAG, on the critical path
+                extra = self.owners.materialize(
+                    [{self.owners.owners[e]} | (set(better.holders[e]) - set(h))
+                     for e, h in enumerate(placement.holders)])
+                more, nb = _spag(self.owners, extra, self.numel, self.slots.dtype,
+                                 self.slots.device, self.group, self.rank, self._owned_rows())
+                got = {**got, **more}
+                self.bytes["spag_calibration"] = nb
+                placement = better
+                self.calibrated += 1
+        self.window.add(loads)
+        flat = _Gather.apply(self.slots, self, placement, got)
+        self._current = (placement, flat)
+        self.held.bind(self._views(flat))
+        plan, routes = fssdp_plan(kept, placement, self.rank, self.local_size)
         self.last_loads = routes.sum(axis=(0, 1))
+        self.last_placement = placement
+        self.expert_phase.start(self.slots.device)
         return plan
+
+    def _my_load(self) -> int:
+        return int(self.last_loads[self.rank]) if self.last_loads is not None else 0
 
     def end(self, back: torch.Tensor) -> torch.Tensor:
         """After the experts' exchange: with re-materialization, free the held experts (their
         second spAG runs when the backward reaches this point)."""
+        self.expert_phase.stop()
         placement, flat = self._current
         self._current = None
         self.held.bind({})

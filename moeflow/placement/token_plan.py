@@ -56,50 +56,64 @@ def slot_counts(plan: np.ndarray, slot_of: np.ndarray, slots: int) -> np.ndarray
     return out
 
 
-def fssdp_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
-               placement: Placement, rank: int, local_size: int, group, world: int
+class KeptChoices:
+    """This rank's routing choices after capacity, with every rank's per-expert counts."""
+
+    def __init__(self, experts: torch.Tensor, num_experts: int, capacity: int | None,
+                 group, world: int, extras: list[int] = ()):
+        """Collective over ``group`` (the FSSDP group = the world). ``extras``: host integers
+        every rank adds to the exchange (HECATE's measured times; ``self.extras`` holds every
+        rank's, ``(world, len(extras))``)."""
+        T, k = experts.shape
+        self.T, self.k, self.num_experts = T, k, num_experts
+        self.flat = experts.t().reshape(-1)                 # priority order: choice-major
+        if capacity is None:
+            self.keep, self.kept = None, self.flat
+        else:                                               # GShard capacity, real experts
+            base = make_plan(experts, num_experts, capacity)
+            self.keep = base.slot < base.send_rows
+            self.kept = torch.where(self.keep, self.flat, num_experts)   # dropped: sentinel
+        self.counts = expert_counts(self.kept, num_experts + 1)[:num_experts]
+        mine = torch.cat([self.counts, torch.as_tensor(list(extras), dtype=self.counts.dtype,
+                                                       device=self.counts.device)])
+        every = gather_device_counts(mine, group, world)
+        self.every = every[:, :num_experts]                 # (world, E) on the host
+        self.extras = every[:, num_experts:]
+
+
+def fssdp_plan(kept: KeptChoices, placement: Placement, rank: int, local_size: int
                ) -> tuple[DispatchPlan, np.ndarray]:
-    """Collective over ``group`` (the FSSDP group = the EP group = the world). ``experts: (T, k)``
-    routing choices -> the plan over held slots, and ``plan[s, e, d]`` (every rank's)."""
-    T, k = experts.shape
-    flat = experts.t().reshape(-1)                         # priority order: choice-major
-    if capacity is None:
-        keep = None
-        kept = flat
-    else:                                                  # GShard capacity over real experts
-        base = make_plan(experts, num_experts, capacity)
-        keep = base.slot < base.send_rows
-        kept = torch.where(keep, flat, num_experts)        # dropped -> a sentinel expert
-    counts = expert_counts(kept, num_experts + 1)[:num_experts]
-    every = gather_device_counts(counts, group, world)     # (world, E) on the host
-    routes = dispatch_plan(placement, every, local_size)   # (world, E, world), Section 4.4
+    """The plan over held slots for ``placement`` (``P'``), and ``plan[s, e, d]``."""
+    world = placement.world_size
+    routes = dispatch_plan(placement, kept.every, local_size)   # (world, E, world), Sec. 4.4
     slots, slot_of = held_slots(placement)
     n_counts = slot_counts(routes, slot_of, slots)
+    flat, keep, counts = kept.flat, kept.keep, kept.counts
     dev = flat.device
     # position of each choice among this rank's kept choices of its expert, in priority order
-    order = torch.argsort(kept, stable=True)
+    order = torch.argsort(kept.kept, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     starts = torch.cat([starts, starts.new_zeros(1)])
     ranked = torch.arange(flat.numel(), device=dev) - starts.index_select(
-        0, kept.index_select(0, order))
+        0, kept.kept.index_select(0, order))
     position = torch.empty_like(ranked).index_copy_(0, order, ranked)
     # destination: the first d with position < cumsum(plan[rank, e, :])[d]
     cum = to_device_async(np.cumsum(routes[rank], axis=1), dev)          # (E, world)
     cum = torch.cat([cum, cum.new_zeros(1, world)])                      # sentinel row
-    dest = torch.searchsorted(cum.index_select(0, kept), position.unsqueeze(1),
+    dest = torch.searchsorted(cum.index_select(0, kept.kept), position.unsqueeze(1),
                               right=True).squeeze(1).clamp(max=world - 1)
     slot_table = to_device_async(np.concatenate([slot_of.T, np.zeros((1, world), np.int64)]),
                                  dev)                                    # (E + 1, world)
-    held = slot_table.index_select(0, kept).gather(1, dest.unsqueeze(1)).squeeze(1)
+    held = slot_table.index_select(0, kept.kept).gather(1, dest.unsqueeze(1)).squeeze(1)
     virtual = dest * slots + held
     if keep is not None:
         virtual = torch.where(keep, virtual, world * slots)   # dropped: sorted last, cut off
     rows = int(n_counts[rank].sum())
     send_order = torch.argsort(virtual, stable=True)[:rows]
     dropped = (~keep).sum() if keep is not None else flat.new_zeros(())
-    plan = DispatchPlan(world * slots, T, k, None, send_order, rows, dropped,
+    plan = DispatchPlan(world * slots, kept.T, kept.k, None, send_order, rows, dropped,
                         counts=n_counts, ep_rank=rank)
     return plan, routes
 
 
-__all__ = ["fssdp_plan", "held_slots", "slot_counts"]
+__all__ = ["KeptChoices", "fssdp_plan", "held_slots", "slot_counts"]
