@@ -4,6 +4,12 @@ Stacked expert weights are stored one entry per *global* expert id
 (``blocks.1.ffn.experts.w1/expert/5``), so each rank writes exactly the experts it holds and
 replicated tensors are written once (DCP de-duplicates equal keys). A checkpoint saved on 4
 ranks loads on 2 or on 1. AdamW's moments are stored the same way.
+
+HECATE FSSDP (``placement="fssdp"``): a rank's owned experts are rows of one slot tensor
+(:class:`~moeflow.placement.layer_experts.FSSDPExperts`); each row is split back into its named
+tensors under the same keys as expert parallelism (``.../experts.w1/expert/5``), written by its
+owner only, so each expert is saved once with its optimizer state, and FSSDP and EP checkpoints
+load into each other on any world size.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 
 from moeflow.errors import ConfigError
 from moeflow.experts.ffn import ExpertFFN
+from moeflow.placement.layer_experts import FSSDPExperts
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -36,6 +43,19 @@ def _entries(model: nn.Module) -> list[tuple[str, nn.Parameter, int | None]]:
     return [(n, p, owner.get(id(p))) for n, p in model.named_parameters()]
 
 
+def _fssdp_rows(model: nn.Module) -> dict[int, tuple[str, FSSDPExperts]]:
+    """``id(slots) -> (module name, FSSDPExperts)`` for every FSSDP layer."""
+    return {id(m.slots): (name, m) for name, m in model.named_modules()
+            if isinstance(m, FSSDPExperts)}
+
+
+def _expand_slots(prefix: str, mname: str, m: FSSDPExperts, t: torch.Tensor, out: dict) -> None:
+    """The owned rows of ``t`` (the slot tensor or its moment), as EP's per-expert keys."""
+    for e, i in m.slot_index.items():
+        for name, view in m._views(t[i:i + 1]).items():
+            out[f"{prefix}/{mname}.{name}/expert/{e}"] = view[0]
+
+
 def _expand(prefix: str, name: str, t: torch.Tensor, first: int | None, out: dict) -> None:
     if first is None:
         out[f"{prefix}/{name}"] = t
@@ -52,19 +72,37 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     so that a fresh optimizer can be loaded into.
     """
     out: dict[str, torch.Tensor] = {"step": step}
+    fssdp = _fssdp_rows(model)
     for name, p, first in _entries(model):
+        if id(p) in fssdp:
+            mname, m = fssdp[id(p)]
+            _expand_slots("model", mname, m, p.data, out)
+            if optimizer is None:
+                continue
+            state = _state(optimizer, p)
+            for k in m.shapes:                  # EP's keys: one step entry per tensor name
+                out[f"optim/{mname}.{k}/step"] = state["step"]
+            for k in OPT_KEYS:
+                _expand_slots(f"optim/{k}", mname, m, state[k], out)
+            continue
         _expand("model", name, p.data, first, out)
         if optimizer is None:
             continue
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            for k in OPT_KEYS:
-                state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state = _state(optimizer, p)
         out[f"optim/{name}/step"] = state["step"]
         for k in OPT_KEYS:
             _expand(f"optim/{k}", name, state[k], first, out)
     return out
+
+
+def _state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
+    """``p``'s optimizer state, created as zeros (step 0) when it has none yet."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for k in OPT_KEYS:
+            state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 @contextmanager

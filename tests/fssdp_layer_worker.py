@@ -178,3 +178,63 @@ def gpt_worker(steps: int = 3) -> dict:
                       "dense": {n: p.detach().clone() for n, p in model.named_parameters()
                                 if ".experts." not in n}}
     return out
+
+
+# -- checkpoints: each expert once by global id, with its AdamW moments ----------------------
+
+def small_gpt(topo, **extra):
+    from moeflow.config import ModelConfig
+    from moeflow.models.gpt import GPT
+
+    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
+                      moe_every=1, num_experts=8, d_expert=12, top_k=2, capacity_factor=None,
+                      seed=5, **extra)
+    return GPT(cfg, topo).double()
+
+
+def train_steps(model, opt, topo, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        for i, layer in enumerate(model.moe_layers()):
+            if isinstance(layer.experts, FSSDPExperts) and \
+                    layer.experts.options.materialize == "manual":
+                layer.experts.set_holders(RANDOM[(step + i) % len(RANDOM)])
+        gen = torch.Generator().manual_seed(100 * step + topo.rank)
+        idx = torch.randint(0, 32, (2, 8), generator=gen)
+        _, loss = model(idx, torch.randint(0, 32, (2, 8), generator=gen))
+        (loss + model.aux_loss).backward()
+        sync_gradients(model, topo)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def all_experts(model) -> dict:
+    return {(li, k): v for li, layer in enumerate(model.moe_layers())
+            for k, v in expert_tensors(layer, False).items()}
+
+
+def checkpoint_worker(path: str) -> dict:
+    from moeflow import checkpoint
+
+    topo = Topology.from_env(local_size=LOCAL)
+    fs = dict(placement="fssdp", fssdp=dict(materialize="manual"))
+    model = small_gpt(topo, **fs)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_steps(model, opt, topo, range(2))
+    checkpoint.save(path, model, opt, 2)
+    saved = all_experts(model)
+    after = train_steps(model, opt, topo, range(2, 4))
+    resumed = small_gpt(topo, **fs)
+    ropt = torch.optim.AdamW(resumed.parameters(), lr=0.01)
+    step = checkpoint.load(path, resumed, ropt)
+    loaded = all_experts(resumed)
+    again = train_steps(resumed, ropt, topo, range(2, 4))
+    ep = small_gpt(topo)                                   # the same checkpoint under EP
+    eopt = torch.optim.AdamW(ep.parameters(), lr=0.01)
+    checkpoint.load(path, ep, eopt)
+    ep_after = train_steps(ep, eopt, topo, range(2, 4))
+    return {"step": step, "saved": saved, "loaded": loaded, "after": after, "again": again,
+            "ep_after": ep_after, "final": all_experts(model), "final_resumed":
+            all_experts(resumed), "final_ep": all_experts(ep)}

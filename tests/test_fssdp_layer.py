@@ -132,3 +132,37 @@ def test_gpt_with_early_gather_trains_like_ep(gpt, label):
             torch.testing.assert_close(value, ep["experts"][key], **TOL)
         for key, value in fs["dense"].items():
             torch.testing.assert_close(value, ep["dense"][key], **TOL)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fssdp") / "ckpt")
+    return path, launch_local(w.checkpoint_worker, w.WORLD, path, timeout_s=120)
+
+
+@pytest.mark.multirank
+def test_checkpoint_resumes_exactly_and_loads_under_ep_and_one_process(ckpt):
+    from moeflow import checkpoint
+
+    path, got = ckpt
+    for rank in range(w.WORLD):
+        r = got[rank]
+        assert r["step"] == 2
+        for key, value in r["saved"].items():
+            torch.testing.assert_close(r["loaded"][key], value, rtol=0, atol=0)
+        assert r["again"] == r["after"]                           # resumed exactly
+        torch.testing.assert_close(torch.tensor(r["ep_after"]), torch.tensor(r["after"]), **TOL)
+        for key, value in r["final"].items():
+            torch.testing.assert_close(r["final_resumed"][key], value, rtol=0, atol=0)
+            torch.testing.assert_close(r["final_ep"][key], value, **TOL)
+    # one process (world 1) loads every expert, each saved once by its owner
+    one = w.small_gpt(Topology.single(), placement="fssdp")
+    opt = torch.optim.AdamW(one.parameters(), lr=0.01)
+    assert checkpoint.load(path, one, opt) == 2
+    mine = w.all_experts(one)
+    saved = {k: v for rank in range(w.WORLD) for k, v in got[rank]["saved"].items()}
+    assert sorted(mine) == sorted(saved)
+    for key, value in saved.items():
+        torch.testing.assert_close(mine[key], value, rtol=0, atol=0)
+    state = opt.state[one.blocks[0].ffn.experts.slots]
+    assert float(state["step"]) == 2 and state["exp_avg"].abs().sum() > 0
