@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow import checkpoint
+from moeflow.placement.metrics import fssdp_metrics
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
 from moeflow.devices import autocast, resolve_device, resolve_dtype
@@ -226,6 +227,7 @@ class Trainer:
                        "lr": lr_at(self.step - 1, cfg),
                        "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
                        "elapsed_s": now - start_time}
+                rec.update(fssdp_metrics(self.model))     # HECATE FSSDP (last step's)
                 if self.step % cfg.eval_every == 0 or done:
                     rec["val_loss"] = self._evaluate()
                 self._log(rec)

@@ -166,3 +166,25 @@ def test_checkpoint_resumes_exactly_and_loads_under_ep_and_one_process(ckpt):
         torch.testing.assert_close(mine[key], value, rtol=0, atol=0)
     state = opt.state[one.blocks[0].ffn.experts.slots]
     assert float(state["step"]) == 2 and state["exp_avg"].abs().sum() > 0
+
+
+def test_cli_overrides_and_metrics():
+    from moeflow.commands.common import parse_overrides
+    from moeflow.config import ModelConfig
+    from moeflow.placement.metrics import fssdp_metrics
+    from moeflow.placement.options import FSSDPOptions
+
+    over = parse_overrides(["placement=fssdp",
+                            'fssdp={"materialize": "sparse", "overlap_degree": 2}'],
+                           ModelConfig)
+    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
+                      num_experts=4, d_expert=8, **over)
+    moe = cfg.moe_config(1)
+    assert moe.placement == "fssdp" and moe.fssdp == FSSDPOptions(materialize="sparse",
+                                                                  overlap_degree=2)
+    model = w.small_gpt(Topology.single(), placement="fssdp")
+    assert fssdp_metrics(model) == {}
+    model(torch.randint(0, 32, (2, 8)))
+    got = fssdp_metrics(model)
+    assert got["fssdp_rank_tokens"] == [2 * 2 * 8 * 2]          # 2 layers x 32 choices
+    assert got["fssdp_max_over_mean"] == 1.0 and got["spag_bytes"] == 0.0

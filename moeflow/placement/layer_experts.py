@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeflow.comm.sparse import SparseAllGather, SparseReduceScatter, group_timeout
+from moeflow.comm.sparse import (SparseAllGather, SparseReduceScatter, group_timeout,
+                                 spag_send_bytes, sprs_send_bytes)
 from moeflow.errors import ConfigError
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
 from moeflow.placement.materialize import (LoadWindow, calibrate, link_bandwidth,
@@ -364,6 +365,13 @@ class FSSDPExperts(nn.Module):
             out.update({f"fssdp_load_rank{r}": float(n) for r, n in enumerate(loads)})
         out["spag_send_bytes"] = float(self.bytes.get("spag", (0, 0))[0])
         out["sprs_send_bytes"] = float(self.bytes.get("sprs", (0, 0))[0])
+        placement = getattr(self, "last_placement", None)
+        if placement is not None:        # every rank's volume follows from P, P' (Eq. 1-2)
+            chunk = self.expert_bytes
+            out["spag_bytes_all_ranks"] = float(sum(spag_send_bytes(
+                self.owners.owner_chunks(), placement.holder_chunks(), chunk, self.world)))
+            out["sprs_bytes_all_ranks"] = float(sum(sprs_send_bytes(
+                placement.holder_chunks(), self.owners.owner_chunks(), chunk, self.world)))
         return out
 
     # -- global views (checkpoints, tests) --------------------------------------------------
