@@ -43,10 +43,14 @@ def _entries(model: nn.Module) -> list[tuple[str, nn.Parameter, int | None]]:
     return [(n, p, owner.get(id(p))) for n, p in model.named_parameters()]
 
 
-def _fssdp_rows(model: nn.Module) -> dict[int, tuple[str, FSSDPExperts]]:
-    """``id(slots) -> (module name, FSSDPExperts)`` for every FSSDP layer."""
-    return {id(m.slots): (name, m) for name, m in model.named_modules()
-            if isinstance(m, FSSDPExperts)}
+def _fssdp_rows(model: nn.Module) -> dict[int, list[tuple[str, FSSDPExperts]]]:
+    """``id(slots) -> [(module name, FSSDPExperts)]``: the FSSDP layers whose owned experts
+    are rows of each slot tensor (one per layer, or one for all, Algorithm 2)."""
+    out: dict[int, list] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSSDPExperts):
+            out.setdefault(id(m.slots), []).append((name, m))
+    return out
 
 
 def _expand_slots(prefix: str, mname: str, m: FSSDPExperts, t: torch.Tensor, out: dict) -> None:
@@ -75,15 +79,15 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     fssdp = _fssdp_rows(model)
     for name, p, first in _entries(model):
         if id(p) in fssdp:
-            mname, m = fssdp[id(p)]
-            _expand_slots("model", mname, m, p.data, out)
-            if optimizer is None:
-                continue
-            state = _state(optimizer, p)
-            for k in m.shapes:                  # EP's keys: one step entry per tensor name
-                out[f"optim/{mname}.{k}/step"] = state["step"]
-            for k in OPT_KEYS:
-                _expand_slots(f"optim/{k}", mname, m, state[k], out)
+            for mname, m in fssdp[id(p)]:
+                _expand_slots("model", mname, m, p.data, out)
+                if optimizer is None:
+                    continue
+                state = _state(optimizer, p)
+                for k in m.shapes:              # EP's keys: one step entry per tensor name
+                    out[f"optim/{mname}.{k}/step"] = state["step"]
+                for k in OPT_KEYS:
+                    _expand_slots(f"optim/{k}", mname, m, state[k], out)
             continue
         _expand("model", name, p.data, first, out)
         if optimizer is None:
@@ -113,13 +117,64 @@ def _single_process_ok():
         yield
 
 
-def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+def _fssdp_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FSSDP's shard maps (after Algorithm 2's re-shards) and load windows (Algorithm 1),
+    the same on every rank: restoring them makes a resumed run continue exactly."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSSDPExperts):
+            out[f"fssdp/{name}/owners"] = torch.tensor(m.owners.owners, dtype=torch.int64)
+            loads = m.window.state_dict()["loads"]
+            win = torch.zeros(m.options.window, m.num_experts, dtype=torch.float64)
+            if loads:
+                win[:len(loads)] = torch.tensor(loads, dtype=torch.float64)
+            out[f"fssdp/{name}/window"] = win
+            out[f"fssdp/{name}/window_n"] = torch.tensor(len(loads))
+    return out
+
+
+def _restore_fssdp(path: str, model: nn.Module, optimizer) -> None:
+    """Load the shard maps and windows saved with FSSDP, and re-shard to those owners when
+    they fit this job (same world size); otherwise the experts load into the current owners."""
+    from moeflow.placement.reshard import apply_owners, fssdp_layers
+
+    meta = _fssdp_meta(model)
+    if not meta:
+        return
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = {k: v for k, v in meta.items() if k in stored}
+    if not meta:
+        return                                   # an EP checkpoint: nothing to restore
     with _single_process_ok():
-        dcp.save(checkpoint_state(model, optimizer, torch.tensor(step)), checkpoint_id=path)
+        dcp.load(meta, checkpoint_id=path)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, FSSDPExperts)}
+    for name, m in layers.items():
+        if f"fssdp/{name}/window" in meta:
+            n = int(meta[f"fssdp/{name}/window_n"])
+            m.window.load_state_dict({"w": m.options.window,
+                                      "loads": meta[f"fssdp/{name}/window"][:n].tolist()})
+    owners = [meta.get(f"fssdp/{name}/owners") for name in layers]
+    shared = len({id(m.slots) for m in layers.values()}) == 1 and len(layers) > 1
+    if not shared or any(o is None for o in owners):
+        return
+    new = [o.tolist() for o in owners]
+    world, rows = next(iter(layers.values())).world, fssdp_layers(model)[0].slots.shape[0]
+    flat = [r for o in new for r in o]
+    if max(flat) >= world or any(flat.count(r) != rows for r in range(world)):
+        return                                   # another world size: keep these owners
+    apply_owners(model, optimizer, new)
+
+
+def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    state = checkpoint_state(model, optimizer, torch.tensor(step))
+    state.update(_fssdp_meta(model))
+    with _single_process_ok():
+        dcp.save(state, checkpoint_id=path)
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Restore model (and optimizer) in place; return the step the checkpoint was taken at."""
+    _restore_fssdp(path, model, optimizer)
     step = torch.tensor(0)
     state = checkpoint_state(model, optimizer, step)
     with _single_process_ok():

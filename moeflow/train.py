@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from moeflow import checkpoint
 from moeflow.placement.metrics import fssdp_metrics
+from moeflow.placement.reshard import maybe_reshard
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
 from moeflow.devices import autocast, resolve_device, resolve_dtype
@@ -188,6 +189,7 @@ class Trainer:
         self.opt.step()
         update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
+        maybe_reshard(self.model, self.opt, self.step)   # HECATE Alg. 2 (fssdp.reshard_every)
         balance = [torch.as_tensor(m.stat_tensors["balance_loss"], device=self.device).double()
                    for m in self.model.moe_layers()]
         return torch.stack([ce.detach().double(), aux.detach().double().to(self.device),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import Topology, sync_gradients
+from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 from moeflow.init import seeded_normal
 from moeflow.placement.layer_experts import FSSDPExperts
 from tests import parity
@@ -171,7 +172,7 @@ def gpt_worker(steps: int = 3) -> dict:
             sync_gradients(model, topo)
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         out[label] = {"losses": losses, "prefetched": prefetched,
                       "experts": {(li, k): v for li, layer in enumerate(model.moe_layers())
                                   for k, v in expert_tensors(layer, False).items()},
@@ -206,7 +207,7 @@ def train_steps(model, opt, topo, steps: range) -> list[float]:
         sync_gradients(model, topo)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -238,3 +239,41 @@ def checkpoint_worker(path: str) -> dict:
     return {"step": step, "saved": saved, "loaded": loaded, "after": after, "again": again,
             "ep_after": ep_after, "final": all_experts(model), "final_resumed":
             all_experts(resumed), "final_ep": all_experts(ep)}
+
+
+# -- Algorithm 2: a re-shard in the middle of training ---------------------------------------
+
+def reshard_worker(path: str) -> dict:
+    """EP vs FSSDP (static and Algorithm 1) with a re-shard after step 2 of 4; a checkpoint
+    taken after the re-shard resumes exactly."""
+    from moeflow import checkpoint
+    from moeflow.placement.reshard import maybe_reshard
+
+    topo = Topology.from_env(local_size=LOCAL)
+    out = {}
+    for label, extra in (("ep", {}),
+                         ("static", dict(placement="fssdp", fssdp=dict(reshard_every=2))),
+                         ("sparse", dict(placement="fssdp", fssdp=dict(
+                             materialize="sparse", overlap_degree=2, memory_capacity=1,
+                             reshard_every=2)))):
+        model = small_gpt(topo, **extra)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses, owners = [], []
+        for step in range(4):
+            losses += train_steps(model, opt, topo, range(step, step + 1))
+            if maybe_reshard(model, opt, step + 1):
+                owners.append([list(m.experts.owners.owners) for m in model.moe_layers()])
+            if step == 2 and label == "sparse":
+                checkpoint.save(path, model, opt, 3)
+        rec = {"losses": losses, "owners": owners, "experts": all_experts(model),
+               "states": sum(1 for p in opt.state if getattr(p, EXPERT_PARAM_ATTR, False))}
+        if label == "sparse":
+            resumed = small_gpt(topo, **extra)
+            ropt = torch.optim.AdamW(resumed.parameters(), lr=0.01)
+            checkpoint.load(path, resumed, ropt)
+            rec["resumed_owners"] = [list(m.experts.owners.owners)
+                                     for m in resumed.moe_layers()]
+            rec["resumed_loss"] = train_steps(resumed, ropt, topo, range(3, 4))
+            rec["resumed_experts"] = all_experts(resumed)
+        out[label] = rec
+    return out

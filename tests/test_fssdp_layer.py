@@ -188,3 +188,48 @@ def test_cli_overrides_and_metrics():
     got = fssdp_metrics(model)
     assert got["fssdp_rank_tokens"] == [2 * 2 * 8 * 2]          # 2 layers x 32 choices
     assert got["fssdp_max_over_mean"] == 1.0 and got["spag_bytes"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("reshard") / "ckpt")
+    return launch_local(w.reshard_worker, w.WORLD, path, timeout_s=120)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("label", ["static", "sparse"])
+def test_training_continues_identically_across_a_reshard(resharded, label):
+    ep_all = {k: v for r in range(w.WORLD) for k, v in resharded[r]["ep"]["experts"].items()}
+    seen = set()
+    for rank in range(w.WORLD):
+        ep, fs = resharded[rank]["ep"], resharded[rank][label]
+        torch.testing.assert_close(torch.tensor(fs["losses"]), torch.tensor(ep["losses"]),
+                                   **TOL)
+        for key, value in fs["experts"].items():          # wherever the expert lives now
+            torch.testing.assert_close(value, ep_all[key], **TOL)
+        seen |= set(fs["experts"])
+        assert fs["states"] == 1          # one slot tensor for both layers, one state entry
+    assert seen == set(ep_all)            # each expert stored exactly once, all present
+    owners = resharded[0][label]["owners"]
+    assert len(owners) == 2                                      # after steps 2 and 4
+    even = [[e // 2 for e in range(8)]] * 2
+    assert any(o != even for o in owners)                         # experts really moved
+    for o in owners:                                             # memory stays balanced
+        flat = [r for layer in o for r in layer]
+        assert [flat.count(r) for r in range(w.WORLD)] == [4] * w.WORLD
+    assert all(resharded[r][label]["owners"] == owners for r in range(w.WORLD))
+
+
+@pytest.mark.multirank
+def test_checkpoint_after_a_reshard_resumes_exactly(resharded):
+    for rank in range(w.WORLD):
+        fs = resharded[rank]["sparse"]
+        assert fs["resumed_owners"] == fs["owners"][0]           # the re-sharded map
+        assert fs["resumed_loss"] == fs["losses"][3:]            # bitwise
+    # every expert after step 4, wherever it lives now, equals the resumed run's
+    final = {k: v for r in range(w.WORLD) for k, v in resharded[r]["sparse"]["experts"].items()}
+    again = {k: v for r in range(w.WORLD)
+             for k, v in resharded[r]["sparse"]["resumed_experts"].items()}
+    assert sorted(final) == sorted(again) and len(final) == 2 * 8 * 2
+    for key, value in final.items():
+        torch.testing.assert_close(again[key], value, rtol=0, atol=0)

@@ -16,6 +16,7 @@ from torch import nn
 from moeflow.config import ModelConfig
 from moeflow.init import seeded_normal
 from moeflow.layer import MoELayer
+from moeflow.placement.reshard import fssdp_layers, share_slots
 from moeflow.topology import Topology
 
 
@@ -69,6 +70,7 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, topo) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        share_slots(fssdp_layers(self))          # HECATE Alg. 2: one slot tensor per rank
         self._init_dense()
 
     def _init_dense(self) -> None:

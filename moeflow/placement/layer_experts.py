@@ -117,7 +117,7 @@ class _Gather(torch.autograd.Function):
                                      device=grad.device, verify=False)
             chunks = op(chunks)
             store.bytes["sprs"] = (op.send_bytes, op.recv_bytes)
-        out = grad.new_zeros((len(store.slot_index), store.numel))
+        out = grad.new_zeros(store.slots.shape)     # the slot tensor may hold other layers
         for e, i in store.slot_index.items():
             out[i] = chunks[e]
         return out, None, None, None
@@ -373,6 +373,16 @@ class FSSDPExperts(nn.Module):
             out["sprs_bytes_all_ranks"] = float(sum(sprs_send_bytes(
                 placement.holder_chunks(), self.owners.owner_chunks(), chunk, self.world)))
         return out
+
+    def set_owners(self, owners: Placement, slots: nn.Parameter,
+                   slot_index: dict[int, int]) -> None:
+        """A new shard map (Algorithm 2's re-sharding, :mod:`moeflow.placement.reshard`):
+        this layer's owned experts are rows ``slot_index`` of ``slots``. Manual holders are
+        dropped (they must contain the owners)."""
+        self.owners = Placement.static(owners.owners, owners.world_size)
+        self.slots = slots
+        self.slot_index = dict(slot_index)
+        self.holders = None
 
     # -- global views (checkpoints, tests) --------------------------------------------------
     def owned_experts(self) -> dict[int, dict[str, torch.Tensor]]:

@@ -35,7 +35,11 @@ class FSSDPOptions:
     point-to-point fit of the ``links`` JSON of ``moeflow bench links``); ``memory_capacity``
     is ``m``, the replicas a rank may hold (None: as many as it owns); ``window`` is ``w``
     (HECATE: 5); ``calibrate`` re-plans after the gate with the real loads and keeps the new
-    plan only if its predicted latency, extra spAG included, is lower."""
+    plan only if its predicted latency, extra spAG included, is lower.
+
+    Algorithm 2 (Section 4.3, :mod:`moeflow.placement.reshard`): every ``reshard_every``
+    optimizer steps (0: never) ``moeflow train`` re-shards all FSSDP layers together; the
+    parameters and the optimizer state move to the new owners."""
 
     materialize: str = "static"
     rematerialize: bool = False
@@ -46,6 +50,7 @@ class FSSDPOptions:
     links: str | None = None
     window: int = 5
     calibrate: bool = False
+    reshard_every: int = 0
 
     def __post_init__(self) -> None:
         o = "MoEConfig.fssdp"
@@ -62,6 +67,10 @@ class FSSDPOptions:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ConfigError(f"{o}.{name}={v!r} is invalid: give an integer >= 0 (a "
                                   "number of experts) or None to derive it")
+        if isinstance(self.reshard_every, bool) or not isinstance(self.reshard_every, int) \
+                or self.reshard_every < 0:
+            raise ConfigError(f"{o}.reshard_every={self.reshard_every!r} is invalid: give "
+                              "optimizer steps between re-shards (an integer >= 1), or 0")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError(f"{o}.window={self.window!r} is invalid: give an integer >= 1 "
                               "(HECATE uses 5)")
