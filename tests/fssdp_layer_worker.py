@@ -277,3 +277,36 @@ def reshard_worker(path: str) -> dict:
             rec["resumed_experts"] = all_experts(resumed)
         out[label] = rec
     return out
+
+
+# -- composability: codecs, all-to-all algorithms, schedulers, BigMac, SMILE routing ---------
+
+COMPOSE = {   # (parity case, overrides shared by EP and FSSDP)
+    "fp16_codec": ("hot_expert_dropless", dict(codec="fp16", codec_backward=True)),
+    "int8_codec_hier2d": ("hot_expert_capacity", dict(codec="int8", a2a="hier2d")),
+    "bilevel_a2a_pipelined": ("hot_expert_dropless", dict(a2a="bilevel", pipeline_degree=3,
+                                                          schedule="pipelined")),
+    "pipe_a2a": ("expert_bias_swiglu_dropless", dict(a2a="pipe")),
+    "bigmac": ("bigmac_swiglu_capacity", {}),
+    "smile_router": ("bilevel_top1", {}),
+}
+
+
+def compose_worker() -> dict:
+    topo = Topology.from_env(local_size=LOCAL)
+    out = {}
+    for label, (case, over) in COMPOSE.items():
+        for kind, extra in (("ep", {}), ("fssdp", dict(placement="fssdp",
+                                                       fssdp=dict(materialize="manual")))):
+            layer = parity.make_layer(case, topo, **over, **extra)
+            if kind == "fssdp":
+                layer.experts.set_holders(SKEWED[0])
+            x, g = batch(case, topo.rank, 0)
+            x.requires_grad_()
+            y = layer(x)
+            parity.local_loss(y, g, layer).backward()
+            sync_gradients(layer, topo)
+            out[label, kind] = {"y": y.detach(), "x_grad": x.grad,
+                                "grads": expert_tensors(layer, True),
+                                "dense_grads": dense(layer, True)}
+    return out

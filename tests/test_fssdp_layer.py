@@ -233,3 +233,25 @@ def test_checkpoint_after_a_reshard_resumes_exactly(resharded):
     assert sorted(final) == sorted(again) and len(final) == 2 * 8 * 2
     for key, value in final.items():
         torch.testing.assert_close(again[key], value, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def composed():
+    return launch_local(w.compose_worker, w.WORLD, timeout_s=120)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("label", list(w.COMPOSE))
+def test_composes_with_codecs_algorithms_schedulers_bigmac_smile(composed, label):
+    """FSSDP with replicas computes what EP computes under the same codec / all-to-all /
+    schedule / structure / router (a lossy codec's error is elementwise, so the same)."""
+    tol = dict(rtol=1e-6, atol=1e-6) if "int8" in label else TOL
+    ep_grads = {k: v for r in range(w.WORLD) for k, v in composed[r][label, "ep"]["grads"].items()}
+    for rank in range(w.WORLD):
+        ep, fs = composed[rank][label, "ep"], composed[rank][label, "fssdp"]
+        torch.testing.assert_close(fs["y"], ep["y"], **tol)
+        torch.testing.assert_close(fs["x_grad"], ep["x_grad"], **tol)
+        for key, value in fs["grads"].items():
+            torch.testing.assert_close(value, ep_grads[key], **tol)
+        for key, value in fs["dense_grads"].items():
+            torch.testing.assert_close(value, ep["dense_grads"][key], **tol)
