@@ -101,6 +101,25 @@ def register_hecate_bench(bsub) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(p, default_nproc=1)
     p.set_defaults(func=run_hecate)
+    q = bsub.add_parser("spag", help="HECATE spAG: batched point-to-point vs grouped "
+                                     "broadcasts (the paper's prototype)")
+    q.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes of one expert")
+    q.add_argument("--experts-per-rank", type=int, default=2, help="experts owned per rank")
+    q.add_argument("--replicas", type=int, nargs="+", default=[1, 3],
+                   help="each expert gets 0..N extra holders (random, seeded)")
+    q.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    q.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
+    q.add_argument("--out", default=None, help="write the results as JSON here")
+    add_launch_args(q, default_nproc=1)
+    q.set_defaults(func=run_spag)
+
+
+def run_spag(args: argparse.Namespace) -> int:
+    from moeflow.bench.spag import bench_worker, format_result
+
+    opts = {k: getattr(args, k) for k in ("chunk_bytes", "experts_per_rank", "replicas",
+                                          "warmup", "reps")}
+    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
 def run_hecate(args: argparse.Namespace) -> int:
