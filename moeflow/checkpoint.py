@@ -23,6 +23,12 @@ model (missing or extra tensors, other shapes) before reading anything.
 
 The auto-tuned exchange settings of the MoE layers (issue 18) are kept beside the tensors in
 ``autotune.json``, so a resume on the same topology does not re-tune.
+
+HECATE FSSDP (``placement="fssdp"``): a rank's owned experts are rows of one slot tensor
+(:class:`~moeflow.placement.layer_experts.FSSDPExperts`); each row is split back into its named
+tensors under the same keys as expert parallelism (``.../experts.w1/expert/5``), written by its
+owner only, so each expert is saved once with its optimizer state, and FSSDP and EP checkpoints
+load into each other on any world size.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from moeflow.errors import ConfigError
 from moeflow.experts.ffn import HIDDEN_DIM, ExpertFFN
 from moeflow.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from moeflow.schedule.autotune import restore_tuning, tuning_state
+from moeflow.placement.layer_experts import FSSDPExperts
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -74,6 +81,23 @@ def _layouts(model: nn.Module) -> dict[int, tuple]:
                                   "from Topology.from_env)")
             how[id(m.weight)] = ("tp", m.spec, mesh)
     return how
+
+
+def _fssdp_rows(model: nn.Module) -> dict[int, list[tuple[str, FSSDPExperts]]]:
+    """``id(slots) -> [(module name, FSSDPExperts)]``: the FSSDP layers whose owned experts
+    are rows of each slot tensor (one per layer, or one for all, Algorithm 2)."""
+    out: dict[int, list] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSSDPExperts):
+            out.setdefault(id(m.slots), []).append((name, m))
+    return out
+
+
+def _expand_slots(prefix: str, mname: str, m: FSSDPExperts, t: torch.Tensor, out: dict) -> None:
+    """The owned rows of ``t`` (the slot tensor or its moment), as EP's per-expert keys."""
+    for e, i in m.slot_index.items():
+        for name, view in m._views(t[i:i + 1]).items():
+            out[f"{prefix}/{mname}.{name}/expert/{e}"] = view[0]
 
 
 def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -115,19 +139,37 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     """
     how = _layouts(model)
     out: dict[str, torch.Tensor] = {"step": step}
+    fssdp = _fssdp_rows(model)
     for name, p in model.named_parameters():
+        if id(p) in fssdp:          # FSSDP slot rows, under EP's per-expert keys
+            for mname, m in fssdp[id(p)]:
+                _expand_slots("model", mname, m, p.data, out)
+                if optimizer is None:
+                    continue
+                state = _state(optimizer, p)
+                for k in m.shapes:              # EP's keys: one step entry per tensor name
+                    out[f"optim/{mname}.{k}/step"] = state["step"]
+                for k in OPT_KEYS:
+                    _expand_slots(f"optim/{k}", mname, m, state[k], out)
+            continue
         _expand("model", name, p.data, how.get(id(p)), out)
         if optimizer is None:
             continue
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            for k in OPT_KEYS:
-                state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state = _state(optimizer, p)
         out[f"optim/{name}/step"] = state["step"]
         for k in OPT_KEYS:
             _expand(f"optim/{k}", name, state[k], how.get(id(p)), out)
     return out
+
+
+def _state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
+    """``p``'s optimizer state, created as zeros (step 0) when it has none yet."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for k in OPT_KEYS:
+            state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 @contextmanager
@@ -142,8 +184,10 @@ TUNING_FILE = "autotune.json"   # issue 18: the layers' auto-tuned choices (JSON
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    state = checkpoint_state(model, optimizer, torch.tensor(step))
+    state.update(_fssdp_meta(model))
     with _single_process_ok():
-        dcp.save(checkpoint_state(model, optimizer, torch.tensor(step)), checkpoint_id=path)
+        dcp.save(state, checkpoint_id=path)
     tuned = tuning_state(model)
     if tuned and (not dist.is_initialized() or dist.get_rank() == 0):
         (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
@@ -152,8 +196,14 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: in
 def _model_keys(model: nn.Module) -> set[str] | None:
     """Every ``model/`` key of the model on any layout (all experts of each layer), or None
     when a layer's number of experts is unknown (experts outside a MoELayer)."""
-    how, keys = _layouts(model), set()
+    how, keys, fssdp = _layouts(model), set(), _fssdp_rows(model)
+    for mname, m in model.named_modules():      # FSSDP rows are stored under EP's keys
+        if isinstance(m, FSSDPExperts):
+            keys.update(f"model/{mname}.{k}/expert/{e}" for k in m.shapes
+                        for e in range(m.num_experts))
     for name, p in model.named_parameters():
+        if id(p) in fssdp:
+            continue
         h = how.get(id(p))
         if h is None or h[0] == "tp":
             keys.add(f"model/{name}")
@@ -196,8 +246,57 @@ def _fit_to_checkpoint(path: str, state: dict[str, torch.Tensor],
         "saved from: use the model options of its run (config.json beside it)")
 
 
+def _fssdp_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FSSDP's shard maps (after Algorithm 2's re-shards) and load windows (Algorithm 1),
+    the same on every rank: restoring them makes a resumed run continue exactly."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSSDPExperts):
+            out[f"fssdp/{name}/owners"] = torch.tensor(m.owners.owners, dtype=torch.int64)
+            loads = m.window.state_dict()["loads"]
+            win = torch.zeros(m.options.window, m.num_experts, dtype=torch.float64)
+            if loads:
+                win[:len(loads)] = torch.tensor(loads, dtype=torch.float64)
+            out[f"fssdp/{name}/window"] = win
+            out[f"fssdp/{name}/window_n"] = torch.tensor(len(loads))
+    return out
+
+
+def _restore_fssdp(path: str, model: nn.Module, optimizer) -> None:
+    """Load the shard maps and windows saved with FSSDP, and re-shard to those owners when
+    they fit this job (same world size); otherwise the experts load into the current owners."""
+    from moeflow.placement.reshard import apply_owners, fssdp_layers
+
+    meta = _fssdp_meta(model)
+    if not meta:
+        return
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = {k: v for k, v in meta.items() if k in stored}
+    if not meta:
+        return                                   # an EP checkpoint: nothing to restore
+    with _single_process_ok():
+        dcp.load(meta, checkpoint_id=path)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, FSSDPExperts)}
+    for name, m in layers.items():
+        if f"fssdp/{name}/window" in meta:
+            n = int(meta[f"fssdp/{name}/window_n"])
+            m.window.load_state_dict({"w": m.options.window,
+                                      "loads": meta[f"fssdp/{name}/window"][:n].tolist()})
+    owners = [meta.get(f"fssdp/{name}/owners") for name in layers]
+    shared = len({id(m.slots) for m in layers.values()}) == 1 and len(layers) > 1
+    if not shared or any(o is None for o in owners):
+        return
+    new = [o.tolist() for o in owners]
+    world, rows = next(iter(layers.values())).world, fssdp_layers(model)[0].slots.shape[0]
+    flat = [r for o in new for r in o]
+    if max(flat) >= world or any(flat.count(r) != rows for r in range(world)):
+        return                                   # another world size: keep these owners
+    apply_owners(model, optimizer, new)
+
+
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Restore model (and optimizer) in place; return the step the checkpoint was taken at."""
+    _restore_fssdp(path, model, optimizer)
     step = torch.tensor(0)
     state = checkpoint_state(model, optimizer, step)
     with _single_process_ok():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from moeflow.devices import DEVICES, DTYPES
 from moeflow.errors import ConfigError
+from moeflow.placement.options import PLACEMENTS, FSSDPOptions
 from moeflow.registry import did_you_mean, registry
 
 
@@ -234,8 +235,21 @@ class MoEConfig:
     parallel_schedule: str = "baseline"
     parm_saa: bool = True
 
+    # HECATE FSSDP (issue 17, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
+    # experts fully sharded (one owner each), materialized per iteration by spAG; its options
+    # (a dict or moeflow.placement.options.FSSDPOptions) are checked there.
+    placement: str = "ep"
+    fssdp: dict | FSSDPOptions | None = None
+
     def __post_init__(self) -> None:
         o = "MoEConfig"
+        _require(self.placement in PLACEMENTS, o, "placement", self.placement,
+                 "choose 'ep' (static expert parallelism) or 'fssdp' (HECATE's fully sharded "
+                 "sparse data parallelism)")
+        _require(self.placement == "fssdp" or self.fssdp is None, o, "fssdp", self.fssdp,
+                 "FSSDP options need placement='fssdp'; set it or drop the options")
+        if self.placement == "fssdp":
+            self.fssdp = FSSDPOptions.coerce(self.fssdp)
         # issue 18 (auto-tuning): a2a / schedule / pipeline_degree may be "auto", resolved
         # collectively by the layer's first forward (moeflow/schedule/autotune.py)
         if self.pipeline_degree != AUTO:
@@ -448,6 +462,9 @@ class ModelConfig:
     a2a: str = "direct"
     schedule: str = "sequential"
     pipeline_degree: int = 1
+    # HECATE FSSDP (issue 17): see MoEConfig.placement / MoEConfig.fssdp
+    placement: str = "ep"
+    fssdp: dict | None = None
     dropout: float = 0.0
     seed: int = 0
     # Parm (issue 16): the MoE layers' MP+EP+ESP schedule (MoEConfig.parallel_schedule)

@@ -24,6 +24,7 @@ from moeflow.parallel.parm.baseline import baseline_experts
 from moeflow.parallel.parm.checks import check_parm_layer
 from moeflow.parallel.parm.collectives import esp_all_reduce
 from moeflow.phases import NULL_TIMER, PhaseTimer
+from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
 from moeflow.schedule import SCHEDULERS, autotune
 from moeflow.schedule.executor import CommLane, Timeline
@@ -57,6 +58,13 @@ class MoELayer(nn.Module):
         self.tuned: autotune.TunedChoice | None = None
         self._tuning = False
         self._rows: int | None = None          # rows sent over the EP group by the last forward
+        if self.auto_fields and (cfg.placement == "fssdp" or cfg.parallel_schedule != "baseline"):
+            raise ConfigError(
+                f"MoEConfig {'/'.join(self.auto_fields)}='auto' cannot be tuned with "
+                f"placement={cfg.placement!r} and parallel_schedule={cfg.parallel_schedule!r}: "
+                "the tuner times the expert-parallel exchange (FSSDP's load window and Parm's "
+                "EP&ESP exchange are not what it measures); set a2a, schedule and "
+                "pipeline_degree explicitly (e.g. 'direct', 'sequential', 1)")
         cfg = autotune.placeholder(cfg)
         if cfg.num_experts % topo.ep_size:
             raise ConfigError(
@@ -73,11 +81,19 @@ class MoELayer(nn.Module):
         # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
         reduce = (functools.partial(esp_all_reduce, group=topo.esp_group)
                   if topo.esp_size > 1 else None)
-        self.experts = EXPERTS[cfg.expert_module](
-            comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
-            cfg.activation, cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
-            shard=(topo.esp_rank, topo.esp_size), reduce=reduce,
-            activation_options=cfg.activation_options)
+        if cfg.placement == "fssdp":     # HECATE FSSDP (issue 17): owner-only expert storage
+            _check_fssdp(cfg, topo)
+            self.experts = FSSDPExperts(comm_width(cfg), expert_hidden(cfg), cfg.num_experts,
+                                        cfg.activation, cfg.seed, cfg.layer_id,
+                                        cfg.expert_bias, cfg.fssdp, rank=topo.rank,
+                                        world=topo.world_size, local_size=topo.local_size,
+                                        group=topo.world_group)
+        else:
+            self.experts = EXPERTS[cfg.expert_module](
+                comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
+                cfg.activation, cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
+                shard=(topo.esp_rank, topo.esp_size), reduce=reduce,
+                activation_options=cfg.activation_options)
         # shared experts (DeepSeek-V3, Qwen2-MoE): replicated, on this rank's tokens, as task S
         self.shared = SharedExperts(cfg) if cfg.num_shared_experts else None
         self.algo = ALLTOALLS[cfg.a2a](topo)
@@ -152,6 +168,13 @@ class MoELayer(nn.Module):
         """The last forward's statistics as floats (a device sync on GPU: read when logging)."""
         return {k: float(v) for k, v in self._stats.items()}
 
+    def prefetch(self) -> None:
+        """HECATE FSSDP: start this iteration's spAG on the layer's communication lane, so
+        that it overlaps what runs before the layer (the GPT block calls it before its
+        attention, Fig. 1c). A no-op for other placements or with ``early_gather=False``."""
+        if isinstance(self.experts, FSSDPExperts) and self.cfg.fssdp.early_gather:
+            self.experts.prefetch(self.lane)
+
     def forward(self, x: torch.Tensor, *, top_k: int | None = None,
                 capacity_factor: float | None | str = FROM_CONFIG) -> torch.Tensor:
         """``x: (..., d_model)``. ``top_k`` and ``capacity_factor`` override the config's for
@@ -184,6 +207,8 @@ class MoELayer(nn.Module):
         tokens = h                        # the shared experts' input (this rank's tokens)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
+        fssdp = self.experts if isinstance(self.experts, FSSDPExperts) else None
+        experts = fssdp.begin() if fssdp is not None else self.experts   # spAG(P, P') done
         with t.phase("route", h):
             routing = self.router(t.mark(h, "route"), **route_k)   # reads x (pre-descend)
         if self.dcca is not None:                          # BigMac: descend before dispatch
@@ -191,12 +216,13 @@ class MoELayer(nn.Module):
                 h = self.dcca.down(t.mark(h, "project"))
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
-            plan = make_plan(routing.experts, cfg.num_experts, cap)
+            plan = (fssdp.plan(routing.experts, cap) if fssdp is not None   # HECATE 4.4
+                    else make_plan(routing.experts, cfg.num_experts, cap))
             send = permute(t.mark(h, "permute"), plan)
         nonfinite = (None if self.codec.represents_nonfinite
                      and self.backward_codec.represents_nonfinite
                      else h.new_zeros((), dtype=torch.long))
-        runner = ScheduledExperts(self.experts, self.algo, self.codec, self.backward_codec,
+        runner = ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite, self.shared)
         shared_y = None
@@ -212,6 +238,8 @@ class MoELayer(nn.Module):
             back, shared_y = scheduled_experts(t.mark(send, None), plan, runner, tokens)
         else:
             back = scheduled_experts(t.mark(send, None), plan, runner)
+        if fssdp is not None:            # HECATE-RM frees the held experts here
+            back = fssdp.end(back)
         # training forwards only (evaluation batches of another size must not re-tune)
         if (self.auto_fields and not self._tuning and plan.counts is not None
                 and torch.is_grad_enabled()):
@@ -238,6 +266,27 @@ class MoELayer(nn.Module):
             for key in ("predicted_ms", "measured_ms"):
                 if getattr(self.tuned, key) is not None:
                     self._stats[f"autotune_{key}"] = getattr(self.tuned, key)
+        if fssdp is not None:
+            self._stats.update(fssdp.stats())
         if nonfinite is not None:       # forward's count; backward adds its own in place
             self._stats["nonfinite_payload"] = nonfinite
         return t.mark(y, None).reshape(shape)
+
+
+def _check_fssdp(cfg: MoEConfig, topo: Topology) -> None:
+    """What FSSDP composes with (docs/hecate.md): it shards experts over the whole world, so
+    expert parallelism must span it, and Parm's MP/ESP shards are a different storage."""
+    if topo.ep_size != topo.world_size:
+        raise ConfigError(f"MoEConfig.placement='fssdp' shards experts over all ranks, but the "
+                          f"topology has ep_size={topo.ep_size} of {topo.world_size}: use "
+                          "ep_size=None (all ranks)")
+    if topo.esp_size > 1 or topo.mp_size > 1:
+        raise ConfigError("MoEConfig.placement='fssdp' cannot be combined with Parm's MP/ESP "
+                          f"(mp_size={topo.mp_size}, esp_size={topo.esp_size}): FSSDP keeps "
+                          "whole experts; use mp_size=esp_size=1 or placement='ep'")
+    if cfg.expert_module != "ffn" or cfg.activation_options:
+        raise ConfigError(
+            "MoEConfig.placement='fssdp' stores the built-in expert FFN in its slot rows, so "
+            f"expert_module={cfg.expert_module!r} and activation_options="
+            f"{cfg.activation_options!r} cannot be used with it: use expert_module='ffn' "
+            "without activation_options, or placement='ep'")

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow import checkpoint
+from moeflow.placement.metrics import fssdp_metrics
+from moeflow.placement.reshard import maybe_reshard
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
 from moeflow.devices import autocast, resolve_device, resolve_dtype
@@ -192,6 +194,7 @@ class Trainer:
         self.opt.step()
         update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
+        maybe_reshard(self.model, self.opt, self.step)   # HECATE Alg. 2 (fssdp.reshard_every)
         balance = [torch.as_tensor(m.stat_tensors["balance_loss"], device=self.device).double()
                    for m in self.model.moe_layers()]
         return torch.stack([ce.detach().double(), aux.detach().double().to(self.device),
@@ -231,6 +234,7 @@ class Trainer:
                        "lr": lr_at(self.step - 1, cfg),
                        "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
                        "elapsed_s": now - start_time}
+                rec.update(fssdp_metrics(self.model))     # HECATE FSSDP (last step's)
                 if self.step % cfg.eval_every == 0 or done:
                     rec["val_loss"] = self._evaluate()
                 self._log(rec)

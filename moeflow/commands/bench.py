@@ -99,6 +99,59 @@ def register(sub) -> None:
     smile.set_defaults(func=run_smile)
     register_codecs_bench(bsub)
     register_zfp_arrays_bench(bsub)
+    register_hecate_bench(bsub)
+
+
+def register_hecate_bench(bsub) -> None:
+    """HECATE (issue 17): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
+    p = bsub.add_parser("hecate", help="HECATE: EP vs FSSDP (static, Algorithm 1, RM) under "
+                                       "skewed loads: step time, max tokens per rank, bytes")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    p.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
+    p.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
+    p.add_argument("--experts-per-rank", type=int, default=2,
+                   help="experts owned by each rank at the start (num_experts = this x ranks)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--zipf", type=float, nargs="+", default=[0.0, 1.0, 1.5],
+                   help="skew exponents s (0 = no skew)")
+    p.add_argument("--t", type=int, default=2, help="Algorithm 1's overlap degree t")
+    p.add_argument("--m", type=int, default=2, help="Algorithm 1's memory capacity m")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    add_launch_args(p, default_nproc=1)
+    p.set_defaults(func=run_hecate)
+    q = bsub.add_parser("spag", help="HECATE spAG: batched point-to-point vs grouped "
+                                     "broadcasts (the paper's prototype)")
+    q.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes of one expert")
+    q.add_argument("--experts-per-rank", type=int, default=2, help="experts owned per rank")
+    q.add_argument("--replicas", type=int, nargs="+", default=[1, 3],
+                   help="each expert gets 0..N extra holders (random, seeded)")
+    q.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    q.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
+    q.add_argument("--out", default=None, help="write the results as JSON here")
+    add_launch_args(q, default_nproc=1)
+    q.set_defaults(func=run_spag)
+
+
+def run_spag(args: argparse.Namespace) -> int:
+    from moeflow.bench.spag import bench_worker, format_result
+
+    opts = {k: getattr(args, k) for k in ("chunk_bytes", "experts_per_rank", "replicas",
+                                          "warmup", "reps")}
+    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
+
+
+def run_hecate(args: argparse.Namespace) -> int:
+    from moeflow.bench.hecate import bench_worker, format_result
+
+    for name in ("tokens", "d_model", "d_expert", "experts_per_rank", "top_k", "reps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"moeflow bench hecate: --{name.replace('_', '-')} "
+                             f"{getattr(args, name)} must be >= 1")
+    opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
+                                          "top_k", "zipf", "t", "m", "warmup", "reps")}
+    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
 def run_layer(args: argparse.Namespace) -> int:

@@ -84,8 +84,11 @@ TRAIN_AUTO = {"a2a": "auto", "schedule": "auto", "pipeline_degree": "auto"}
 def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
     """The model and train configs that ``moeflow train ARGS`` runs (validated)."""
     # issue 18: the exchange settings are measured on the cluster unless --set fixes them
-    mcfg = model_preset(args.preset, **{**TRAIN_AUTO, **parse_overrides(args.overrides,
-                                                                        ModelConfig)})
+    # (not with FSSDP or Parm's S1/S2/auto, whose exchanges the tuner does not time)
+    overrides = parse_overrides(args.overrides, ModelConfig)
+    tunable = (overrides.get("placement", "ep") != "fssdp"
+               and overrides.get("parallel_schedule", "baseline") == "baseline")
+    mcfg = model_preset(args.preset, **{**(TRAIN_AUTO if tunable else {}), **overrides})
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name not in ("collective_timeout_s", "esp_in_node")},
                        collective_timeout_s=args.timeout,

@@ -31,8 +31,9 @@ def combine(back: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor) -> to
     summed in choice order for every token (deterministic, no atomics)."""
     T, k, M = plan.num_tokens, plan.top_k, back.shape[1]
     gate = weights.t().reshape(-1).to(back.dtype)          # (T*k,) choice-major like the plan
-    if plan.dense_slots:
-        rows = back.new_empty(T * k, M).index_copy(0, plan.slot, back)
+    if plan.dense_slots:                 # fewer rows than choices: HECATE's plan keeps only
+        make = back.new_empty if plan.send_rows == T * k else back.new_zeros   # kept ones
+        rows = make(T * k, M).index_copy(0, plan.slot, back)
     else:
         kept = plan.slot < plan.send_rows
         rows = back.index_select(0, plan.slot.clamp(max=max(plan.send_rows - 1, 0)))

@@ -26,6 +26,7 @@ from moeflow.init import seeded_normal
 from moeflow.layer import MoELayer
 from moeflow.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                               check_divisible, shard_of, tp_shard)
+from moeflow.placement.reshard import fssdp_layers, share_slots
 from moeflow.topology import Topology
 
 
@@ -70,6 +71,8 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.ffn, MoELayer):
+            self.ffn.prefetch()          # HECATE FSSDP: spAG overlaps the attention (Fig. 1c)
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.ffn(self.ln2(x)))
 
@@ -86,6 +89,7 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, topo) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        share_slots(fssdp_layers(self))          # HECATE Alg. 2: one slot tensor per rank
         self._init_dense()
 
     def _init_dense(self) -> None:

@@ -1,0 +1,404 @@
+"""FSSDP inside the MoE layer: owner-only expert storage, spAG before the forward, spRS from the
+backward, and re-materialization (HECATE Sections 3.2 and 4.4; ``MoEConfig(placement="fssdp")``).
+
+*Sharding phase* (Section 3.2): each expert's parameters live on its owner only. A rank's owned
+experts are the rows of one ``nn.Parameter`` ``slots: (S, numel)`` (an expert's row = its named
+tensors ``w1, [w3], w2, [b1, b3, b2]`` flattened, as :class:`~moeflow.experts.ExpertFFN`
+names and initialises them from the expert's global id), so a ``torch.optim`` optimizer over
+``model.parameters()`` holds exactly one copy of every expert and of its state globally. The
+initial shard map is the trivial one (Section 3.2: contiguous equal blocks), so ``S = E / world``
+on every rank: the slot count per rank is the same (Alg. 2's memory constraint).
+
+*Materialization phase*, per iteration (Section 3.2):
+
+1. ``P'`` is chosen (``FSSDPOptions.materialize``) and ``spAG(P, P')`` (Section 3.1) brings this
+   rank every expert it holds. :meth:`FSSDPExperts.prefetch` launches it on the layer's
+   communication lane, so the GPT block can start it before its attention (Fig. 1c); otherwise
+   the forward runs it in place. Waits are bounded by the group's timeout.
+2. :class:`_Gather` stacks the held experts into one tensor ``(H, numel)`` (owned rows copied
+   from ``slots``, replicas received); the layer's experts compute with views of it. Its
+   backward is ``spRS(P', P)``: each owner gets the sum of every copy's gradient (its own
+   included, in ascending rank order) into ``slots.grad`` -- the "gradient hook" that runs
+   inside autograd as soon as the layer's expert gradients exist.
+3. With ``rematerialize=True`` (HECATE-RM, Section 3.2: "SparseAllGather is launched twice for
+   an MoE layer in each iteration") the stacked tensor's storage is freed after the forward and
+   refilled by a second spAG when the backward reaches the layer (:class:`_Regather`), as FSDP
+   frees and re-gathers its flat parameters.
+
+Token routing over ``P'`` is :mod:`moeflow.placement.token_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+from torch import nn
+
+from moeflow.comm.sparse import (SparseAllGather, SparseReduceScatter, group_timeout,
+                                 spag_send_bytes, sprs_send_bytes)
+from moeflow.errors import ConfigError
+from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
+from moeflow.placement.materialize import (LoadWindow, calibrate, link_bandwidth,
+                                           overlap_degree, sparse_materialize)
+from moeflow.placement.options import FSSDPOptions
+from moeflow.placement.placement import Placement
+from moeflow.placement.timing import LazyInterval
+from moeflow.placement.token_plan import KeptChoices, fssdp_plan
+from moeflow.schedule.streams import CommLane, Handoff
+
+
+class HeldFFN(ExpertFFN):
+    """:class:`ExpertFFN`'s computation over the experts a rank holds this iteration: its
+    weights are views of the materialized tensor, bound per call (:meth:`bind`), not
+    parameters; ``parameters()`` returns them, so the scheduled exchange differentiates the
+    expert computation with respect to them (:mod:`moeflow.schedule.pipeline`). It computes
+    ``H`` experts for ``slots >= H`` held slots (the trailing ones get no rows)."""
+
+    def __init__(self, activation: str, bias: bool, d_out: int):
+        nn.Module.__init__(self)
+        self.activation, self.has_bias, self.d_out = activation, bias, d_out
+        self.shard, self.reduce, self.first_expert = (0, 1), None, 0
+        self.num_local, self._weights = 0, []
+
+    def bind(self, weights: dict[str, torch.Tensor]) -> "HeldFFN":
+        for name, w in weights.items():
+            object.__setattr__(self, name, w)
+        self._weights = list(weights.values())
+        self.num_local = self._weights[0].shape[0] if self._weights else 0
+        return self
+
+    def parameters(self, recurse: bool = True):
+        return iter(self._weights)
+
+    def forward(self, x: torch.Tensor, counts: list[int],
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
+        H = self.num_local
+        if any(counts[H:]):
+            raise RuntimeError(f"HeldFFN: rows for held slots {list(counts)} beyond the {H} "
+                               "experts this rank holds (the dispatch plan is inconsistent)")
+        if H == 0:
+            return x.new_zeros((x.shape[0], self.d_out))
+        counts = list(counts[:H])
+        return super().forward(x, counts, None if offsets is None else offsets[:H])
+
+
+def _spag(p0: Placement, p1: Placement, numel: int, dtype, device, group, rank: int,
+          owned: dict[int, torch.Tensor]):
+    """``spAG(P, P')`` of the owned rows; returns (received replicas, (send, recv) bytes)."""
+    op = SparseAllGather(p0.owner_chunks(), p1.holder_chunks(), (numel,), dtype, group=group,
+                         device=device, verify=False)
+    got = op(owned)
+    return {e: t for e, t in got.items() if p0.owners[e] != rank}, (op.send_bytes, op.recv_bytes)
+
+
+class _Gather(torch.autograd.Function):
+    """``slots (S, numel)`` -> held experts ``(H, numel)``; backward = ``spRS(P', P)``."""
+
+    @staticmethod
+    def forward(ctx, slots, store, placement, received):
+        held = placement.held(store.rank)
+        out = slots.new_empty((len(held), slots.shape[1]))
+        for i, e in enumerate(held):
+            out[i].copy_(slots[store.slot_index[e]] if e in store.slot_index else received[e])
+        ctx.store, ctx.placement, ctx.held = store, placement, held
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        store, placement = ctx.store, ctx.placement
+        grad = grad.contiguous()
+        chunks = {e: grad[i] for i, e in enumerate(ctx.held)}
+        if store.world > 1:
+            op = SparseReduceScatter(placement.holder_chunks(), store.owners.owner_chunks(),
+                                     (store.numel,), grad.dtype, group=store.group,
+                                     device=grad.device, verify=False)
+            chunks = op(chunks)
+            store.bytes["sprs"] = (op.send_bytes, op.recv_bytes)
+        out = grad.new_zeros(store.slots.shape)     # the slot tensor may hold other layers
+        for e, i in store.slot_index.items():
+            out[i] = chunks[e]
+        return out, None, None, None
+
+
+class _Regather(torch.autograd.Function):
+    """Identity on the layer's returned rows; its backward (run before the experts' backward)
+    refills the freed materialized tensor with a second spAG (HECATE-RM)."""
+
+    @staticmethod
+    def forward(ctx, back, store, flat, nbytes, placement):
+        # flat comes in a list: autograd must not see it as an input of this node
+        ctx.store, ctx.flat, ctx.nbytes, ctx.placement = store, flat[0], nbytes, placement
+        return back.view_as(back)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.store.refill(ctx.flat, ctx.nbytes, ctx.placement)
+        ctx.flat = None
+        return grad, None, None, None, None
+
+
+class FSSDPExperts(nn.Module):
+    """One layer's experts under FSSDP on ``group`` (the world: FSSDP shards over every rank).
+
+    ``d_in``: the width the experts read and write (``comm_width``); ``d_hidden``: their
+    hidden width. Initial values are :class:`ExpertFFN`'s for the same global ids, so FSSDP,
+    EP and one process compute the same function.
+    """
+
+    def __init__(self, d_in: int, d_hidden: int, num_experts: int, activation: str, seed: int,
+                 layer_id: int, bias: bool, options: FSSDPOptions, *, rank: int, world: int,
+                 local_size: int, group):
+        super().__init__()
+        if num_experts % world:
+            raise ConfigError(f"MoEConfig.num_experts={num_experts} is invalid with "
+                              f"placement='fssdp' on {world} ranks: the initial (even) sharding "
+                              f"needs a multiple of {world}; use "
+                              f"{-(-num_experts // world) * world} experts")
+        self.options, self.rank, self.world = options, rank, world
+        self.local_size, self.group = local_size, group
+        self.num_experts = num_experts
+        self.owners = Placement.even(num_experts, world)
+        rows, shapes = [], None
+        for e in self.owners.owned(rank):
+            one = ExpertFFN(d_in, d_hidden, e, 1, activation, seed, layer_id, bias=bias)
+            named = list(one.named_parameters())
+            shapes = {n: tuple(p.shape[1:]) for n, p in named}
+            rows.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
+        self.shapes = shapes
+        self.numel = sum(math.prod(s) for s in shapes.values())
+        self.slots = nn.Parameter(torch.stack(rows))
+        setattr(self.slots, EXPERT_PARAM_ATTR, True)
+        self.slot_index = {e: i for i, e in enumerate(self.owners.owned(rank))}
+        self.__dict__["held"] = HeldFFN(activation, bias, d_in)
+        self.holders: list | None = None           # P' for materialize="manual"
+        self.bytes: dict[str, tuple[int, int]] = {}
+        self.last_loads: np.ndarray | None = None   # tokens each rank computed, last forward
+        self._pending: tuple | None = None
+        self._current: tuple | None = None
+        # Algorithm 1's inputs (Section 4.2): load window, t from measured times and bw, m
+        self.window = LoadWindow(num_experts, options.window)
+        self.bandwidth = options.bandwidth_Bps
+        if options.materialize == "sparse" and options.overlap_degree is None \
+                and self.bandwidth is None:
+            self.bandwidth = link_bandwidth(options.links, world // local_size > 1)
+        self.memory_capacity = (options.memory_capacity if options.memory_capacity is not None
+                                else len(self.slot_index))
+        self.non_moe = LazyInterval()       # block start (prefetch) -> layer start
+        self.expert_phase = LazyInterval()  # the exchange + experts of the forward
+        self.non_moe_s = 0.0                # the ranks' mean of the last measurements
+        self.token_s = 0.0                  # expert-phase seconds per token (ranks' mean)
+        self.last_t: int | None = None
+        self.calibrated = 0                 # forwards whose calibration changed P'
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, owned={sorted(self.slot_index)}, "
+                f"materialize={self.options.materialize}, "
+                f"rematerialize={self.options.rematerialize}")
+
+    # -- P' ---------------------------------------------------------------------------------
+    def set_holders(self, holders) -> None:
+        """``P'`` for the next iterations (``materialize="manual"``): ``holders[e]`` the ranks
+        holding expert ``e``; must contain its owner (checked by :class:`Placement`)."""
+        self.holders = [frozenset(h) for h in self.owners.materialize(holders).holders]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.numel * self.slots.element_size()
+
+    def overlap(self) -> int:
+        """``t`` of Algorithm 1: the option, or ``T_non-MoE * bw / expert_size``."""
+        if self.options.overlap_degree is not None:
+            return self.options.overlap_degree
+        return overlap_degree(self.non_moe_s, self.bandwidth, self.expert_bytes)
+
+    def next_placement(self) -> Placement:
+        mode = self.options.materialize
+        if mode == "manual" and self.holders is not None:
+            return self.owners.materialize(self.holders)
+        if mode == "manual":
+            raise ConfigError("MoEConfig.fssdp.materialize='manual' needs holders: call "
+                              "layer.experts.set_holders(...) before the forward")
+        loads = self.window.estimate()
+        if mode == "static" or loads is None:
+            return self.owners                          # P' = P
+        self.last_t = self.overlap()
+        return sparse_materialize(self.owners, loads, self.last_t, self.memory_capacity,
+                                  self.local_size)      # Algorithm 1
+
+    # -- spAG -------------------------------------------------------------------------------
+    def _owned_rows(self) -> dict[int, torch.Tensor]:
+        rows = self.slots.detach()
+        return {e: rows[i] for e, i in self.slot_index.items()}
+
+    def prefetch(self, lane: CommLane) -> None:
+        """Launch this iteration's ``spAG(P, P')`` on the layer's communication lane (Fig. 1c:
+        before the block's attention). The forward waits for it, bounded by the group's
+        timeout. A second call before that forward does nothing."""
+        if self._pending is not None or self.world == 1:
+            return
+        self.non_moe.start(self.slots.device)
+        placement = self.next_placement()
+        dev = self.slots.device
+        hand = Handoff(lane, dev)
+        ready = hand.ready()
+        owned = self._owned_rows()
+        args = (self.owners, placement, self.numel, self.slots.dtype, dev, self.group,
+                self.rank)
+
+        def task():
+            hand.enter(ready, list(owned.values()))
+            got = _spag(*args, owned)
+            return got, hand.leave()
+
+        self._pending = (placement, lane.submit(task, dev), hand)
+
+    def _gathered(self) -> tuple[Placement, dict, tuple]:
+        if self.world == 1:                 # every expert is owned here: P' = P
+            return self.next_placement(), {}, (0, 0)
+        if self._pending is None:
+            placement = self.next_placement()
+            got, nbytes = _spag(self.owners, placement, self.numel, self.slots.dtype,
+                                self.slots.device, self.group, self.rank, self._owned_rows())
+            return placement, got, nbytes
+        placement, future, hand = self._pending
+        self._pending = None
+        timeout = group_timeout(self.group).total_seconds()
+        (got, nbytes), done = _result(future, timeout)
+        hand.consume(done, list(got.values()))
+        return placement, got, nbytes
+
+    # -- the layer's hooks ------------------------------------------------------------------
+    def begin(self) -> HeldFFN:
+        """Before routing: wait for this iteration's spAG (or run it now). The held experts
+        are bound by :meth:`plan`, after the optional calibration."""
+        self.non_moe.stop()
+        placement, got, nbytes = self._gathered()
+        self.bytes["spag"] = nbytes
+        self._current = (placement, got)
+        return self.held
+
+    def plan(self, experts: torch.Tensor, capacity: int | None):
+        """Collective. Exchange the counts (with this rank's measured times), update the load
+        window, calibrate ``P'`` if asked (Section 4.2), stack the held experts
+        (:class:`_Gather`, whose backward is spRS), bind them, and return the dispatch plan
+        over ``P'`` (Section 4.4, :mod:`moeflow.placement.token_plan`)."""
+        placement, got = self._current
+        extras = [round(self.non_moe.seconds() * 1e6), round(self.expert_phase.seconds() * 1e9
+                                                             / max(1, self._my_load()))]
+        kept = KeptChoices(experts, self.num_experts, capacity, self.group, self.world, extras)
+        self.non_moe_s = float(kept.extras[:, 0].mean()) / 1e6
+        self.token_s = float(kept.extras[:, 1].mean()) / 1e9
+        loads = kept.every.sum(0)
+        if self.options.calibrate and self.world > 1 and self.token_s > 0:
+            better = calibrate(self.owners, placement, kept.every, self.overlap(),
+                               self.memory_capacity, self.local_size, self.token_s,
+                               self.expert_bytes, self.bandwidth or float("inf"))
+            if better != placement:                     # the extra spAG, on the critical path
+                extra = self.owners.materialize(
+                    [{self.owners.owners[e]} | (set(better.holders[e]) - set(h))
+                     for e, h in enumerate(placement.holders)])
+                more, nb = _spag(self.owners, extra, self.numel, self.slots.dtype,
+                                 self.slots.device, self.group, self.rank, self._owned_rows())
+                got = {**got, **more}
+                self.bytes["spag_calibration"] = nb
+                placement = better
+                self.calibrated += 1
+        self.window.add(loads)
+        flat = _Gather.apply(self.slots, self, placement, got)
+        self._current = (placement, flat)
+        self.held.bind(self._views(flat))
+        plan, routes = fssdp_plan(kept, placement, self.rank, self.local_size)
+        self.last_loads = routes.sum(axis=(0, 1))
+        self.last_placement = placement
+        self.expert_phase.start(self.slots.device)
+        return plan
+
+    def _my_load(self) -> int:
+        return int(self.last_loads[self.rank]) if self.last_loads is not None else 0
+
+    def end(self, back: torch.Tensor) -> torch.Tensor:
+        """After the experts' exchange: with re-materialization, free the held experts (their
+        second spAG runs when the backward reaches this point)."""
+        self.expert_phase.stop()
+        placement, flat = self._current
+        self._current = None
+        self.held.bind({})
+        if not (self.options.rematerialize and back.requires_grad and self.world > 1):
+            return back
+        nbytes = flat.untyped_storage().nbytes()
+        flat.untyped_storage().resize_(0)
+        return _Regather.apply(back, self, [flat], nbytes, placement)
+
+    def refill(self, flat: torch.Tensor, nbytes: int, placement: Placement) -> None:
+        """The second spAG of HECATE-RM: the freed held experts, back into their storage."""
+        held = placement.held(self.rank)
+        got, nbytes_ag = _spag(self.owners, placement, self.numel, self.slots.dtype,
+                               self.slots.device, self.group, self.rank, self._owned_rows())
+        flat.untyped_storage().resize_(nbytes)
+        data = flat.data             # own version counter: the graph's saved views stay valid
+        with torch.no_grad():
+            for i, e in enumerate(held):
+                data[i].copy_(self.slots.detach()[self.slot_index[e]] if e in self.slot_index
+                              else got[e])
+        self.bytes["spag_backward"] = nbytes_ag
+
+    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for name, shape in self.shapes.items():
+            n = math.prod(shape)
+            out[name] = flat[:, at:at + n].view((flat.shape[0],) + shape)
+            at += n
+        return out
+
+    def stats(self) -> dict[str, float]:
+        """Metrics of the last forward (issue 17's CLI metrics): tokens each rank computed,
+        the max/mean load ratio, and this rank's spAG / spRS bytes sent (spRS: the last
+        backward's)."""
+        out: dict[str, float] = {}
+        if self.last_loads is not None:
+            loads = self.last_loads
+            mean = float(loads.mean())
+            out["fssdp_load_max_over_mean"] = float(loads.max()) / mean if mean else 1.0
+            out.update({f"fssdp_load_rank{r}": float(n) for r, n in enumerate(loads)})
+        out["spag_send_bytes"] = float(self.bytes.get("spag", (0, 0))[0])
+        out["sprs_send_bytes"] = float(self.bytes.get("sprs", (0, 0))[0])
+        placement = getattr(self, "last_placement", None)
+        if placement is not None:        # every rank's volume follows from P, P' (Eq. 1-2)
+            chunk = self.expert_bytes
+            out["spag_bytes_all_ranks"] = float(sum(spag_send_bytes(
+                self.owners.owner_chunks(), placement.holder_chunks(), chunk, self.world)))
+            out["sprs_bytes_all_ranks"] = float(sum(sprs_send_bytes(
+                placement.holder_chunks(), self.owners.owner_chunks(), chunk, self.world)))
+        return out
+
+    def set_owners(self, owners: Placement, slots: nn.Parameter,
+                   slot_index: dict[int, int]) -> None:
+        """A new shard map (Algorithm 2's re-sharding, :mod:`moeflow.placement.reshard`):
+        this layer's owned experts are rows ``slot_index`` of ``slots``. Manual holders are
+        dropped (they must contain the owners)."""
+        self.owners = Placement.static(owners.owners, owners.world_size)
+        self.slots = slots
+        self.slot_index = dict(slot_index)
+        self.holders = None
+
+    # -- global views (checkpoints, tests) --------------------------------------------------
+    def owned_experts(self) -> dict[int, dict[str, torch.Tensor]]:
+        """``{expert: {name: tensor}}`` of the experts this rank owns (views of ``slots``)."""
+        out = {}
+        for e, i in self.slot_index.items():
+            out[e] = {n: v[0] for n, v in self._views(self.slots.detach()[i:i + 1]).items()}
+        return out
+
+
+def _result(future: Future, timeout: float):
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError as err:
+        raise TimeoutError(f"FSSDP spAG did not finish within the process group's timeout "
+                           f"({timeout:.0f} s): a peer did not join") from err
+
+
+__all__ = ["FSSDPExperts", "HeldFFN"]

@@ -1,0 +1,111 @@
+"""FSSDP's settings for one MoE layer (``MoEConfig(placement="fssdp", fssdp={...})``).
+
+HECATE (``hecate.txt``) Section 3.2 and 4.2: how each iteration's materialized placement ``P'``
+is chosen and how the materialized experts live in memory. A plain dataclass (no torch), so
+:mod:`moeflow.config` validates it at construction; a dict given in the config (or on the CLI as
+JSON, ``--set fssdp='{"rematerialize": true}'``) becomes one of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moeflow.errors import ConfigError
+
+PLACEMENTS = ("ep", "fssdp")
+# How P' is chosen before each iteration: "static" keeps P' = P (FSSDP storage, EP's data
+# flow); "sparse" is HECATE's Algorithm 1 (Section 4.2) on the sliding-window load estimate;
+# "manual" uses the holders set on the layer (FSSDPExperts.set_holders: tests, benchmarks,
+# a user's own planner).
+MATERIALIZATIONS = ("static", "sparse", "manual")
+
+
+@dataclass
+class FSSDPOptions:
+    """``materialize``: how ``P'`` is chosen (:data:`MATERIALIZATIONS`).
+    ``rematerialize``: HECATE-RM (Section 3.2, "SparseAllGather is launched twice ... in each
+    iteration"): free the materialized experts after the forward and gather them again for
+    the backward. ``early_gather``: in the GPT block, launch the layer's spAG on its
+    communication lane before the block's attention so that it overlaps it (Fig. 1c).
+
+    Algorithm 1 (``materialize="sparse"``, :mod:`moeflow.placement.materialize`):
+    ``overlap_degree`` is ``t`` (None: ``T_non-MoE * bw / expert_size`` from the measured time
+    between the block's start and the layer, and ``bw`` = ``bandwidth_Bps``, or the inter-node
+    point-to-point fit of the ``links`` JSON of ``moeflow bench links``); ``memory_capacity``
+    is ``m``, the replicas a rank may hold (None: as many as it owns); ``window`` is ``w``
+    (HECATE: 5); ``calibrate`` re-plans after the gate with the real loads and keeps the new
+    plan only if its predicted latency, extra spAG included, is lower.
+
+    Algorithm 2 (Section 4.3, :mod:`moeflow.placement.reshard`): every ``reshard_every``
+    optimizer steps (0: never) ``moeflow train`` re-shards all FSSDP layers together; the
+    parameters and the optimizer state move to the new owners."""
+
+    materialize: str = "static"
+    rematerialize: bool = False
+    early_gather: bool = True
+    overlap_degree: int | None = None
+    memory_capacity: int | None = None
+    bandwidth_Bps: float | None = None
+    links: str | None = None
+    window: int = 5
+    calibrate: bool = False
+    reshard_every: int = 0
+
+    def __post_init__(self) -> None:
+        o = "MoEConfig.fssdp"
+        if self.materialize not in MATERIALIZATIONS:
+            raise ConfigError(f"{o}.materialize={self.materialize!r} is invalid: choose one of "
+                              f"{', '.join(MATERIALIZATIONS)} ('static': P' = P; 'manual': the "
+                              "holders set with FSSDPExperts.set_holders)")
+        for name in ("rematerialize", "early_gather", "calibrate"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ConfigError(f"{o}.{name}={v!r} is invalid: must be true or false")
+        for name in ("overlap_degree", "memory_capacity"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ConfigError(f"{o}.{name}={v!r} is invalid: give an integer >= 0 (a "
+                                  "number of experts) or None to derive it")
+        if isinstance(self.reshard_every, bool) or not isinstance(self.reshard_every, int) \
+                or self.reshard_every < 0:
+            raise ConfigError(f"{o}.reshard_every={self.reshard_every!r} is invalid: give "
+                              "optimizer steps between re-shards (an integer >= 1), or 0")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError(f"{o}.window={self.window!r} is invalid: give an integer >= 1 "
+                              "(HECATE uses 5)")
+        if self.bandwidth_Bps is not None and (isinstance(self.bandwidth_Bps, bool) or not
+                                               isinstance(self.bandwidth_Bps, (int, float))
+                                               or self.bandwidth_Bps <= 0):
+            raise ConfigError(f"{o}.bandwidth_Bps={self.bandwidth_Bps!r} is invalid: give "
+                              "bytes per second > 0, or None")
+        if self.materialize == "sparse" and self.overlap_degree is None \
+                and self.bandwidth_Bps is None and self.links is None:
+            raise ConfigError(f"{o}: materialize='sparse' derives the overlap degree t from a "
+                              "bandwidth: give bandwidth_Bps, links (a `moeflow bench links` "
+                              "JSON) or overlap_degree")
+        if self.calibrate and self.materialize != "sparse":
+            raise ConfigError(f"{o}.calibrate=True is invalid with materialize="
+                              f"{self.materialize!r}: calibration re-runs Algorithm 1; use "
+                              "materialize='sparse'")
+
+    @classmethod
+    def coerce(cls, value) -> "FSSDPOptions":
+        """``None`` (defaults), a dict of fields, or an instance -> an instance."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"MoEConfig.fssdp={value!r} is invalid: give a dict of FSSDP "
+                              f"options ({', '.join(f.name for f in dataclasses.fields(cls))}) "
+                              "or None for the defaults")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"MoEConfig.fssdp has unknown options {unknown}: the options are "
+                              f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+
+__all__ = ["FSSDPOptions", "MATERIALIZATIONS", "PLACEMENTS"]
