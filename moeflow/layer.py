@@ -87,7 +87,8 @@ class MoELayer(nn.Module):
                                         cfg.activation, cfg.seed, cfg.layer_id,
                                         cfg.expert_bias, cfg.fssdp, rank=topo.rank,
                                         world=topo.world_size, local_size=topo.local_size,
-                                        group=topo.world_group)
+                                        group=topo.world_group,
+                                        activation_options=cfg.activation_options)
         else:
             self.experts = EXPERTS[cfg.expert_module](
                 comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
@@ -284,9 +285,8 @@ def _check_fssdp(cfg: MoEConfig, topo: Topology) -> None:
         raise ConfigError("MoEConfig.placement='fssdp' cannot be combined with Parm's MP/ESP "
                           f"(mp_size={topo.mp_size}, esp_size={topo.esp_size}): FSSDP keeps "
                           "whole experts; use mp_size=esp_size=1 or placement='ep'")
-    if cfg.expert_module != "ffn" or cfg.activation_options:
+    if cfg.expert_module != "ffn":
         raise ConfigError(
             "MoEConfig.placement='fssdp' stores the built-in expert FFN in its slot rows, so "
-            f"expert_module={cfg.expert_module!r} and activation_options="
-            f"{cfg.activation_options!r} cannot be used with it: use expert_module='ffn' "
-            "without activation_options, or placement='ep'")
+            f"expert_module={cfg.expert_module!r} cannot be used with it: use "
+            "expert_module='ffn', or placement='ep'")

@@ -40,6 +40,7 @@ from torch import nn
 from moeflow.comm.sparse import (SparseAllGather, SparseReduceScatter, group_timeout,
                                  spag_send_bytes, sprs_send_bytes)
 from moeflow.errors import ConfigError
+from moeflow.experts.activations import build_activation
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
 from moeflow.placement.materialize import (LoadWindow, calibrate, link_bandwidth,
                                            overlap_degree, sparse_materialize)
@@ -57,9 +58,11 @@ class HeldFFN(ExpertFFN):
     expert computation with respect to them (:mod:`moeflow.schedule.pipeline`). It computes
     ``H`` experts for ``slots >= H`` held slots (the trailing ones get no rows)."""
 
-    def __init__(self, activation: str, bias: bool, d_out: int):
+    def __init__(self, activation: str, bias: bool, d_out: int,
+                 activation_options: dict | None = None):
         nn.Module.__init__(self)
-        self.activation, self.has_bias, self.d_out = activation, bias, d_out
+        self.act = build_activation(activation, activation_options)
+        self.activation, self.has_bias, self.d_out = self.act.name, bias, d_out
         self.shard, self.reduce, self.first_expert = (0, 1), None, 0
         self.num_local, self._weights = 0, []
 
@@ -150,7 +153,7 @@ class FSSDPExperts(nn.Module):
 
     def __init__(self, d_in: int, d_hidden: int, num_experts: int, activation: str, seed: int,
                  layer_id: int, bias: bool, options: FSSDPOptions, *, rank: int, world: int,
-                 local_size: int, group):
+                 local_size: int, group, activation_options: dict | None = None):
         super().__init__()
         if num_experts % world:
             raise ConfigError(f"MoEConfig.num_experts={num_experts} is invalid with "
@@ -163,7 +166,8 @@ class FSSDPExperts(nn.Module):
         self.owners = Placement.even(num_experts, world)
         rows, shapes = [], None
         for e in self.owners.owned(rank):
-            one = ExpertFFN(d_in, d_hidden, e, 1, activation, seed, layer_id, bias=bias)
+            one = ExpertFFN(d_in, d_hidden, e, 1, activation, seed, layer_id, bias=bias,
+                            activation_options=activation_options)
             named = list(one.named_parameters())
             shapes = {n: tuple(p.shape[1:]) for n, p in named}
             rows.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
@@ -172,7 +176,7 @@ class FSSDPExperts(nn.Module):
         self.slots = nn.Parameter(torch.stack(rows))
         setattr(self.slots, EXPERT_PARAM_ATTR, True)
         self.slot_index = {e: i for i, e in enumerate(self.owners.owned(rank))}
-        self.__dict__["held"] = HeldFFN(activation, bias, d_in)
+        self.__dict__["held"] = HeldFFN(activation, bias, d_in, activation_options)
         self.holders: list | None = None           # P' for materialize="manual"
         self.bytes: dict[str, tuple[int, int]] = {}
         self.last_loads: np.ndarray | None = None   # tokens each rank computed, last forward
