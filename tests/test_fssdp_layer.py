@@ -115,6 +115,21 @@ def test_single_process_fssdp_is_the_dense_layer():
     assert [n for n, _ in a.named_parameters()] == ["router.weight", "experts.slots"]
 
 
+def test_fssdp_with_a_registered_activation_and_its_options_and_shared_experts():
+    """GPT-OSS's clamped SwiGLU (with options) and a shared expert under FSSDP: the same
+    function as the dense layer; a custom expert module is refused by name."""
+    cfg = MoEConfig(d_model=8, d_expert=12, num_experts=4, top_k=2, seed=3,
+                    capacity_factor=None, activation="clamped_swiglu",
+                    activation_options={"alpha": 1.5, "limit": 0.5}, expert_bias=True,
+                    num_shared_experts=1)
+    a = MoELayer(cfg.replace(placement="fssdp"), Topology.single()).double()
+    b = MoELayer(cfg, Topology.single()).double()
+    x = torch.randn(10, 8, dtype=torch.float64) * 3
+    torch.testing.assert_close(a(x), b(x), **TOL)
+    with pytest.raises(ConfigError, match="expert_module"):
+        MoELayer(cfg.replace(placement="fssdp", expert_module="mine"), Topology.single())
+
+
 @pytest.fixture(scope="module")
 def gpt():
     return launch_local(w.gpt_worker, w.WORLD, timeout_s=120)
