@@ -1,0 +1,35 @@
+"""``moeflow bench parm``'s grid and summary (the timing itself runs under the cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeflow.bench.parm import format_result, layouts, summarize
+
+
+def test_layouts_fit_the_world():
+    assert layouts(4, 2) == [(1, 2, 2), (2, 2, 1), (2, 1, 2)]
+    assert layouts(8, 4) == [(1, 4, 2), (2, 4, 1), (2, 2, 2)]
+    assert layouts(4, 1) == []                  # no MP or ESP group fits a node of one
+
+
+def _row(mp, esp, times, choice):
+    return {"n_mp": mp, "n_ep": 2, "n_esp": esp, "tokens_per_rank": 8, "capacity_factor": 1.2,
+            "step_ms": dict(zip(["baseline", "s1", "s2", "s2-aas", "auto"], times)),
+            "auto_choice": choice, "predicted_comm_ms": {"s1": 1.0, "s2": 2.0}}
+
+
+def test_summary_counts():
+    rows = [_row(2, 1, [10, 5, 4, 6, 4], "s2"),        # S2 faster by 25 %: right
+            _row(2, 1, [10, 5, 5.2, 6, 5], "s2"),      # within 10 %: not counted
+            _row(1, 2, [10, 12, 8, 8, 12], "s1")]      # S1 loses to the baseline; wrong pick
+    s = summarize(rows)
+    assert s["cases"] == 3
+    assert (s["s1_beats_baseline"], s["s2_beats_baseline"], s["s1_or_s2_beats_baseline"]) \
+        == (2, 3, 3)
+    assert (s["algorithm1_cases_differing_by_10pct"], s["algorithm1_picked_faster"]) == (2, 1)
+    assert s["mean_speedup_over_baseline"]["N_MP=2,N_ESP=1"]["s2"] == pytest.approx(
+        (10 / 4 + 10 / 5.2) / 2)
+    assert s["saa_speedup_over_aas_mean"] == pytest.approx((6 / 4 + 6 / 5.2 + 8 / 8) / 3)
+    text = format_result({"topology": "T", "rows": rows, "summary": s})
+    assert "Algorithm 1 picked the faster in 1/2" in text
