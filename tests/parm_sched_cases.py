@@ -20,7 +20,7 @@ from moeflow.parallel.parm.s1 import token_rows
 from moeflow.parallel.parm.s2 import mp_slots
 from moeflow.parallel.parm.saa import aas, saa
 from tests import parity
-from tests.parm_cases import CASES, LAYOUTS, batch_index, run_rank, topology
+from tests.parm_cases import CASES, batch_index, run_rank, topology
 
 SCHEDULES = {
     "s1": dict(parallel_schedule="s1"),

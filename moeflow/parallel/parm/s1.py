@@ -32,6 +32,8 @@ def token_rows(n: int, mp: int) -> list[range]:
 
 def mp_split_tokens(h: torch.Tensor, topo: Topology) -> torch.Tensor:
     """MP-Split before the gate (Fig. 3b): this MP rank's tokens of ``h: (n, M)``."""
+    if topo.mp_size == 1:
+        return h
     rows = [torch.arange(r.start, r.stop, device=h.device)
             for r in token_rows(h.shape[0], topo.mp_size)]
     return mp_split(h, rows, topo.mp_rank, topo.mp_group)
@@ -39,11 +41,15 @@ def mp_split_tokens(h: torch.Tensor, topo: Topology) -> torch.Tensor:
 
 def mp_gather_tokens(y: torch.Tensor, n: int, topo: Topology) -> torch.Tensor:
     """MP-AllGather after the layer (Fig. 3b): every MP rank's outputs, ``(n, M)``."""
+    if topo.mp_size == 1:
+        return y
     sizes = [len(r) for r in token_rows(n, topo.mp_size)]
     return mp_all_gather(y, sizes, topo.mp_rank, topo.mp_group)
 
 
 def mp_mean_loss(loss: torch.Tensor, topo: Topology) -> torch.Tensor:
     """The mean over the MP group of the parts' auxiliary losses (differentiable)."""
+    if topo.mp_size == 1:
+        return loss
     parts = mp_all_gather(loss.reshape(1), [1] * topo.mp_size, topo.mp_rank, topo.mp_group)
     return parts.mean()
