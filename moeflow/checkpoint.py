@@ -61,6 +61,10 @@ def _layouts(model: nn.Module) -> dict[int, tuple]:
     how: dict[int, tuple] = {}
     for mname, m in model.named_modules():
         if isinstance(m, MoELayer):
+            if m.topo.esp_size > 1 and m.topo.mesh is None:
+                raise ConfigError(f"checkpoint of {mname}: its experts are ESP shards (1 of "
+                                  f"{m.topo.esp_size}) and need the topology's ESP mesh (a "
+                                  "topology from Topology.from_env)")
             mesh = m.topo.mesh["esp"] if m.topo.esp_size > 1 else None
             for pname, p in m.experts.named_parameters(recurse=False):
                 how[id(p)] = ("expert", m.experts, HIDDEN_DIM.get(pname), mesh,

@@ -111,6 +111,8 @@ def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
 def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
     """Raise ``ConfigError`` if the run folder's config.json holds another model config."""
     saved = json.loads((Path(out_dir) / "config.json").read_text())["model"]
+    # fields added after the run was saved count as their defaults
+    saved = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **saved}
     if saved != dataclasses.asdict(model_cfg):
         diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model_cfg).items()
                 if saved.get(k) != v}

@@ -54,3 +54,18 @@ def test_train_with_mp_and_esp_then_resume_without(tmp_path, capsys):
                  "parallel_schedule=baseline", "--resume"]) == 0
     assert "resumed from step 2" in capsys.readouterr().out
     assert [r["step"] for r in _records(out)][-1] == 3
+
+
+def test_runs_saved_before_a_model_field_existed_resume(tmp_path):
+    """config.json of an older run lacks parallel_schedule: it counts as the default."""
+    import dataclasses
+
+    from moeflow.config import ConfigError, ModelConfig
+    from moeflow.train import check_same_model
+
+    saved = dataclasses.asdict(ModelConfig())
+    del saved["parallel_schedule"]
+    (tmp_path / "config.json").write_text(json.dumps({"model": saved}))
+    check_same_model(tmp_path, ModelConfig())
+    with pytest.raises(ConfigError, match=r"'top_k': \(2, 1\)"):
+        check_same_model(tmp_path, ModelConfig(top_k=1))

@@ -136,10 +136,10 @@ def check_parm_sizes(mcfg: ModelConfig, tcfg: TrainConfig, world: int, local: in
     if mcfg.num_moe_layers:
         hidden = expert_hidden(mcfg.moe_config(mcfg.moe_layer_ids()[0]))
         if hidden % esp:
+            ok = [d for d in range(1, hidden + 1) if hidden % d == 0 and world % d == 0]
             raise ConfigError(f"--esp {esp} is invalid with an expert hidden width of {hidden} "
                               f"(--set d_expert={mcfg.d_expert}): each expert's hidden "
-                              f"dimension is split over the ESP group; pick --esp from "
-                              f"{[d for d in range(1, hidden + 1) if hidden % d == 0 and world % d == 0]}")
+                              f"dimension is split over the ESP group; pick --esp from {ok}")
 
 
 def check_data(args: argparse.Namespace, mcfg: ModelConfig, tcfg: TrainConfig) -> None:
