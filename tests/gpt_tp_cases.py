@@ -12,6 +12,8 @@ capacity computed per group's batch, exactly the loss the distributed job minimi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moeflow.config import ModelConfig, TrainConfig
@@ -29,7 +31,16 @@ LAYOUTS = {                        # (mp, ep, esp, esp_in_node)
     "mp2_ep2": (2, 2, 1, True),
     "mp2_esp2": (2, 1, 2, True),
     "mp4": (4, 1, 1, True),
+    "mp2_ep2_s2": (2, 2, 1, True),
+    "mp2_esp2_s1": (2, 1, 2, True),
 }
+# Parm's S1 / S2 in the tensor-parallel GPT (the MoE input replicated over the MP group by the
+# row-parallel layers before it). S2 gates every token, so it drops what one process drops; S1
+# gates 1/N_MP of them (capacity per MP part, aux loss the mean of the parts'), so its layout
+# runs dropless without an auxiliary loss, where the function does not depend on the split.
+SCHEDULES = {"mp2_ep2_s2": dict(parallel_schedule="s2"),
+             "mp2_esp2_s1": dict(parallel_schedule="s1", capacity_factor=None,
+                                 aux_loss_coef=0.0)}
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
                   moe_every=2, num_experts=4, d_expert=8, top_k=2, capacity_factor=1.0,
                   expert_bias=True, seed=3)
@@ -62,9 +73,13 @@ def _step(model: GPT, opt, topo: Topology, step: int) -> tuple[float, float, dic
     return float(loss.detach()), float(norm), grads
 
 
+def config(layout: str) -> ModelConfig:
+    return dataclasses.replace(CFG, **SCHEDULES.get(layout, {}))
+
+
 def run_layout(layout: str) -> dict:
     topo = topology(layout)
-    model = prepare_model(GPT(CFG, topo).double(), topo)
+    model = prepare_model(GPT(config(layout), topo).double(), topo)
     opt = make_optimizer(model, TRAIN)
     losses, norms, grads = [], [], {}
     for step in range(STEPS):
@@ -138,9 +153,9 @@ def worker(layouts: list[str], out_dir: str) -> dict:
     return out
 
 
-def reference(mp: int) -> dict:
+def reference(mp: int, cfg: ModelConfig = CFG) -> dict:
     """One process: every weight whole, the loss averaged over the data-parallel groups."""
-    model = GPT(CFG).double()
+    model = GPT(cfg).double()
     opt = make_optimizer(model, TRAIN)
     dp = WORLD // mp
     losses, norms, grads = [], [], {}

@@ -30,7 +30,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(cases.LAYOUTS))
 def test_training_steps_match_one_process(results, layout):
     mp = cases.LAYOUTS[layout][0]
-    ref = cases.reference(mp)
+    ref = cases.reference(mp, cases.config(layout))
     for rank in range(cases.WORLD):
         got = results[rank][layout]
         for step in range(cases.STEPS):
