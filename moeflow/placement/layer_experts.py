@@ -7,7 +7,9 @@ tensors ``w1, [w3], w2, [b1, b3, b2]`` flattened, as :class:`~moeflow.experts.Ex
 names and initialises them from the expert's global id), so a ``torch.optim`` optimizer over
 ``model.parameters()`` holds exactly one copy of every expert and of its state globally. The
 initial shard map is the trivial one (Section 3.2: contiguous equal blocks), so ``S = E / world``
-on every rank: the slot count per rank is the same (Alg. 2's memory constraint).
+on every rank. In the GPT all FSSDP layers share one slot tensor per rank
+(:func:`moeflow.placement.reshard.share_slots`), whose row count stays fixed when Algorithm 2
+re-shards (a layer may then own any number of experts on a rank).
 
 *Materialization phase*, per iteration (Section 3.2):
 
