@@ -275,7 +275,10 @@ def reshard_worker(path: str) -> dict:
                 owners.append([list(m.experts.owners.owners) for m in model.moe_layers()])
             if step == 2 and label == "sparse":
                 checkpoint.save(path, model, opt, 3)
+        from moeflow.placement.metrics import fssdp_metrics
+
         rec = {"losses": losses, "owners": owners, "experts": all_experts(model),
+               "metrics": fssdp_metrics(model),      # after a re-shard (the last step's P)
                "states": sum(1 for p in opt.state if getattr(p, EXPERT_PARAM_ATTR, False))}
         if label == "sparse":
             resumed = small_gpt(topo, **extra)

@@ -229,6 +229,8 @@ def test_training_continues_identically_across_a_reshard(resharded, label):
         flat = [r for layer in o for r in layer]
         assert [flat.count(r) for r in range(w.WORLD)] == [4] * w.WORLD
     assert all(resharded[r][label]["owners"] == owners for r in range(w.WORLD))
+    got = resharded[0][label]["metrics"]
+    assert got["spag_bytes"] == got["sprs_bytes"] and sum(got["fssdp_rank_tokens"]) > 0
 
 
 @pytest.mark.multirank

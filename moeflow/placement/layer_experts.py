@@ -369,11 +369,12 @@ class FSSDPExperts(nn.Module):
         out["sprs_send_bytes"] = float(self.bytes.get("sprs", (0, 0))[0])
         placement = getattr(self, "last_placement", None)
         if placement is not None:        # every rank's volume follows from P, P' (Eq. 1-2)
-            chunk = self.expert_bytes
-            out["spag_bytes_all_ranks"] = float(sum(spag_send_bytes(
-                self.owners.owner_chunks(), placement.holder_chunks(), chunk, self.world)))
-            out["sprs_bytes_all_ranks"] = float(sum(sprs_send_bytes(
-                placement.holder_chunks(), self.owners.owner_chunks(), chunk, self.world)))
+            p0, p1, chunk = placement.owner_chunks(), placement.holder_chunks(), \
+                self.expert_bytes          # P of that forward (a re-shard may follow it)
+            out["spag_bytes_all_ranks"] = float(sum(spag_send_bytes(p0, p1, chunk,
+                                                                    self.world)))
+            out["sprs_bytes_all_ranks"] = float(sum(sprs_send_bytes(p1, p0, chunk,
+                                                                    self.world)))
         return out
 
     def set_owners(self, owners: Placement, slots: nn.Parameter,
