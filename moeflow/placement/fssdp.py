@@ -14,8 +14,9 @@ over them — holds exactly one copy of every expert and of its optimizer state 
    the sum, in ascending rank order, of the gradients of every copy (its own included); the
    replicas are then dropped.
 
-Not built here: the MoE layer integration (``placement="fssdp"``), launching spAG early to
-overlap attention, re-materialization, Algorithms 1 and 2 (docs/hecate.md).
+A standalone building block (tested in tests/test_fssdp.py). The MoE layer's FSSDP
+(``placement="fssdp"``: slot storage, early spAG, spRS in autograd, re-materialization) is
+:mod:`moeflow.placement.layer_experts`.
 """
 
 from __future__ import annotations

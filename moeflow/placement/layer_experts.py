@@ -7,7 +7,9 @@ tensors ``w1, [w3], w2, [b1, b3, b2]`` flattened, as :class:`~moeflow.experts.Ex
 names and initialises them from the expert's global id), so a ``torch.optim`` optimizer over
 ``model.parameters()`` holds exactly one copy of every expert and of its state globally. The
 initial shard map is the trivial one (Section 3.2: contiguous equal blocks), so ``S = E / world``
-on every rank: the slot count per rank is the same (Alg. 2's memory constraint).
+on every rank. In the GPT all FSSDP layers share one slot tensor per rank
+(:func:`moeflow.placement.reshard.share_slots`), whose row count stays fixed when Algorithm 2
+re-shards (a layer may then own any number of experts on a rank).
 
 *Materialization phase*, per iteration (Section 3.2):
 
@@ -371,11 +373,12 @@ class FSSDPExperts(nn.Module):
         out["sprs_send_bytes"] = float(self.bytes.get("sprs", (0, 0))[0])
         placement = getattr(self, "last_placement", None)
         if placement is not None:        # every rank's volume follows from P, P' (Eq. 1-2)
-            chunk = self.expert_bytes
-            out["spag_bytes_all_ranks"] = float(sum(spag_send_bytes(
-                self.owners.owner_chunks(), placement.holder_chunks(), chunk, self.world)))
-            out["sprs_bytes_all_ranks"] = float(sum(sprs_send_bytes(
-                placement.holder_chunks(), self.owners.owner_chunks(), chunk, self.world)))
+            p0, p1, chunk = placement.owner_chunks(), placement.holder_chunks(), \
+                self.expert_bytes          # P of that forward (a re-shard may follow it)
+            out["spag_bytes_all_ranks"] = float(sum(spag_send_bytes(p0, p1, chunk,
+                                                                    self.world)))
+            out["sprs_bytes_all_ranks"] = float(sum(sprs_send_bytes(p1, p0, chunk,
+                                                                    self.world)))
         return out
 
     def set_owners(self, owners: Placement, slots: nn.Parameter,
