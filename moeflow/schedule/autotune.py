@@ -116,8 +116,8 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
             continue
         ok.append(name)
     if topo.esp_size > 1:
-        from moeflow.parallel.parm.baseline import _ESP_ALLTOALLS
-        ok = [a for a in ok if a in _ESP_ALLTOALLS]
+        from moeflow.parallel.parm.checks import ESP_ALLTOALLS
+        ok = [a for a in ok if a in ESP_ALLTOALLS]
     return ok
 
 
