@@ -52,6 +52,11 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     so that a fresh optimizer can be loaded into.
     """
     out: dict[str, torch.Tensor] = {"step": step}
+    # persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias), replicated on every rank
+    params = {id(p) for p in model.parameters()}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in params:
+            out[f"buffer/{name}"] = t
     for name, p, first in _entries(model):
         _expand("model", name, p.data, first, out)
         if optimizer is None:
