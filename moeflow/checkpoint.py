@@ -89,6 +89,9 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     """Restore model (and optimizer) in place; return the step the checkpoint was taken at."""
     step = torch.tensor(0)
     state = checkpoint_state(model, optimizer, step)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key in [k for k in state if k.startswith("buffer/") and k not in saved]:
+        del state[key]          # written before buffers were saved: they keep their value
     with _single_process_ok():
         dcp.load(state, checkpoint_id=path)
     return int(state["step"])

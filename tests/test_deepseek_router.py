@@ -120,6 +120,13 @@ def test_bias_survives_a_moeflow_checkpoint(tmp_path):
     fresh = mf.MoELayer(_cfg())
     assert checkpoint.load(str(tmp_path / "c"), fresh, torch.optim.AdamW(fresh.parameters())) == 3
     assert torch.equal(fresh.router.e_score_correction_bias, torch.arange(8.0) / 10)
+    # a checkpoint written without buffers (before they were saved) still loads; the bias
+    # keeps its value
+    plain = mf.MoELayer(_cfg().replace(router="topk", router_options=None))
+    checkpoint.save(str(tmp_path / "old"), plain, None, 1)
+    assert checkpoint.load(str(tmp_path / "old"), fresh, None) == 1
+    assert torch.equal(fresh.router.weight, plain.router.weight)
+    assert torch.equal(fresh.router.e_score_correction_bias, torch.arange(8.0) / 10)
 
 
 @pytest.mark.parametrize("opts,match", [
