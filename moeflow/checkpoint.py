@@ -143,6 +143,11 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     """
     how = _layouts(model)
     out: dict[str, torch.Tensor] = {"step": step}
+    # persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias), replicated on every rank
+    params = {id(p) for p in model.parameters()}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in params:
+            out[f"buffer/{name}"] = t
     fssdp = _fssdp_rows(model)
     for name, p in model.named_parameters():
         if id(p) in fssdp:          # FSSDP slot rows, under EP's per-expert keys
@@ -303,6 +308,9 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     _restore_fssdp(path, model, optimizer)
     step = torch.tensor(0)
     state = checkpoint_state(model, optimizer, step)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key in [k for k in state if k.startswith("buffer/") and k not in saved]:
+        del state[key]          # written before buffers were saved: they keep their value
     with _single_process_ok():
         _fit_to_checkpoint(path, state, _model_keys(model))
         dcp.load(state, checkpoint_id=path)

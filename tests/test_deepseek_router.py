@@ -108,6 +108,27 @@ def test_bias_is_saved_and_the_load_is_not():
     assert "router.e_score_correction_bias" in keys and "router.load" not in keys
 
 
+def test_bias_survives_a_moeflow_checkpoint(tmp_path):
+    """moeflow.checkpoint (DCP) saves persistent buffers too: the bias resumes with training."""
+    from moeflow import checkpoint
+
+    layer = mf.MoELayer(_cfg())
+    with torch.no_grad():
+        layer.router.e_score_correction_bias.copy_(torch.arange(8.0) / 10)
+    opt = torch.optim.AdamW(layer.parameters())
+    checkpoint.save(str(tmp_path / "c"), layer, opt, 3)
+    fresh = mf.MoELayer(_cfg())
+    assert checkpoint.load(str(tmp_path / "c"), fresh, torch.optim.AdamW(fresh.parameters())) == 3
+    assert torch.equal(fresh.router.e_score_correction_bias, torch.arange(8.0) / 10)
+    # a checkpoint written without buffers (before they were saved) still loads; the bias
+    # keeps its value
+    plain = mf.MoELayer(_cfg().replace(router="topk", router_options=None))
+    checkpoint.save(str(tmp_path / "old"), plain, None, 1)
+    assert checkpoint.load(str(tmp_path / "old"), fresh, None) == 1
+    assert torch.equal(fresh.router.weight, plain.router.weight)
+    assert torch.equal(fresh.router.e_score_correction_bias, torch.arange(8.0) / 10)
+
+
 @pytest.mark.parametrize("opts,match", [
     (dict(n_grop=2), "did you mean 'n_group'"),
     (dict(n_group=3), "pick a divisor of num_experts"),

@@ -3,13 +3,18 @@
 Every block computes ``y = sum_j g_j E_{e_j}(x) [+ shared(x)]`` with SwiGLU experts; they
 differ in routing and layout (transformers 5.x, experts stored as 3-D tensors):
 
-| block (model_type) | router | experts | shared |
-|---|---|---|---|
-| ``MixtralSparseMoeBlock`` (mixtral) | softmax, top-k renormalised | ``gate_up_proj (E, 2H, M)`` = [gate; up], ``down_proj (E, M, H)`` | - |
-| ``Qwen2MoeSparseMoeBlock`` (qwen2_moe) | softmax, ``norm_topk_prob`` | as Mixtral | ``shared_expert`` MLP, ``sigmoid(shared_expert_gate(x))`` |
-| ``Qwen3MoeSparseMoeBlock`` (qwen3_moe), ``OlmoeSparseMoeBlock`` (olmoe) | softmax, ``norm_topk_prob`` | as Mixtral | - |
-| ``DeepseekV3MoE`` (deepseek_v3) | sigmoid, ``e_score_correction_bias``, groups, ``routed_scaling_factor`` | as Mixtral | ``shared_experts`` MLP (``n_shared_experts`` fused) |
-| ``GptOssMLP`` (gpt_oss) | ``x W^T + b``, softmax over the top-k logits | ``gate_up_proj (E, M, 2H)`` gate/up interleaved (``::2`` / ``1::2``), biases, ``down_proj (E, H, M)`` | - |
+* ``MixtralSparseMoeBlock`` (mixtral): softmax, top-k renormalised; experts
+  ``gate_up_proj (E, 2H, M)`` = [gate; up] and ``down_proj (E, M, H)``.
+* ``Qwen2MoeSparseMoeBlock`` (qwen2_moe): softmax, ``norm_topk_prob``; experts as Mixtral;
+  a ``shared_expert`` MLP scaled by ``sigmoid(shared_expert_gate(x))``.
+* ``Qwen3MoeSparseMoeBlock`` (qwen3_moe), ``OlmoeSparseMoeBlock`` (olmoe): softmax,
+  ``norm_topk_prob``; experts as Mixtral.
+* ``DeepseekV3MoE`` (deepseek_v3): sigmoid scores, ``e_score_correction_bias``, groups,
+  ``routed_scaling_factor``; experts as Mixtral; ``shared_experts`` MLP (the
+  ``n_shared_experts`` side by side).
+* ``GptOssMLP`` (gpt_oss): logits ``x W^T + b``, softmax over the top-k logits; experts
+  ``gate_up_proj (E, M, 2H)`` with gate / up interleaved (``::2`` / ``1::2``), its bias,
+  ``down_proj (E, H, M)`` and its bias; clamped SwiGLU.
 
 moeflow's layout: ``router.weight (M, E)`` (``x @ W``), experts ``w1``/``w3 (E, M, H)``,
 ``w2 (E, H, M)``, biases ``b1``/``b3 (E, H)``, ``b2 (E, M)``; shared ``w1``/``w3 (M, Hs)``,
