@@ -14,9 +14,10 @@ median / moeflow's median (> 1: moeflow is faster).
 After that, ``reps`` more moeflow steps with the phase timer give the phase breakdown, and the
 CPU compute efficiency (issue 18): the layer's executed FLOPs (experts: 12 S M H for S
 computed rows, padded capacity slots included, 18 S M H with SwiGLU; router: 6 T M E) per
-second, as a fraction of ``torch.matmul``'s FLOP/s on ``E_local`` products ``(S/E_local, M) x
-(M, H)`` measured in the same run (once before each of the layer's timed steps); experts alone
-use the experts phase time, the whole layer the step time.
+second, as a fraction of ``torch.matmul``'s FLOP/s on one ``(S, M) x (M, H)`` product (the
+FLOPs of the experts' first GEMM as one large matmul) measured in the same run (once before
+each of the layer's timed steps); experts alone use the experts phase time, the whole layer the
+step time.
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
     for m in (layer, other):
         m.zero_grad(set_to_none=True)
     fl = layer_flops(layer, opts["tokens"])
-    per_expert = max(1, fl["rows"] // layer.num_local)   # rows one local expert computes
-    mm_flops, mm_once = matmul_flops(per_expert, cfg.d_model, cfg.d_expert, layer.num_local,
-                                     device, gen)
+    # the reference: one (S, M) x (M, H) product, S = the rows this rank's experts compute
+    # (the FLOPs of the experts' first forward GEMM, as one large matmul)
+    mm_rows = max(1, fl["rows"])
+    mm_flops, mm_once = matmul_flops(mm_rows, cfg.d_model, cfg.d_expert, 1, device, gen)
     times = {"moeflow": [], peer_name: []}
     for i in range(opts["warmup"] + opts["reps"]):
         for name, fn, mod in (("moeflow", ours, layer), (peer_name, theirs, other)):
@@ -174,7 +176,7 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
                            "layer_gflops": layer_rate / 1e9,
                            "experts_fraction": expert_rate / mm_rate,
                            "layer_fraction": layer_rate / mm_rate,
-                           "matmul_shape": [per_expert, cfg.d_model, cfg.d_expert]}}
+                           "matmul_shape": [mm_rows, cfg.d_model, cfg.d_expert]}}
 
 
 def format_compare(res: dict) -> str:
