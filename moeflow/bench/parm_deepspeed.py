@@ -55,6 +55,9 @@ MOEFLOW_VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
                     ("s1", dict(parallel_schedule="s1")),
                     ("s2", dict(parallel_schedule="s2")),
                     ("auto", dict(parallel_schedule="auto"))]
+DS_LABELS = ["deepspeed", "deepspeed-0.8.1-order"]
+TOLERANCE = 1e-5      # float32: |y_moeflow - y_deepspeed| <= 1e-5 max(1, max|y|), and of dL/dx
+SHORT = {"deepspeed": "ds 0.19.8", "deepspeed-0.8.1-order": "ds 0.8.1 ord"}
 LAYOUT = dict(mp=2, ep=2, esp=2)          # Parm Fig. 2: N_MP = N_EP = N_ESP = 2, 4 ranks
 SKIP_MESSAGE = ("moeflow bench parm --compare deepspeed: skipped, deepspeed is not importable. "
                 "Install it for this benchmark only (not a moeflow dependency), see "
@@ -192,6 +195,34 @@ def build_deepspeed_layer(ref: MoELayer, topo: Topology):
     return layer
 
 
+class Order081(nn.Module):
+    """DeepSpeed 0.19.8's layer run in 0.8.1's MP collective order (an emulation, labelled so).
+
+    0.8.1's ``MOELayer.forward`` (deepspeed/moe/sharded_moe.py, read, not run: it needs
+    ``torch._six``, numpy < 2 and pydantic < 2) calls ``drop_tokens`` before the first
+    all-to-all and ``gather_tokens`` after the second only when the experts are *not* tensor
+    parallel; with tensor-parallel experts every MP rank sends its own (duplicate) copy of the
+    tokens through both EP all-to-alls and the experts' all-reduce sums the shards. 0.19.8
+    always drops before the first all-to-all and gathers after it (and again around the
+    second). Making ``drop_tokens`` / ``gather_tokens`` the identity in
+    ``deepspeed.moe.sharded_moe`` during this layer's forward gives 0.8.1's order with the same
+    gate, dispatch and experts (the other DeepSpeed layer is untouched: the names are restored
+    after the call, and the identity leaves nothing for backward to call)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        from deepspeed.moe import sharded_moe
+        saved = sharded_moe.drop_tokens, sharded_moe.gather_tokens
+        sharded_moe.drop_tokens = sharded_moe.gather_tokens = lambda t, dim=0: t
+        try:
+            return self.layer(x)
+        finally:
+            sharded_moe.drop_tokens, sharded_moe.gather_tokens = saved
+
+
 def ds_step(layer, x: torch.Tensor, topo: Topology) -> float:
     """One forward + backward of DeepSpeed's layer (the loss of moeflow's step_once)."""
     watch = start_aligned(topo, x.device)
@@ -208,17 +239,24 @@ def compare_outputs(base: MoEConfig, topo: Topology, x: torch.Tensor) -> dict:
                        capacity_factor=base.num_experts / base.top_k)
     ref = MoELayer(cfg, topo).to(x.device)
     ds = build_deepspeed_layer(ref, topo).to(x.device)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    xa = x.clone().requires_grad_()
     ya = ref(xa)
-    yb, _, _ = ds(xb)
     ya.square().mean().backward()
-    yb.square().mean().backward()
-    out = torch.tensor([(ya - yb).abs().max().item(), (xa.grad - xb.grad).abs().max().item(),
-                        ya.abs().max().item()])
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    got = {"capacity_factor": cfg.capacity_factor}
+    for name, layer in (("deepspeed", ds), ("deepspeed-0.8.1-order", Order081(ds))):
+        xb = x.clone().requires_grad_()
+        yb, _, _ = layer(xb)
+        yb.square().mean().backward()
+        out = torch.tensor([(ya - yb).abs().max().item(),
+                            (xa.grad - xb.grad).abs().max().item(), ya.abs().max().item()])
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        got[name] = {"max_abs_diff_output": out[0].item(),
+                     "max_abs_diff_input_grad": out[1].item(), "max_abs_output": out[2].item(),
+                     "tolerance": TOLERANCE,
+                     "agrees": bool(out[0] <= TOLERANCE * max(1.0, out[2].item())
+                                    and out[1] <= TOLERANCE)}
     ref.lane.close()
-    return {"capacity_factor": cfg.capacity_factor, "max_abs_diff_output": out[0].item(),
-            "max_abs_diff_input_grad": out[1].item(), "max_abs_output": out[2].item()}
+    return got
 
 
 def compare_worker(opts: dict) -> dict:
@@ -244,12 +282,13 @@ def compare_worker(opts: dict) -> dict:
         checks.append({"tokens_per_rank": tokens, **compare_outputs(base, topo, x)})
         for f in opts["capacity_factors"]:
             cfg = base.replace(capacity_factor=f)
-            labels = ["deepspeed"] + [v for v, _ in MOEFLOW_VARIANTS]
+            labels = DS_LABELS + [v for v, _ in MOEFLOW_VARIANTS]
             layers = [MoELayer(cfg.replace(**v), topo).to(device) for _, v in MOEFLOW_VARIANTS]
             ds = build_deepspeed_layer(layers[0], topo).to(device)
             times: list[list[float]] = [[] for _ in labels]
             for i in range(opts["warmup"] + opts["reps"]):       # round-robin, interleaved
-                got = [ds_step(ds, x, topo)] + [step_once(l, x, topo) for l in layers]
+                got = ([ds_step(ds, x, topo), ds_step(Order081(ds), x, topo)]
+                       + [step_once(l, x, topo) for l in layers])
                 if i >= opts["warmup"]:
                     for ts, t in zip(times, got):
                         ts.append(t)
@@ -268,19 +307,25 @@ def compare_worker(opts: dict) -> dict:
 
 
 def format_compare(res: dict) -> str:
-    labels = ["deepspeed"] + [v for v, _ in MOEFLOW_VARIANTS]
+    labels = DS_LABELS + [v for v, _ in MOEFLOW_VARIANTS]
     lines = [f"{res['topology']}  deepspeed {res['deepspeed_version']}",
-             f"{'BL':>5} {'f':>5} " + " ".join(f"{v:>10}" for v in labels)
-             + "   speedup over deepspeed: " + " ".join(labels[1:]), "-" * 110]
+             f"{'BL':>5} {'f':>5} " + " ".join(f"{SHORT.get(v, v):>12}" for v in labels)
+             + "   speedup over ds 0.19.8: " + " ".join(SHORT.get(v, v) for v in labels[1:]), "-" * 140]
     for r in res["rows"]:
         t, s = r["step_ms"], r["speedup_over_deepspeed"]
         lines.append(f"{r['tokens_per_rank']:>5} {r['capacity_factor']:>5} "
-                     + " ".join(f"{t[v]:>10.1f}" for v in labels) + "   "
+                     + " ".join(f"{t[v]:>12.1f}" for v in labels) + "   "
                      + " ".join(f"{s[v]:.2f}x" for v in labels[1:]))
     lines.append("step ms: median forward + backward, slowest rank")
+    lines.append("deepspeed-0.8.1-order: the 0.19.8 layer with its MP drop/gather off (0.8.1's "
+                 "order for tensor-parallel experts, emulated)")
     for c in res["numeric_check"]:
-        lines.append(f"numeric check BL={c['tokens_per_rank']} f={c['capacity_factor']} "
-                     f"(drop-free): max|y_moeflow - y_deepspeed| {c['max_abs_diff_output']:.2e} "
-                     f"(max|y| {c['max_abs_output']:.2e}), max|dx diff| "
-                     f"{c['max_abs_diff_input_grad']:.2e}")
+        for name in DS_LABELS:
+            d = c[name]
+            lines.append(f"numeric check BL={c['tokens_per_rank']} f={c['capacity_factor']} "
+                         f"(drop-free) baseline vs {name}: max|y diff| "
+                         f"{d['max_abs_diff_output']:.2e} (max|y| {d['max_abs_output']:.2e}), "
+                         f"max|dx diff| {d['max_abs_diff_input_grad']:.2e}: "
+                         + ("AGREE" if d["agrees"] else "DIFFER")
+                         + f" (tolerance {d['tolerance']:g})")
     return "\n".join(lines)
