@@ -29,6 +29,12 @@ output to ``all_gather_into_tensor``, which gloo rejects (it wants ``world * inp
 rows). :func:`patch_gather_tokens` replaces that module function (visibly, in this process
 only) by the same gather into an output shaped ``(world * rows, ...)``, whose memory order is
 the flat buffer's, then continues exactly as DeepSpeed does.
+
+Besides DeepSpeed as installed (0.19.8), :class:`Order081` times the same layer in 0.8.1's MP
+collective order (the paper's baseline version; see its docstring). DeepSpeed creates its EP /
+expert-DP groups itself (``dist.new_group`` without a timeout): their collectives are bounded by
+torch's default process-group timeout, not by the command's ``--timeout``. Results and the
+install steps: docs/benchmarks/parm.md, "Against DeepSpeed-MoE".
 """
 
 from __future__ import annotations
