@@ -26,6 +26,11 @@ def register_bench(bsub) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     p.add_argument("--reps", type=int, default=5, help="timed steps per variant")
     add_device_arg(p)
+    p.add_argument("--compare", choices=["deepspeed"], default=None,
+                   help="time DeepSpeed-MoE's own layer (same weights and gate, N_MP = N_EP = "
+                        "N_ESP = 2, 4 ranks) beside baseline / s1 / s2 / auto and check it "
+                        "computes the baseline's outputs; skipped with a message when deepspeed "
+                        "is not importable (it is not a moeflow dependency)")
     p.add_argument("--out", default=None,
                    help="write the results as JSON here (default: print only)")
     add_launch_args(p, default_nproc=4)
@@ -42,4 +47,31 @@ def run_parm(args: argparse.Namespace) -> int:
                              f"{getattr(args, name)} must be >= 1")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "experts_per_ep", "top_k",
                                           "capacity_factors", "warmup", "reps", "device")}
+    if args.compare == "deepspeed":
+        return run_compare_deepspeed(args, opts)
     return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
+
+
+def run_compare_deepspeed(args: argparse.Namespace, opts: dict) -> int:
+    """``--compare deepspeed``: skip with a message when deepspeed is absent, else run
+    :func:`moeflow.bench.parm_deepspeed.compare_worker` on the ranks."""
+    from moeflow.bench import parm_deepspeed as pd
+    from moeflow.commands.bench import _report
+
+    if args.top_k not in (1, 2):
+        raise SystemExit(f"moeflow bench parm --compare deepspeed: --top-k {args.top_k} must be "
+                         "1 or 2 (DeepSpeed's top-k > 2 gate drops by score, not GShard's order)")
+    mp, ep = pd.LAYOUT["mp"], pd.LAYOUT["ep"]
+    E = ep * args.experts_per_ep
+    for t in args.tokens:
+        for f in args.capacity_factors + [E / args.top_k]:
+            if not pd.capacity_divides(t, args.top_k, E, f, mp):
+                raise SystemExit(f"moeflow bench parm --compare deepspeed: --tokens {t} with "
+                                 f"capacity factor {f} gives a capacity ceil(k f T / E) that "
+                                 f"N_MP={mp} does not divide (DeepSpeed splits it over the MP "
+                                 "group); pick --tokens / --capacity-factors that make it even, "
+                                 "e.g. --tokens 512 --capacity-factors 1.25,2.5")
+    if not pd.deepspeed_available():
+        print(pd.SKIP_MESSAGE)
+        return 0
+    return _report(run_on_ranks(pd.compare_worker, args, opts), args, pd.format_compare)
