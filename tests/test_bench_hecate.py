@@ -117,3 +117,25 @@ def test_materialized_probe_reads_the_held_experts_between_forward_and_backward(
     ep_probe = MaterializedProbe(ep.experts)
     ep(x)
     assert ep_probe.held_bytes() == 0
+
+
+def test_router_loads_prior_follows_a_real_routers_loads(tmp_path):
+    import json
+
+    from moeflow.bench.hecate import read_router_loads
+
+    real = [1602, 33, 893, 12951, 12254, 2772, 538, 1725]
+    path = tmp_path / "loads.json"
+    path.write_text(json.dumps([{"run": "r", "step": 3, "loads_after": [[1] * 8, real]}]))
+    loads, source = read_router_loads(f"{path}:0:1")
+    assert loads == real and "MoE layer 1" in source
+    layer = MoELayer(MoEConfig(d_model=32, d_expert=16, num_experts=8, top_k=2,
+                               capacity_factor=None, seed=1), Topology.single())
+    skew(layer, 0.0, loads=real)
+    x = torch.randn(2048, 32, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = 1.0
+    with torch.no_grad():
+        got = np.bincount(layer.router(x).experts.reshape(-1).numpy(),
+                          minlength=8)
+    assert set(np.argsort(got)[-2:]) == {3, 4}         # the real router's two hot experts
+    assert got[1] == got.min()

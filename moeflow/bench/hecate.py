@@ -77,13 +77,34 @@ def _config(v: dict) -> dict:
     return {k: x for k, x in v.items() if not k.startswith("_")}
 
 
-def skew(layer: MoELayer, s: float, rotation: int = 0) -> None:
+def skew(layer: MoELayer, s: float, rotation: int = 0, loads=None) -> None:
     """Router weights of feature 0 (constant 1 in the input): ``-s * log(rank_e)``; the
-    popularity ranks are a fixed shuffle, rotated by ``rotation`` (load drift)."""
+    popularity ranks are a fixed shuffle, rotated by ``rotation`` (load drift). With ``loads``
+    (a real router's tokens per expert) the weights are ``log(load_e / sum)`` instead (``s``
+    ignored), rotated likewise."""
     E = layer.cfg.num_experts
-    ranks = np.roll(np.random.default_rng(7).permutation(E) + 1, rotation)
+    if loads is not None:
+        p = np.asarray(loads, dtype=np.float64)
+        if p.shape != (E,) or (p <= 0).any():
+            raise ValueError(f"router loads {list(loads)} must be {E} positive counts (one "
+                             "per expert)")
+        w = np.roll(np.log(p / p.sum()), rotation)
+    else:
+        w = -s * np.log(np.roll(np.random.default_rng(7).permutation(E) + 1, rotation))
     with torch.no_grad():
-        layer.router.weight[0] = torch.tensor(-s * np.log(ranks), dtype=layer.router.weight.dtype)
+        layer.router.weight[0] = torch.tensor(w, dtype=layer.router.weight.dtype)
+
+
+def read_router_loads(spec: str) -> tuple[list[int], str]:
+    """``PATH:RUN:LAYER`` of a ``python -m moeflow.bench.router_load`` JSON -> (that run's
+    per-expert loads of that MoE layer after training, a description)."""
+    import json
+
+    path, run, layer = spec.rsplit(":", 2)
+    data = json.loads(open(path).read())
+    entry = data[int(run)]
+    return entry["loads_after"][int(layer)], (f"{path} run {entry['run']} (step "
+                                              f"{entry['step']}) MoE layer {layer}")
 
 
 def _step(layer: MoELayer, x: torch.Tensor, topo: Topology, before=None) -> tuple[float, float]:
@@ -145,13 +166,15 @@ def bench_worker(opts: dict) -> dict:
     n_shadow = opts.get("shadow", opts["t"])
     drift = opts.get("drift", 0)
     rows = []
-    for s in opts["zipf"]:
+    router = opts.get("router_loads")
+    for s in list(opts["zipf"]) + (["router"] if router else []):
+        real = router if s == "router" else None
         base = MoEConfig(d_model=opts["d_model"], d_expert=opts["d_expert"], num_experts=E,
                          top_k=opts["top_k"], capacity_factor=None, aux_loss_coef=0.0, seed=1)
         vs = variants(opts["t"], opts["m"], opts.get("reshard_every", []))
         layers = [MoELayer(base.replace(**_config(v)), topo) for _, v in vs]
         for layer in layers:
-            skew(layer, s)
+            skew(layer, s, loads=real)
             layer.timer = PhaseTimer()
         gen = torch.Generator().manual_seed(4000 + topo.rank)
         x = torch.randn(opts["tokens"], opts["d_model"], generator=gen)
@@ -165,7 +188,7 @@ def bench_worker(opts: dict) -> dict:
                         reshard(layer, None, t=v["_alg2"])
             if drift and i > 0 and i % drift == 0:
                 for layer in layers:
-                    skew(layer, s, rotation=i // drift)
+                    skew(layer, s, rotation=i // drift, loads=real)
             for (_, v), layer, ts, aa in zip(vs, layers, times, a2as):
                 step = i - opts["warmup"]
                 t, a = _step(layer, x, topo, _before(layer, v, x, n_shadow, step))
@@ -220,11 +243,11 @@ def format_result(res: dict) -> str:
         pgo = (f"{_mib(max(mem['params'])):.1f}/{_mib(max(mem['grads'])):.1f}/"
                f"{_mib(max(mem['optimizer'])):.1f}" if mem else "-")
         mat = f"{_mib(max(mem['materialized_held'])):.1f}" if mem else "-"
-        lines.append(f"{r['zipf_s']:>6} {r['variant']:<20} {r['step_ms']:>9.2f} "
+        lines.append(f"{str(r['zipf_s']):>6} {r['variant']:<20} {r['step_ms']:>9.2f} "
                      f"{r['speedup_vs_ep']:>6.2f}x {r.get('a2a_ms', math.nan):>8.2f} "
                      f"{r['max_tokens_per_rank']:>8} "
                      f"{r['max_over_mean']:>8.2f} {sp:>12.0f} {eq2:>12.0f} {pgo:>16} {mat:>8}")
     return "\n".join(lines)
 
 
-__all__ = ["bench_worker", "format_result", "skew", "variants"]
+__all__ = ["bench_worker", "format_result", "read_router_loads", "skew", "variants"]

@@ -120,6 +120,9 @@ def register_hecate_bench(bsub) -> None:
                    help="experts FasterMoE-style shadowing replicates everywhere (default: t)")
     p.add_argument("--reshard-every", type=int, nargs="*", default=[],
                    help="extra 'hecate reshard/K' variants re-sharding every K timed steps")
+    p.add_argument("--router-loads", default=None, metavar="PATH:RUN:LAYER",
+                   help="also run with a real router's per-expert loads: entry RUN, MoE layer "
+                        "LAYER of a `python -m moeflow.bench.router_load` JSON")
     p.add_argument("--drift", type=int, default=0,
                    help="rotate the experts' popularity every N steps (0: fixed loads)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -166,6 +169,15 @@ def run_hecate(args: argparse.Namespace) -> int:
                                           "top_k", "zipf", "t", "m", "warmup", "reps",
                                           "reshard_every", "drift")}
     opts["shadow"] = args.t if args.shadow is None else args.shadow
+    if args.router_loads:
+        from moeflow.bench.hecate import read_router_loads
+
+        try:
+            opts["router_loads"], opts["router_loads_source"] = read_router_loads(
+                args.router_loads)
+        except (OSError, ValueError, KeyError, IndexError) as err:
+            raise SystemExit(f"moeflow bench hecate: --router-loads {args.router_loads!r}: "
+                             f"{err} (give PATH:RUN:LAYER of a moeflow.bench.router_load JSON)")
     return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
