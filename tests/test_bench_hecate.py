@@ -1,4 +1,6 @@
-"""The HECATE benchmarks' inputs: the router skew really skews, random holders keep owners."""
+"""The HECATE benchmarks' pieces: the router skew really skews (Zipf and a real router's loads),
+random holders keep owners, the variants build, FasterMoE-style shadowing placements, and the
+memory accounting (parameters, gradients, Adam state, materialized experts)."""
 
 from __future__ import annotations
 
