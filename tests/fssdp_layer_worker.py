@@ -325,7 +325,32 @@ def compose_worker() -> dict:
     return out
 
 
+def memory_worker() -> dict:
+    """``moeflow bench hecate``'s memory probe: the materialized experts' bytes held between
+    forward and backward, without and with re-materialization (HECATE-RM), and the gradients
+    (the probe must not change them)."""
+    from moeflow.bench.hecate_memory import MaterializedProbe
+
+    topo = Topology.from_env(local_size=LOCAL)
+    out = {}
+    for rm in (False, True):
+        layer = parity.make_layer("hot_expert_dropless", topo, placement="fssdp",
+                                  fssdp=dict(materialize="manual", rematerialize=rm))
+        layer.experts.set_holders(SKEWED[0])
+        probe = MaterializedProbe(layer.experts)
+        x, g = batch("hot_expert_dropless", topo.rank, 0)
+        y = layer(x)
+        held = probe.held_bytes()
+        parity.local_loss(y, g, layer).backward()
+        out[rm] = {"held": held, "rows": probe.rows(),
+                   "after_backward": probe.held_bytes(),
+                   "expert_bytes": layer.experts.expert_bytes,
+                   "grad": layer.experts.slots.grad.clone()}
+    return out
+
+
 def all_worker(ckpt_path: str, reshard_path: str) -> dict:
     """Everything the test module needs, in one launch (one process start per rank)."""
     return {"layer": worker(), "gpt": gpt_worker(), "ckpt": checkpoint_worker(ckpt_path),
-            "reshard": reshard_worker(reshard_path), "compose": compose_worker()}
+            "reshard": reshard_worker(reshard_path), "compose": compose_worker(),
+            "memory": memory_worker()}

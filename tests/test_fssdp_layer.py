@@ -283,3 +283,17 @@ def test_composes_with_codecs_algorithms_schedulers_bigmac_smile(composed, label
             torch.testing.assert_close(value, ep_grads[key], **tol)
         for key, value in fs["dense_grads"].items():
             torch.testing.assert_close(value, ep["dense_grads"][key], **tol)
+
+
+@pytest.mark.multirank
+def test_bench_memory_probe_sees_rematerialization_free_the_held_experts(launched):
+    """moeflow bench hecate's probe (moeflow/bench/hecate_memory.py) on 4 ranks: without RM
+    the held experts stay between forward and backward, with RM their storage is 0 there and
+    refilled by the backward; the gradients are the same."""
+    for rank, got in _part(launched, "memory").items():
+        plain, rm = got[False], got[True]
+        held = sum(rank in h for h in w.SKEWED[0])
+        assert plain["rows"] == rm["rows"] == held
+        assert plain["held"] == held * plain["expert_bytes"] > 0
+        assert rm["held"] == 0 and rm["after_backward"] == rm["rows"] * rm["expert_bytes"]
+        torch.testing.assert_close(rm["grad"], plain["grad"], rtol=0, atol=0)

@@ -104,8 +104,8 @@ def register(sub) -> None:
 
 def register_hecate_bench(bsub) -> None:
     """HECATE (issue 17): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
-    p = bsub.add_parser("hecate", help="HECATE: EP vs FSSDP (static, Algorithm 1, RM) under "
-                                       "skewed loads: step time, max tokens per rank, bytes")
+    p = bsub.add_parser("hecate", help="HECATE: EP, shadowing, FSSDP (Algorithms 1, 2, RM) "
+                                       "under skewed loads: step/a2a time, loads, bytes, memory")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
     p.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
     p.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
@@ -116,6 +116,15 @@ def register_hecate_bench(bsub) -> None:
                    help="skew exponents s (0 = no skew)")
     p.add_argument("--t", type=int, default=2, help="Algorithm 1's overlap degree t")
     p.add_argument("--m", type=int, default=2, help="Algorithm 1's memory capacity m")
+    p.add_argument("--shadow", type=int, default=None,
+                   help="experts FasterMoE-style shadowing replicates everywhere (default: t)")
+    p.add_argument("--reshard-every", type=int, nargs="*", default=[],
+                   help="extra 'hecate reshard/K' variants re-sharding every K timed steps")
+    p.add_argument("--router-loads", default=None, metavar="PATH:RUN:LAYER",
+                   help="also run with a real router's per-expert loads: entry RUN, MoE layer "
+                        "LAYER of a `python -m moeflow.bench.router_load` JSON")
+    p.add_argument("--drift", type=int, default=0,
+                   help="rotate the experts' popularity every N steps (0: fixed loads)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--reps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -149,8 +158,26 @@ def run_hecate(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"moeflow bench hecate: --{name.replace('_', '-')} "
                              f"{getattr(args, name)} must be >= 1")
+    for name in ("drift", "t", "m"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"moeflow bench hecate: --{name} {getattr(args, name)} must be "
+                             ">= 0")
+    if any(k < 1 for k in args.reshard_every):
+        raise SystemExit(f"moeflow bench hecate: --reshard-every {args.reshard_every}: every "
+                         "interval must be >= 1 timed steps")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
-                                          "top_k", "zipf", "t", "m", "warmup", "reps")}
+                                          "top_k", "zipf", "t", "m", "warmup", "reps",
+                                          "reshard_every", "drift")}
+    opts["shadow"] = args.t if args.shadow is None else args.shadow
+    if args.router_loads:
+        from moeflow.bench.hecate import read_router_loads
+
+        try:
+            opts["router_loads"], opts["router_loads_source"] = read_router_loads(
+                args.router_loads)
+        except (OSError, ValueError, KeyError, IndexError) as err:
+            raise SystemExit(f"moeflow bench hecate: --router-loads {args.router_loads!r}: "
+                             f"{err} (give PATH:RUN:LAYER of a moeflow.bench.router_load JSON)")
     return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
