@@ -75,3 +75,27 @@ def test_reentrant_collect_is_refused_and_attach_refuses_aux():
         aux()
     with pytest.raises(mf.ConfigError, match="aux_loss='both'"):
         hf.replace_moe_blocks(make_model("mixtral"), aux_loss="both")
+
+
+def test_deepseek_v3_bias_update_unchanged_by_checkpointing():
+    """The router counts its loads in every training forward, recomputations included; each
+    count is multiplied alike, so the sign-based bias update is the uncheckpointed one."""
+    from moeflow.routing.deepseek import update_router_biases
+
+    biases, loads = [], []
+    for checkpoint in (None, True, False):
+        model = make_model("deepseek_v3").train()
+        aux = hf.replace_moe_blocks(model, aux_loss="attach")
+        if checkpoint is not None:
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": checkpoint})
+        ids = tokens(3)
+        model(ids, labels=ids).loss.backward()
+        router = aux.layers[0].router
+        loads.append(router.load.clone())
+        assert update_router_biases(model) == 1
+        biases.append(router.e_score_correction_bias.clone())
+    for load, bias in zip(loads[1:], biases[1:]):
+        factor = load.sum() / loads[0].sum()
+        assert factor >= 2 and torch.equal(load, loads[0] * factor)
+        assert torch.equal(bias, biases[0])
