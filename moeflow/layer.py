@@ -42,11 +42,11 @@ class MoELayer(nn.Module):
     scaled auxiliary loss (add it to the training loss), and ``stats`` / ``stat_tensors`` the
     unscaled terms and the fraction of routing choices dropped by capacity (``stat_tensors``
     keeps the losses as detached tensors, so that the forward does not wait for the device;
-    with ``attach_aux_loss=True`` the aux loss is instead back-propagated through the output,
-    which also works under reentrant checkpointing, and ``aux_loss`` is detached: log it only;
     ``stats`` converts them to floats, which on a GPU waits for the layer's work). With a
     codec that cannot carry inf/NaN (int8, fp8, zfp), ``nonfinite_payload`` counts the
     non-finite values it was handed in this step's exchanges (forward, then backward).
+    With ``attach_aux_loss=True`` the aux loss is instead back-propagated through the output
+    (also under reentrant checkpointing) and ``aux_loss`` is detached: log it, do not add it.
 
     Host synchronisations: none in capacity mode; dropless learns the row counts (one).
     """
