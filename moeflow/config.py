@@ -469,6 +469,11 @@ class ModelConfig:
     seed: int = 0
     # Parm (issue 16): the MoE layers' MP+EP+ESP schedule (MoEConfig.parallel_schedule)
     parallel_schedule: str = "baseline"
+    # Shared experts (issue 20): MoEConfig.num_shared_experts / shared_expert_hidden /
+    # shared_expert_gate, e.g. `moeflow train --set num_shared_experts=1`
+    num_shared_experts: int = 0
+    shared_expert_hidden: int | None = None
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         o = "ModelConfig"

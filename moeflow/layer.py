@@ -26,6 +26,7 @@ from moeflow.parallel.parm.collectives import esp_all_reduce
 from moeflow.phases import NULL_TIMER, PhaseTimer
 from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
+from moeflow.routing.aux_grad import attach_aux_loss
 from moeflow.schedule import SCHEDULERS, autotune
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
@@ -44,12 +45,24 @@ class MoELayer(nn.Module):
     ``stats`` converts them to floats, which on a GPU waits for the layer's work). With a
     codec that cannot carry inf/NaN (int8, fp8, zfp), ``nonfinite_payload`` counts the
     non-finite values it was handed in this step's exchanges (forward, then backward).
+    With ``attach_aux_loss=True`` the aux loss is instead back-propagated through the output
+    (also under reentrant checkpointing) and ``aux_loss`` is detached: log it, do not add it.
 
     Host synchronisations: none in capacity mode; dropless learns the row counts (one).
     """
 
-    def __init__(self, cfg: MoEConfig, topo: Topology | None = None):
+    def __init__(self, cfg: MoEConfig, topo: Topology | None = None, *,
+                 attach_aux_loss: bool = False):
         super().__init__()
+        # issue 20: attach_aux_loss=True delivers aux_loss through the output's backward
+        # (moeflow/routing/aux_grad.py; works under any activation checkpointing); the
+        # caller then must not add it (aux_loss keeps only the detached value)
+        if not isinstance(attach_aux_loss, bool):
+            raise ConfigError(f"MoELayer attach_aux_loss={attach_aux_loss!r} is invalid: must "
+                              "be True (aux loss back-propagated through the output) or False "
+                              "(add layer.aux_loss to the loss yourself)")
+        self.attach_aux_loss = attach_aux_loss
+        self.aux_loss_backward_scale = 1.0     # d(your loss)/d(aux_loss) when attached
         topo = topo or Topology.single()
         # issue 18: "auto" a2a / schedule / pipeline_degree run as direct / sequential / 1
         # until the first forward tunes them (moeflow/schedule/autotune.py)
@@ -271,7 +284,11 @@ class MoELayer(nn.Module):
             self._stats.update(fssdp.stats())
         if nonfinite is not None:       # forward's count; backward adds its own in place
             self._stats["nonfinite_payload"] = nonfinite
-        return t.mark(y, None).reshape(shape)
+        y = t.mark(y, None).reshape(shape)
+        if self.attach_aux_loss:        # issue 20: the aux loss rides on y's backward
+            y = attach_aux_loss(y, self.aux_loss, self.aux_loss_backward_scale)
+            self.aux_loss = self.aux_loss.detach()
+        return y
 
 
 def _check_fssdp(cfg: MoEConfig, topo: Topology) -> None:

@@ -18,6 +18,7 @@ from moeflow.integrations.hf.architectures import (Architecture, architecture_of
                                                    block_config, hf_from_moeflow,
                                                    moeflow_from_hf)
 from moeflow.integrations.hf.recipes import moe_config_from_hf
+from moeflow.routing.aux_grad import missing_aux_grad
 
 
 def _arch(block) -> Architecture:
@@ -30,13 +31,15 @@ def _arch(block) -> Architecture:
     return arch
 
 
-def from_hf(block: nn.Module, topo=None, config=None, layer_id: int = 0, **overrides):
+def from_hf(block: nn.Module, topo=None, config=None, layer_id: int = 0,
+            attach_aux_loss: bool = False, **overrides):
     """The :class:`~moeflow.MoELayer` computing what the transformers ``block`` computes, with
     its weights (this rank's experts under expert parallelism), dtype and device.
 
     ``config`` (the model's transformers config) sets the balancing-loss scale and DeepSeek-V3's
     bias-update speed as :func:`moe_config_from_hf` does; ``overrides`` set further MoEConfig
     fields (codec, a2a, schedule, pipeline_degree, aux_loss_coef, ...).
+    ``attach_aux_loss``: see :class:`~moeflow.MoELayer` and ``replace_moe_blocks``.
     """
     from moeflow.config import MoEConfig
     from moeflow.layer import MoELayer
@@ -49,7 +52,8 @@ def from_hf(block: nn.Module, topo=None, config=None, layer_id: int = 0, **overr
         if arch.model_type == "deepseek_v3":
             kw["router_options"]["bias_update_speed"] = \
                 recipe.router_options["bias_update_speed"]
-    layer = MoELayer(MoEConfig(**{**kw, "layer_id": layer_id, **overrides}), topo)
+    layer = MoELayer(MoEConfig(**{**kw, "layer_id": layer_id, **overrides}), topo,
+                     attach_aux_loss=attach_aux_loss)
     ref = next(block.parameters())
     layer.to(device=ref.device, dtype=ref.dtype)
     if arch.model_type == "deepseek_v3":      # the bias stays in the block's buffer dtype
@@ -113,14 +117,55 @@ class HFMoEBlock(nn.Module):
         return f"replaces {self.arch.block}"
 
 
-class AuxLosses:
-    """The swapped layers' auxiliary losses: ``aux()`` after a forward is their sum (add it
-    to the language-model loss; it already carries the recipe's coefficient)."""
+AUX_LOSS_MODES = ("collect", "attach")
 
-    def __init__(self, layers: list):
+
+class AuxLosses:
+    """The swapped layers' auxiliary losses (each already carries the recipe's coefficient).
+
+    ``aux_loss="collect"``: ``aux()`` after a forward is their sum; add it to the language-model
+    loss. It refuses (RuntimeError) when the layers' losses were computed without autograd in
+    training, which is what reentrant activation checkpointing does: the router would silently
+    get no balancing gradient. ``aux_loss="attach"``: the layers back-propagate their losses
+    through their outputs (moeflow/routing/aux_grad.py), so the model's own loss trains the
+    routers under any checkpointing; ``aux()`` then refuses (adding it would count the losses
+    twice). In both modes ``value()`` is the detached sum, for logging.
+    """
+
+    def __init__(self, layers: list, mode: str = "collect"):
         self.layers = layers
+        self.mode = mode
 
     def __call__(self) -> torch.Tensor:
+        if self.mode == "attach":
+            raise RuntimeError(
+                "aux(): the layers were swapped with aux_loss='attach': their aux losses are "
+                "already back-propagated through the layer outputs, so adding aux() to the loss "
+                "would count them twice; use the model's loss alone (aux.value() logs them)")
+        missing = missing_aux_grad(self.layers)
+        if missing and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"aux(): the aux losses of MoE layers {missing} were computed without autograd "
+                "in training mode, so adding them to the loss would train no router. This is "
+                "what reentrant activation checkpointing does (use_reentrant=True: the "
+                "checkpointed forward runs under no_grad and is recomputed in backward). Swap "
+                "with replace_moe_blocks(..., aux_loss='attach') (works with any "
+                "checkpointing), or checkpoint with use_reentrant=False; to only log the "
+                "value, use aux.value()")
+        return self._sum()
+
+    def value(self) -> torch.Tensor:
+        """The detached sum of the last forward's aux losses (logging, either mode)."""
+        return self._sum().detach()
+
+    def set_backward_scale(self, scale: float) -> None:
+        """``aux_loss='attach'``: the gradient fed to each aux loss, i.e. the factor applied to
+        the loss before ``backward`` (``1 / accumulation_steps``, an AMP loss scale); 1 by
+        default."""
+        for layer in self.layers:
+            layer.aux_loss_backward_scale = float(scale)
+
+    def _sum(self) -> torch.Tensor:
         losses = [layer.aux_loss for layer in self.layers if layer.aux_loss is not None]
         if not losses:
             raise RuntimeError("no auxiliary loss yet: run a forward of the model first")
@@ -135,31 +180,42 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoEBlock)]
 
 
-def replace_moe_blocks(model: nn.Module, topo=None, **overrides) -> AuxLosses:
+def replace_moe_blocks(model: nn.Module, topo=None, aux_loss: str = "collect",
+                       **overrides) -> AuxLosses:
     """Swap every transformers MoE block of ``model`` for an :class:`HFMoEBlock` (in place),
     with the weights mapped exactly; returns the collector of their aux losses.
+
+    ``aux_loss``: ``"collect"`` (add ``aux()`` to the loss yourself) or ``"attach"`` (the
+    layers back-propagate their aux losses through their outputs: the model's own loss, e.g.
+    in ``transformers.Trainer``, trains the routers, also under reentrant gradient
+    checkpointing; do not add ``aux()``). See :class:`AuxLosses`.
 
     The i-th MoE block becomes the layer with ``layer_id=i``. ``model.config.
     output_router_logits`` is set to False: moeflow computes the balancing loss in each
     layer (``aux()``), and transformers' own loss would find no router logits to pool.
     """
+    if aux_loss not in AUX_LOSS_MODES:
+        raise ConfigError(f"replace_moe_blocks: aux_loss={aux_loss!r} is invalid: choose "
+                          "'collect' (add aux() to the loss) or 'attach' (back-propagated "
+                          "through the layer outputs; needed with reentrant checkpointing)")
     config = getattr(model, "config", None)
     layers = []
     for name, module in list(model.named_modules()):
         arch = architecture_of(module)
         if arch is None:
             continue
-        layer = from_hf(module, topo, config=config, layer_id=len(layers), **overrides)
+        layer = from_hf(module, topo, config=config, layer_id=len(layers),
+                        attach_aux_loss=aux_loss == "attach", **overrides)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
-                HFMoEBlock(layer, arch))
+                HFMoEBlock(layer, arch).train(module.training))   # keep train / eval mode
         layers.append(layer)
     if not layers:
         raise ConfigError(f"replace_moe_blocks: {type(model).__name__} has no supported MoE "
                           "block")
     if config is not None and getattr(config, "output_router_logits", False):
         config.output_router_logits = False
-    return AuxLosses(layers)
+    return AuxLosses(layers, aux_loss)
 
 
 def hf_state_dict(model: nn.Module) -> dict:
