@@ -46,7 +46,7 @@ from torch import nn
 from moeflow.errors import ConfigError
 from moeflow.experts.ffn import HIDDEN_DIM, ExpertFFN
 from moeflow.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from moeflow.schedule.autotune import restore_tuning, tuning_state
+from moeflow.autotune import restore_tuning, tuning_state
 from moeflow.placement.layer_experts import FSSDPExperts
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")

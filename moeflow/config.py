@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from moeflow.devices import DEVICES, DTYPES
 from moeflow.errors import ConfigError
-from moeflow.placement.options import PLACEMENTS, FSSDPOptions
+from moeflow.fssdp_options import PLACEMENTS, FSSDPOptions
 from moeflow.registry import did_you_mean, registry
 
 
@@ -237,7 +237,7 @@ class MoEConfig:
 
     # HECATE FSSDP (issue 17, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
     # experts fully sharded (one owner each), materialized per iteration by spAG; its options
-    # (a dict or moeflow.placement.options.FSSDPOptions) are checked there.
+    # (a dict or moeflow.fssdp_options.FSSDPOptions) are checked there.
     placement: str = "ep"
     fssdp: dict | FSSDPOptions | None = None
 
@@ -251,7 +251,7 @@ class MoEConfig:
         if self.placement == "fssdp":
             self.fssdp = FSSDPOptions.coerce(self.fssdp)
         # issue 18 (auto-tuning): a2a / schedule / pipeline_degree may be "auto", resolved
-        # collectively by the layer's first forward (moeflow/schedule/autotune.py)
+        # collectively by the layer's first forward (moeflow/autotune.py)
         if self.pipeline_degree != AUTO:
             _require(isinstance(self.pipeline_degree, int)
                      and not isinstance(self.pipeline_degree, bool) and self.pipeline_degree > 0,
@@ -342,8 +342,8 @@ class MoEConfig:
     @classmethod
     def from_hf(cls, config, layer_id: int = 0, **overrides) -> "MoEConfig":
         """The recipe for one MoE layer of a transformers model's ``config`` (issue 20;
-        :func:`moeflow.integrations.hf.recipes.moe_config_from_hf`, docs/hf.md)."""
-        from moeflow.integrations.hf.recipes import moe_config_from_hf
+        :func:`moeflow.integrations.hf_recipes.moe_config_from_hf`, docs/hf.md)."""
+        from moeflow.integrations.hf_recipes import moe_config_from_hf
 
         return moe_config_from_hf(config, layer_id, **overrides)
 

@@ -27,7 +27,8 @@ from moeflow.phases import NULL_TIMER, PhaseTimer
 from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
 from moeflow.routing.aux_grad import attach_aux_loss
-from moeflow.schedule import SCHEDULERS, autotune
+from moeflow import autotune
+from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 from moeflow.schedule.tasks import check_order
@@ -65,7 +66,7 @@ class MoELayer(nn.Module):
         self.aux_loss_backward_scale = 1.0     # d(your loss)/d(aux_loss) when attached
         topo = topo or Topology.single()
         # issue 18: "auto" a2a / schedule / pipeline_degree run as direct / sequential / 1
-        # until the first forward tunes them (moeflow/schedule/autotune.py)
+        # until the first forward tunes them (moeflow/autotune.py)
         self.requested_cfg = cfg
         self.auto_fields = autotune.auto_fields(cfg)
         self.tuned: autotune.TunedChoice | None = None

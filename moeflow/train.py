@@ -267,6 +267,6 @@ def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
     # so the replicated activations of the tensor-parallel GPT get the same dropout mask
     torch.manual_seed(train_cfg.seed + topo.dp_rank)
     if progress and topo.rank == 0:
-        from moeflow.schedule.autotune import log_to_stderr
+        from moeflow.autotune import log_to_stderr
         log_to_stderr()                                 # issue 18: the tuner's progress lines
     return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress).run(resume)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import MoEConfig, MoELayer, Topology, checkpoint
-from moeflow.schedule import autotune
+from moeflow import autotune
 
 AUTO = dict(a2a="auto", schedule="auto", pipeline_degree="auto")
 

@@ -9,7 +9,7 @@ import torch
 
 from moeflow import ConfigError, MoEConfig, MoELayer
 from moeflow.launch import launch_local
-from moeflow.schedule import autotune
+from moeflow import autotune
 
 
 def test_config_accepts_auto_and_names_the_field():

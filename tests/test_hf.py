@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import moeflow as mf  # noqa: E402
 from moeflow.integrations import hf  # noqa: E402
-from moeflow.integrations.hf.architectures import hf_from_moeflow  # noqa: E402
+from moeflow.integrations.hf_architectures import hf_from_moeflow  # noqa: E402
 from tests import hf_cases  # noqa: E402
 from tests.hf_cases import float64_routers, make_model, tokens  # noqa: E402
 

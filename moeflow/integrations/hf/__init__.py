@@ -12,11 +12,11 @@
   config.
 """
 
-from moeflow.integrations.hf.architectures import ARCHITECTURES, architecture_of
+from moeflow.integrations.hf_architectures import ARCHITECTURES, architecture_of
 from moeflow.integrations.hf.convert import (AuxLosses, HFMoEBlock, from_hf, hf_state_dict,
                                              load_hf_state_dict, replace_moe_blocks,
                                              save_pretrained, to_hf)
-from moeflow.integrations.hf.recipes import moe_config_from_hf
+from moeflow.integrations.hf_recipes import moe_config_from_hf
 
 __all__ = ["ARCHITECTURES", "AuxLosses", "HFMoEBlock", "architecture_of", "from_hf",
            "hf_state_dict", "load_hf_state_dict", "moe_config_from_hf", "replace_moe_blocks",

@@ -104,7 +104,7 @@ def needs_retune(tuned_rows: int | None, rows: int | None) -> bool:
 def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
     """Algorithms that can run on ``topo`` (and with Parm's ESP shards, those it supports)."""
     from moeflow.comm.alltoall import ALLTOALLS
-    from moeflow.config import ConfigError
+    from moeflow.errors import ConfigError
 
     if requested.a2a != AUTO:
         return [requested.a2a]

@@ -27,7 +27,7 @@ What the recipe sets, per model type (see :mod:`.architectures` for the blocks):
 from __future__ import annotations
 
 from moeflow.errors import ConfigError
-from moeflow.integrations.hf.architectures import BY_MODEL_TYPE
+from moeflow.integrations.hf_architectures import BY_MODEL_TYPE
 
 
 def num_moe_layers(config) -> int:
