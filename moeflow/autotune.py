@@ -19,9 +19,12 @@ lossy codecs change the function and are never picked automatically. Tuning chan
 only: the layer's parameters, gradients and random state are as before it, and the real
 forward that follows runs with the chosen settings (float64 parity in tests/test_autotune.py).
 
-Re-tuning: the layer records the rows all ranks send per forward (the count matrix, known to
-every rank, so the decision is collective without another message); when it differs by more
-than ``RETUNE_RATIO`` from the rows at tuning time, the next forward re-tunes.
+Re-tuning: the layer records the rows its EP group sends per forward (the count matrix, known
+to every rank of the group); every ``layer.retune_check_every`` (default
+``RETUNE_CHECK_EVERY``) training forwards, all ranks agree in one host all-reduce whether any
+group's rows differ by more than ``RETUNE_RATIO`` from the rows at tuning time, and if so
+they re-tune together (EP groups may see different rows: deciding alone could leave a rank
+waiting in the tuner's collectives).
 
 The cost is bounded by construction: ``(algorithms x (1 + reps)) + 2 x choose's profile steps +
 (MEASURE_TOP + 1) x (1 + reps)`` forward + backward steps; each stage logs a line (logger
@@ -48,6 +51,7 @@ DEGREES = (1, 2, 4)
 KEEP_ALGOS = 2          # algorithms kept after the screen
 MEASURE_TOP = 3         # predicted candidates measured before the final choice
 RETUNE_RATIO = 2.0      # re-tune when the rows per forward change by more than this factor
+RETUNE_CHECK_EVERY = 50  # training forwards between the collective re-tune checks
 
 
 @dataclass
@@ -92,6 +96,21 @@ def placeholder(cfg: MoEConfig) -> MoEConfig:
     used until the first forward tunes them."""
     defaults = {"a2a": "direct", "schedule": "sequential", "pipeline_degree": 1}
     return cfg.replace(**{f: defaults[f] for f in auto_fields(cfg)})
+
+
+def retune_agreed(layer) -> bool:
+    """Whether to re-tune now, decided by every rank together: each
+    ``layer.retune_check_every``-th training forward, one host all-reduce (max) of each rank's
+    :func:`needs_retune` flag over the world. The rows are those of the rank's own EP group, so
+    two EP groups can see different rows; agreeing first means no rank enters the (collective)
+    tuning alone, and between checks there is no extra message."""
+    from moeflow.bench.timing import slowest
+
+    layer._forwards += 1
+    if layer._forwards % max(1, layer.retune_check_every):
+        return False
+    flag = float(needs_retune(layer.tuned.rows, layer._rows))
+    return slowest(flag, layer.topo) > 0
 
 
 def needs_retune(tuned_rows: int | None, rows: int | None) -> bool:

@@ -72,6 +72,9 @@ class MoELayer(nn.Module):
         self.tuned: autotune.TunedChoice | None = None
         self._tuning = False
         self._rows: int | None = None          # rows sent over the EP group by the last forward
+        # training forwards between the collective checks of whether to re-tune
+        self.retune_check_every = autotune.RETUNE_CHECK_EVERY
+        self._forwards = 0
         if self.auto_fields and (cfg.placement == "fssdp" or cfg.parallel_schedule != "baseline"):
             raise ConfigError(
                 f"MoEConfig {'/'.join(self.auto_fields)}='auto' cannot be tuned with "
@@ -205,7 +208,7 @@ class MoELayer(nn.Module):
                              f"MoEConfig.d_model={cfg.d_model}; reshape the input or build the "
                              f"layer with d_model={x.shape[-1]}")
         if self.auto_fields and not self._tuning and (self.tuned is None or (
-                torch.is_grad_enabled() and autotune.needs_retune(self.tuned.rows, self._rows))):
+                torch.is_grad_enabled() and autotune.retune_agreed(self))):
             self.tune(x)                   # collective; every rank decides alike (see autotune)
             cfg = self.cfg
         self._check_schedule()

@@ -57,6 +57,7 @@ def worker(ckpt_dir: str) -> dict:
     out["resumed_choice"] = resumed.tuned.settings()
     # > 2x more tokens on every rank: the next forward after the change re-tunes
     big = torch.randn(4 * x.shape[0], 8, generator=gen)
+    resumed.retune_check_every = 1         # check at every forward (default: every 50th)
     n = len(calls)
     _step(resumed, big)
     _step(resumed, big)
