@@ -126,6 +126,10 @@ def test_single_process_fssdp_is_the_dense_layer():
     x = torch.randn(10, 8, dtype=torch.float64)
     torch.testing.assert_close(a(x), b(x), **TOL)
     assert [n for n, _ in a.named_parameters()] == ["router.weight", "experts.slots"]
+    seen = len(a.experts.window.state_dict()["loads"])
+    with torch.no_grad():                       # evaluation: not in Algorithm 1's load window
+        a(x)
+    assert len(a.experts.window.state_dict()["loads"]) == seen == 1
 
 
 def test_fssdp_with_a_registered_activation_and_its_options_and_shared_experts():

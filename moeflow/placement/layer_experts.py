@@ -312,7 +312,8 @@ class FSSDPExperts(nn.Module):
                 self.bytes["spag_calibration"] = nb
                 placement = better
                 self.calibrated += 1
-        self.window.add(loads)
+        if torch.is_grad_enabled():      # training forwards only: evaluation batches are not
+            self.window.add(loads)       # the load Algorithm 1 plans for (w = 5, Section 4.2)
         flat = _Gather.apply(self.slots, self, placement, got)
         self._current = (placement, flat)
         self.held.bind(self._views(flat))
