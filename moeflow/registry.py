@@ -39,6 +39,23 @@ def did_you_mean(name, choices: Iterable) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
+def completed_options(field: str, kind: str, name: str, given: dict | None,
+                      defaults: dict) -> dict:
+    """``given`` (``MoEConfig.<field>`` of the ``kind`` called ``name``) completed with the
+    part's ``defaults``; a ConfigError names an option the part does not take, with the
+    options it does take and a typo suggestion. Values are the part's to validate."""
+    from moeflow.errors import ConfigError
+
+    given = dict(given or {})
+    for key in given:
+        if key not in defaults:
+            known = ", ".join(sorted(defaults)) or "none"
+            raise ConfigError(
+                f"MoEConfig.{field} has {key!r}, which {kind} {name!r} does not take (its "
+                f"options: {known}){did_you_mean(key, defaults)}")
+    return {**defaults, **given}
+
+
 class Registry(dict):
     def __init__(self, kind: str, base: type):
         super().__init__()

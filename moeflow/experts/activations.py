@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.errors import ConfigError
-from moeflow.registry import Registry, did_you_mean
+from moeflow.registry import Registry, completed_options
 
 
 class Activation:
@@ -44,14 +44,7 @@ class Activation:
     def check_options(cls, name: str, given: dict | None) -> dict:
         """``given`` completed with :attr:`OPTIONS`' defaults; ConfigError for an unknown name
         or (through :meth:`validate_options`) a bad value."""
-        given = dict(given or {})
-        for key in given:
-            if key not in cls.OPTIONS:
-                known = ", ".join(sorted(cls.OPTIONS)) or "none"
-                raise ConfigError(
-                    f"MoEConfig.activation_options has {key!r}, which activation {name!r} does "
-                    f"not take (its options: {known}){did_you_mean(key, cls.OPTIONS)}")
-        opts = {**cls.OPTIONS, **given}
+        opts = completed_options("activation_options", "activation", name, given, cls.OPTIONS)
         cls.validate_options(opts)
         return opts
 

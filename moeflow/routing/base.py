@@ -48,17 +48,10 @@ class Router(nn.Module):
         """``cfg.router_options`` completed with :attr:`OPTIONS`' defaults; ConfigError for a
         name this router does not know. Routers with options override :meth:`validate_options`
         to check their values."""
-        from moeflow.errors import ConfigError
-        from moeflow.registry import did_you_mean
+        from moeflow.registry import completed_options
 
-        given = dict(cfg.router_options or {})
-        for key in given:
-            if key not in cls.OPTIONS:
-                known = ", ".join(sorted(cls.OPTIONS)) or "none"
-                raise ConfigError(
-                    f"MoEConfig.router_options has {key!r}, which router {cfg.router!r} does "
-                    f"not take (its options: {known}){did_you_mean(key, cls.OPTIONS)}")
-        opts = {**cls.OPTIONS, **given}
+        opts = completed_options("router_options", "router", cfg.router, cfg.router_options,
+                                 cls.OPTIONS)
         cls.validate_options(cfg, opts)
         return opts
 
