@@ -227,7 +227,9 @@ class MoELayer(nn.Module):
         # that depends on this rank's data raises after this point (its peers would wait).
         fssdp = self.experts if isinstance(self.experts, FSSDPExperts) else None
         experts = fssdp.begin() if fssdp is not None else self.experts   # spAG(P, P') done
-        with t.phase("route", h):
+        # routers compute in float32 at least: outside autocast, which would run their matmul
+        # (and, on CPU, their softmax) in bf16 and take routing decisions at bf16 precision
+        with t.phase("route", h), torch.autocast(h.device.type, enabled=False):
             routing = self.router(t.mark(h, "route"), **route_k)   # reads x (pre-descend)
         if self.dcca is not None:                          # BigMac: descend before dispatch
             with t.phase("project", h):

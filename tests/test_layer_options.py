@@ -179,3 +179,23 @@ def test_bilevel_router_refuses_a_per_call_top_k():
                                           r"is node_top_k x local_top_k = 1 x 1"):
         layer(torch.randn(4, 8), top_k=2)
     layer(torch.randn(4, 8), top_k=1, capacity_factor=None)        # its own k is fine
+
+
+@pytest.mark.parametrize("router", ["topk", "deepseek_v3"])
+def test_router_computes_in_float32_under_bf16_autocast(router):
+    """Under bf16 autocast the router's logits and gate weights are float32 and equal the
+    layer's routing without autocast (bf16 routing would flip close top-k decisions)."""
+    cfg = mf.MoEConfig(d_model=16, d_expert=32, num_experts=8, top_k=2, seed=1,
+                       capacity_factor=None, router=router)
+    layer = mf.MoELayer(cfg)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    seen = []
+    hook = layer.router.register_forward_hook(lambda m, i, out: seen.append(out))
+    layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    hook.remove()
+    plain, auto = seen
+    assert auto.weights.dtype == torch.float32
+    assert torch.equal(auto.experts, plain.experts)
+    torch.testing.assert_close(auto.weights, plain.weights, rtol=0, atol=0)
