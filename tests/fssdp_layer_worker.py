@@ -372,24 +372,28 @@ def worker_world(world: int) -> dict:
 
 def check_eight_ranks() -> None:
     """FSSDP = EP = one process on 8 ranks (4 nodes x 2, one expert per rank), float64, over
-    ``STEPS`` AdamW steps. Not in the suite (8 processes take about a minute on 2 cores); run
-    it with ``python -m tests.fssdp_layer_worker``."""
+    ``STEPS`` AdamW steps (``tests/test_fssdp_layer.py``, or ``python -m
+    tests.fssdp_layer_worker``)."""
     from moeflow.launch import launch_local
     from tests import fssdp_layer_worker as w      # the module _check reads (not __main__)
     from tests.test_fssdp_layer import _check
 
-    w.WORLD = 8
-    got = launch_local(w.worker_world, w.WORLD, w.WORLD, timeout_s=600)
-    for case in FULL_CASES:
-        ref = w.reference(case)
-        for variant in AUTO_VARIANTS:
-            for rank in range(w.WORLD):
-                for step in range(STEPS):
-                    _check(got[rank][case, variant][step], ref[step], rank,
-                           f"8 ranks {case}/{variant} step {step}")
-        for variant in ("fssdp_sparse", "fssdp_sparse_cal_rm"):    # Algorithm 1 replicated
-            assert any(len(h) > 1 for rec in got[0][case, variant] for h in rec["holders"]), \
-                f"{case}/{variant}: Algorithm 1 held no expert on a second rank"
+    four, w.WORLD = w.WORLD, 8
+    try:
+        got = launch_local(w.worker_world, w.WORLD, w.WORLD, timeout_s=600)
+        for case in FULL_CASES:
+            ref = w.reference(case)
+            for variant in AUTO_VARIANTS:
+                for rank in range(w.WORLD):
+                    for step in range(STEPS):
+                        _check(got[rank][case, variant][step], ref[step], rank,
+                               f"8 ranks {case}/{variant} step {step}")
+            for variant in ("fssdp_sparse", "fssdp_sparse_cal_rm"):    # Algorithm 1 replicated
+                assert any(len(h) > 1 for rec in got[0][case, variant]
+                           for h in rec["holders"]), \
+                    f"{case}/{variant}: Algorithm 1 held no expert on a second rank"
+    finally:
+        w.WORLD = four
     print(f"8 ranks (4 nodes x {LOCAL}): {FULL_CASES} x {AUTO_VARIANTS} over {STEPS} AdamW "
           "steps match the single-process reference")
 

@@ -301,3 +301,9 @@ def test_bench_memory_probe_sees_rematerialization_free_the_held_experts(launche
         assert plain["held"] == held * plain["expert_bytes"] > 0
         assert rm["held"] == 0 and rm["after_backward"] == rm["rows"] * rm["expert_bytes"]
         torch.testing.assert_close(rm["grad"], plain["grad"], rtol=0, atol=0)
+
+
+@pytest.mark.multirank
+def test_eight_ranks_match_the_reference():
+    """8 ranks as 4 nodes x 2: EP, static FSSDP and Algorithm 1 (with calibration and RM)."""
+    w.check_eight_ranks()
