@@ -185,19 +185,18 @@ def apply(layer, cfg: MoEConfig) -> None:
 def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int) -> float:
     """Median seconds of ``reps`` forward + backward steps (after one warm-up), each step the
     slowest rank's: the same number on every rank."""
-    from moeflow.bench.timing import slowest, start_aligned
+    from moeflow.bench.timing import time_aligned
+
+    def step():
+        y = layer(x)
+        (y.float().square().mean() + layer.aux_loss).backward()
 
     apply(layer, cfg)
     times = []
-    for i in range(1 + reps):
-        watch = start_aligned(layer.topo, x.device)
-        y = layer(x)
-        (y.float().square().mean() + layer.aux_loss).backward()
-        t = slowest(watch.stop(), layer.topo)
+    for _ in range(1 + reps):
+        times.append(time_aligned(step, layer.topo, x.device))
         layer.zero_grad(set_to_none=True)
-        if i:
-            times.append(t)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def log_to_stderr() -> None:

@@ -248,16 +248,14 @@ class MoELayer(nn.Module):
         shared_y = None
         if sched is not None:            # Parm S1 / S2: EP&ESP-AlltoAll (Section III-C)
             back = self.parm.experts(cfg, sched, t.mark(send, None), plan, runner)
-            if self.shared is not None:  # not overlapped on this path
-                shared_y = self.shared(tokens)
         elif self.topo.esp_size > 1:     # Parm's baseline schedule (Fig. 3a) with shards
             back = baseline_experts(t.mark(send, None), plan, runner, self.topo)
-            if self.shared is not None:  # not overlapped on this path
-                shared_y = self.shared(tokens)
         elif self.shared is not None:    # task S, beside the all-to-all
             back, shared_y = scheduled_experts(t.mark(send, None), plan, runner, tokens)
         else:
             back = scheduled_experts(t.mark(send, None), plan, runner)
+        if self.shared is not None and shared_y is None:   # Parm's paths: not overlapped
+            shared_y = self.shared(tokens)
         if fssdp is not None:            # HECATE-RM frees the held experts here
             back = fssdp.end(back)
         # training forwards only (evaluation batches of another size must not re-tune)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.bench.linkmodel import AlphaBeta, fit_alpha_beta
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.bench.timing import time_aligned
 from moeflow.parallel.parm.collectives import _all_gather
 from moeflow.parallel.parm.saa import saa
 from moeflow.topology import Topology
@@ -58,14 +58,8 @@ class ParmFits:
 
 
 def _median_time(run, topo: Topology, device: torch.device, warmup: int, reps: int) -> float:
-    times = []
-    for i in range(warmup + reps):
-        watch = start_aligned(topo, device)
-        run()
-        t = slowest(watch.stop(), topo)
-        if i >= warmup:
-            times.append(t)
-    return statistics.median(times)
+    times = [time_aligned(run, topo, device) for _ in range(warmup + reps)]
+    return statistics.median(times[warmup:])
 
 
 def measure_parm_fits(topo: Topology, elements=DEFAULT_ELEMENTS, width: int = 64,
