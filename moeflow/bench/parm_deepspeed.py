@@ -269,8 +269,8 @@ def build_deepspeed_layer(ref: MoELayer, topo: Topology):
 class Order081(nn.Module):
     """DeepSpeed 0.19.8's layer run in 0.8.1's MP collective order (an emulation, labelled so).
 
-    0.8.1's ``MOELayer.forward`` (deepspeed/moe/sharded_moe.py, read, not run: it needs
-    ``torch._six``, numpy < 2 and pydantic < 2) calls ``drop_tokens`` before the first
+    0.8.1's ``MOELayer.forward`` (deepspeed/moe/sharded_moe.py; run in its own venv by
+    docs/benchmarks/install_deepspeed_081.sh) calls ``drop_tokens`` before the first
     all-to-all and ``gather_tokens`` after the second only when the experts are *not* tensor
     parallel; with tensor-parallel experts every MP rank sends its own (duplicate) copy of the
     tokens through both EP all-to-alls and the experts' all-reduce sums the shards. 0.19.8
@@ -278,7 +278,10 @@ class Order081(nn.Module):
     second). Making ``drop_tokens`` / ``gather_tokens`` the identity in
     ``deepspeed.moe.sharded_moe`` during this layer's forward gives 0.8.1's order with the same
     gate, dispatch and experts (the other DeepSpeed layer is untouched: the names are restored
-    after the call, and the identity leaves nothing for backward to call)."""
+    after the call, and the identity leaves nothing for backward to call). Only the collective
+    order is 0.8.1's: the dispatch stays 0.19.8's sparse ``index_select`` encode / decode,
+    where 0.8.1 multiplies dense (S, E, C) one-hot tensors (``einsum("sec,sm->ecm")``), which
+    on CPU costs far more at large S (docs/benchmarks/parm.md, "DeepSpeed 0.8.1 itself")."""
 
     def __init__(self, layer):
         super().__init__()
