@@ -62,3 +62,58 @@ def test_unknown_peer_is_rejected(capsys):
                                              (2048, 2, 4, 1.2, False), (64, 2, 4, 2.0, True)])
 def test_capacity_divides(tokens, k, E, f, ok):
     assert pd.capacity_divides(tokens, k, E, f, 2) is ok
+
+
+def _result(version: str, labels: list[str]) -> dict:
+    cols = labels + [v for v, _ in pd.MOEFLOW_VARIANTS]
+    step = {v: 10.0 + i for i, v in enumerate(cols)}
+    check = {"tokens_per_rank": 64, "capacity_factor": 2.0, "second_expert_noise": "zeroed"}
+    for name in labels:
+        check[name] = {"max_abs_diff_output": 1e-7, "max_abs_diff_input_grad": 1e-10,
+                       "max_abs_output": 2.0, "tolerance": pd.TOLERANCE, "agrees": True}
+    return {"topology": "T", "deepspeed_version": version, "deepspeed_labels": labels,
+            "numeric_check": [check],
+            "rows": [{"tokens_per_rank": 64, "capacity_factor": 1.25, "step_ms": step,
+                      "speedup_over_deepspeed": {v: step["deepspeed"] / step[v] for v in cols}}]}
+
+
+def test_format_names_the_installed_version_and_its_columns():
+    old = pd.format_compare(_result("0.8.1", ["deepspeed"]))
+    assert "ds 0.8.1" in old and "speedup over ds 0.8.1" in old
+    assert "ds 0.8.1 ord" not in old and "(0.8.1's order, run)" in old
+    assert "baseline vs deepspeed:" in old and "2nd-expert noise zeroed" in old
+    new = pd.format_compare(_result("0.19.8", ["deepspeed", pd.ORDER_081]))
+    assert "ds 0.19.8" in new and "ds 0.8.1 ord" in new and "emulated" in new
+    assert "baseline vs deepspeed-0.8.1-order" in new
+    # the speedup column of the emulation: 10.0 / 11.0
+    assert "0.91x" in new.splitlines()[3]
+
+
+def test_installed_deepspeed_order_and_sampling_switch():
+    """Read from the installed code: 0.8.1 runs no MP collective with tensor-parallel experts
+    and has no sampling switch; 0.19.8 drops / gathers and has it."""
+    ds = pytest.importorskip("deepspeed")
+    expected = {"0.8.1": (False, False), "0.19.8": (True, True)}
+    if ds.__version__ not in expected:
+        pytest.skip(f"deepspeed {ds.__version__}: only 0.8.1 and 0.19.8 were read")
+    assert (pd.drops_mp_duplicates(), pd.has_sampling_switch()) == expected[ds.__version__]
+    assert pd.ds_labels() == (["deepspeed", pd.ORDER_081] if pd.drops_mp_duplicates()
+                              else ["deepspeed"])
+
+
+def test_second_expert_noise_is_zeroed_only_inside_the_block():
+    pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.moe import sharded_moe
+    saved = sharded_moe.gumbel_rsample
+    with pd.no_second_expert_noise():
+        inside = sharded_moe.gumbel_rsample
+        if not pd.has_sampling_switch():
+            assert torch.equal(inside((3, 4), torch.device("cpu")), torch.zeros(3, 4))
+            # 0.8.1's top2gating: the second expert is then the second-largest logit, always
+            logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 8)
+            _, combine, _, _ = sharded_moe.top2gating(logits, 2.0, 0)
+            assert (combine.sum(-1)[:, 1] > 0).all() and (combine.sum(-1)[:, 2:] == 0).all()
+        else:
+            assert inside is saved      # 0.19.8: the layer's switch does it, nothing patched
+    assert sharded_moe.gumbel_rsample is saved

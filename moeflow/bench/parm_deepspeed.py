@@ -13,7 +13,8 @@ Aligned with moeflow's ``baseline`` layer on the same rank (so the outputs can b
 * gate: DeepSpeed's ``wg.weight`` (E, M) is the transpose of moeflow's router weight (M, E);
   no jitter / RSample (``noisy_gate_policy=None``), no random token selection (``use_rts``),
   and for top-2 the Gumbel noise on the second expert is switched off with DeepSpeed's own
-  ``top2_2nd_expert_sampling=False`` (0.19.8; in 0.8.1 it is always on);
+  ``top2_2nd_expert_sampling=False`` (0.19.8; in 0.8.1 it is always on: zeroed for the
+  numeric check by :func:`no_second_expert_noise`);
 * capacity: both ``ceil(k f T / E)`` per local batch with GShard's priority (all first choices
   before the second ones); ``min_capacity=0``;
 * experts: DeepSpeed's ``Experts`` deep-copies one module per local expert; each copy here is
@@ -30,16 +31,33 @@ rows). :func:`patch_gather_tokens` replaces that module function (visibly, in th
 only) by the same gather into an output shaped ``(world * rows, ...)``, whose memory order is
 the flat buffer's, then continues exactly as DeepSpeed does.
 
-Besides DeepSpeed as installed (0.19.8), :class:`Order081` times the same layer in 0.8.1's MP
-collective order (the paper's baseline version; see its docstring). DeepSpeed creates its EP /
+Both DeepSpeed 0.19.8 and 0.8.1 (the paper's version, in its own venv: see
+docs/benchmarks/install_deepspeed_081.sh) run here; where their APIs differ the adapter asks
+the installed code, not its version string:
+
+* 0.19.8 has ``MoE(top2_2nd_expert_sampling=False)``; 0.8.1's ``top2gating`` always adds
+  Gumbel noise (``sharded_moe.gumbel_rsample``) to the logits that pick the second expert.
+  :func:`no_second_expert_noise` makes that sample zeros, during the numeric check only; the
+  timed 0.8.1 steps keep the noise (0.8.1 as the paper ran it: one (T, E) sample per step,
+  and the dispatch buffers are capacity-sized either way);
+* 0.19.8's ``_gather_tokens`` needs the gloo patch above; 0.8.1's uses a list ``all_gather``,
+  which gloo takes, so it is left alone;
+* 0.8.1 runs no MP collective with tensor-parallel experts, 0.19.8 drops / gathers the MP
+  duplicates around the all-to-alls (:func:`drops_mp_duplicates`). Under 0.19.8,
+  :class:`Order081` also times the same layer in 0.8.1's order (an emulation, labelled so);
+  under 0.8.1 that label is the real thing and the emulation is not run.
+
+Both versions ask the mpu the same questions (``TopoMPU``). DeepSpeed creates its EP /
 expert-DP groups itself (``dist.new_group`` without a timeout): their collectives are bounded by
 torch's default process-group timeout, not by the command's ``--timeout``. Results and the
-install steps: docs/benchmarks/parm.md, "Against DeepSpeed-MoE".
+install steps: docs/benchmarks/parm.md, "Against DeepSpeed-MoE" and "DeepSpeed 0.8.1 itself".
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
 import statistics
 
 import torch
@@ -61,9 +79,8 @@ MOEFLOW_VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
                     ("s1", dict(parallel_schedule="s1")),
                     ("s2", dict(parallel_schedule="s2")),
                     ("auto", dict(parallel_schedule="auto"))]
-DS_LABELS = ["deepspeed", "deepspeed-0.8.1-order"]
+ORDER_081 = "deepspeed-0.8.1-order"
 TOLERANCE = 1e-5      # float32: |y_moeflow - y_deepspeed| <= 1e-5 max(1, max|y|), and of dL/dx
-SHORT = {"deepspeed": "ds 0.19.8", "deepspeed-0.8.1-order": "ds 0.8.1 ord"}
 LAYOUT = dict(mp=2, ep=2, esp=2)          # Parm Fig. 2: N_MP = N_EP = N_ESP = 2, 4 ranks
 SKIP_MESSAGE = ("moeflow bench parm --compare deepspeed: skipped, deepspeed is not importable. "
                 "Install it for this benchmark only (not a moeflow dependency), see "
@@ -72,6 +89,50 @@ SKIP_MESSAGE = ("moeflow bench parm --compare deepspeed: skipped, deepspeed is n
 
 def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
+
+
+def drops_mp_duplicates() -> bool:
+    """Whether the installed DeepSpeed drops / gathers the MP duplicates around its all-to-alls
+    also when the experts are tensor parallel (0.19.8: yes; 0.8.1: no, its ``MOELayer.forward``
+    calls ``drop_tokens`` / ``gather_tokens`` only under
+    ``groups._get_expert_model_parallel_world_size() == 1``). Read from the installed code."""
+    from deepspeed.moe import sharded_moe
+    return "_get_expert_model_parallel_world_size() == 1" not in inspect.getsource(
+        sharded_moe.MOELayer.forward)
+
+
+def ds_labels() -> list[str]:
+    """The DeepSpeed columns: the installed layer, plus 0.8.1's order emulated where the
+    installed version has another order."""
+    return ["deepspeed"] + ([ORDER_081] if drops_mp_duplicates() else [])
+
+
+def short_names(version: str) -> dict[str, str]:
+    return {"deepspeed": f"ds {version}", ORDER_081: "ds 0.8.1 ord"}
+
+
+def has_sampling_switch() -> bool:
+    """0.19.8's ``MoE(top2_2nd_expert_sampling=...)``; 0.8.1 has no such argument."""
+    from deepspeed.moe.layer import MoE
+    return "top2_2nd_expert_sampling" in inspect.signature(MoE.__init__).parameters
+
+
+@contextlib.contextmanager
+def no_second_expert_noise():
+    """Zero 0.8.1's always-on Gumbel noise on the second expert's logits (``top2gating`` adds
+    ``gumbel_rsample(logits.shape)``, a module-level name in ``deepspeed.moe.sharded_moe``)
+    while the block runs; restored afterwards. Nothing to do where the layer was built with
+    ``top2_2nd_expert_sampling=False``."""
+    if has_sampling_switch():
+        yield
+        return
+    from deepspeed.moe import sharded_moe
+    saved = sharded_moe.gumbel_rsample
+    sharded_moe.gumbel_rsample = lambda shape, device: torch.zeros(shape, device=device)
+    try:
+        yield
+    finally:
+        sharded_moe.gumbel_rsample = saved
 
 
 def capacity_divides(tokens: int, top_k: int, num_experts: int, factor: float, mp: int) -> bool:
@@ -138,14 +199,17 @@ class ShardFFN(nn.Module):
 
 
 def patch_gather_tokens() -> None:
-    """Work around DeepSpeed 0.19.8's flat all_gather_into_tensor output (gloo rejects it)."""
+    """Work around DeepSpeed 0.19.8's flat all_gather_into_tensor output (gloo rejects it).
+    Versions whose ``_gather_tokens`` gathers into a list (0.8.1) are left as they are."""
     import deepspeed
     from deepspeed.moe import mappings
-    from deepspeed.utils.bwc import (bwc_tensor_model_parallel_group,
-                                     bwc_tensor_model_parallel_world_size)
 
     if getattr(mappings._gather_tokens, "_moeflow_gloo_patch", False):
         return
+    if "all_gather_into_tensor" not in inspect.getsource(mappings._gather_tokens):
+        return
+    from deepspeed.utils.bwc import (bwc_tensor_model_parallel_group,
+                                     bwc_tensor_model_parallel_world_size)
 
     def _gather_tokens(input_, dim=0):
         mpu = deepspeed.utils.groups.mpu
@@ -182,11 +246,12 @@ def build_deepspeed_layer(ref: MoELayer, topo: Topology):
     groups.mpu = TopoMPU(topo)
     patch_gather_tokens()
     w1, w2 = ref.experts.w1.detach(), ref.experts.w2.detach()      # (E_l, M, H/esp), (E_l, H/esp, M)
+    extra = dict(top2_2nd_expert_sampling=False) if has_sampling_switch() else {}
     layer = MoE(cfg.d_model, ShardFFN(w1[0], w2[0], topo), num_experts=cfg.num_experts,
                 ep_size=topo.ep_size, k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                 eval_capacity_factor=cfg.capacity_factor, min_capacity=0,
                 noisy_gate_policy=None, drop_tokens=True, use_rts=False,
-                enable_expert_tensor_parallelism=True, top2_2nd_expert_sampling=False)
+                enable_expert_tensor_parallelism=True, **extra)
     layer.set_deepspeed_parallelism()
     moe = layer.deepspeed_moe
     ep_group = moe.ep_group
@@ -204,8 +269,8 @@ def build_deepspeed_layer(ref: MoELayer, topo: Topology):
 class Order081(nn.Module):
     """DeepSpeed 0.19.8's layer run in 0.8.1's MP collective order (an emulation, labelled so).
 
-    0.8.1's ``MOELayer.forward`` (deepspeed/moe/sharded_moe.py, read, not run: it needs
-    ``torch._six``, numpy < 2 and pydantic < 2) calls ``drop_tokens`` before the first
+    0.8.1's ``MOELayer.forward`` (deepspeed/moe/sharded_moe.py; run in its own venv by
+    docs/benchmarks/install_deepspeed_081.sh) calls ``drop_tokens`` before the first
     all-to-all and ``gather_tokens`` after the second only when the experts are *not* tensor
     parallel; with tensor-parallel experts every MP rank sends its own (duplicate) copy of the
     tokens through both EP all-to-alls and the experts' all-reduce sums the shards. 0.19.8
@@ -213,7 +278,10 @@ class Order081(nn.Module):
     second). Making ``drop_tokens`` / ``gather_tokens`` the identity in
     ``deepspeed.moe.sharded_moe`` during this layer's forward gives 0.8.1's order with the same
     gate, dispatch and experts (the other DeepSpeed layer is untouched: the names are restored
-    after the call, and the identity leaves nothing for backward to call)."""
+    after the call, and the identity leaves nothing for backward to call). Only the collective
+    order is 0.8.1's: the dispatch stays 0.19.8's sparse ``index_select`` encode / decode,
+    where 0.8.1 multiplies dense (S, E, C) one-hot tensors (``einsum("sec,sm->ecm")``), which
+    on CPU costs far more at large S (docs/benchmarks/parm.md, "DeepSpeed 0.8.1 itself")."""
 
     def __init__(self, layer):
         super().__init__()
@@ -248,10 +316,14 @@ def compare_outputs(base: MoEConfig, topo: Topology, x: torch.Tensor) -> dict:
     xa = x.clone().requires_grad_()
     ya = ref(xa)
     ya.square().mean().backward()
-    got = {"capacity_factor": cfg.capacity_factor}
-    for name, layer in (("deepspeed", ds), ("deepspeed-0.8.1-order", Order081(ds))):
+    got = {"capacity_factor": cfg.capacity_factor,
+           "second_expert_noise": ("off: top2_2nd_expert_sampling=False" if has_sampling_switch()
+                                   else "zeroed: sharded_moe.gumbel_rsample -> zeros")}
+    layers = {"deepspeed": ds, ORDER_081: Order081(ds)}
+    for name in ds_labels():
         xb = x.clone().requires_grad_()
-        yb, _, _ = layer(xb)
+        with no_second_expert_noise():
+            yb, _, _ = layers[name](xb)
         yb.square().mean().backward()
         out = torch.tensor([(ya - yb).abs().max().item(),
                             (xa.grad - xb.grad).abs().max().item(), ya.abs().max().item()])
@@ -288,12 +360,13 @@ def compare_worker(opts: dict) -> dict:
         checks.append({"tokens_per_rank": tokens, **compare_outputs(base, topo, x)})
         for f in opts["capacity_factors"]:
             cfg = base.replace(capacity_factor=f)
-            labels = DS_LABELS + [v for v, _ in MOEFLOW_VARIANTS]
+            dsl = ds_labels()
+            labels = dsl + [v for v, _ in MOEFLOW_VARIANTS]
             layers = [MoELayer(cfg.replace(**v), topo).to(device) for _, v in MOEFLOW_VARIANTS]
             ds = build_deepspeed_layer(layers[0], topo).to(device)
             times: list[list[float]] = [[] for _ in labels]
             for i in range(opts["warmup"] + opts["reps"]):       # round-robin, interleaved
-                got = ([ds_step(ds, x, topo), ds_step(Order081(ds), x, topo)]
+                got = ([ds_step(ds if v == "deepspeed" else Order081(ds), x, topo) for v in dsl]
                        + [step_once(l, x, topo) for l in layers])
                 if i >= opts["warmup"]:
                     for ts, t in zip(times, got):
@@ -308,30 +381,41 @@ def compare_worker(opts: dict) -> dict:
                          "samples_ms": {v: [1e3 * t for t in ts]
                                         for v, ts in zip(labels, times)}})
     return {"topology": repr(topo), "deepspeed_version": deepspeed.__version__,
+            "deepspeed_labels": ds_labels(),
+            "deepspeed_drops_mp_duplicates": drops_mp_duplicates(),
+            "numpy_version": __import__("numpy").__version__,
             "torch_version": torch.__version__, "fits": fits.to_json(),
             "numeric_check": checks, "rows": rows}
 
 
 def format_compare(res: dict) -> str:
-    labels = DS_LABELS + [v for v, _ in MOEFLOW_VARIANTS]
+    dsl = res.get("deepspeed_labels", ["deepspeed", ORDER_081])
+    labels = dsl + [v for v, _ in MOEFLOW_VARIANTS]
+    short = short_names(res["deepspeed_version"])
     lines = [f"{res['topology']}  deepspeed {res['deepspeed_version']}",
-             f"{'BL':>5} {'f':>5} " + " ".join(f"{SHORT.get(v, v):>12}" for v in labels)
-             + "   speedup over ds 0.19.8: " + " ".join(SHORT.get(v, v) for v in labels[1:]), "-" * 140]
+             f"{'BL':>5} {'f':>5} " + " ".join(f"{short.get(v, v):>12}" for v in labels)
+             + f"   speedup over {short['deepspeed']}: "
+             + " ".join(short.get(v, v) for v in labels[1:]), "-" * 140]
     for r in res["rows"]:
         t, s = r["step_ms"], r["speedup_over_deepspeed"]
         lines.append(f"{r['tokens_per_rank']:>5} {r['capacity_factor']:>5} "
                      + " ".join(f"{t[v]:>12.1f}" for v in labels) + "   "
                      + " ".join(f"{s[v]:.2f}x" for v in labels[1:]))
     lines.append("step ms: median forward + backward, slowest rank")
-    lines.append("deepspeed-0.8.1-order: the 0.19.8 layer with its MP drop/gather off (0.8.1's "
-                 "order for tensor-parallel experts, emulated)")
+    if ORDER_081 in dsl:
+        lines.append(f"{ORDER_081}: the {res['deepspeed_version']} layer with its MP drop/gather "
+                     "off (0.8.1's order for tensor-parallel experts, emulated)")
+    else:
+        lines.append(f"deepspeed {res['deepspeed_version']}: no MP collective with tensor-parallel "
+                     "experts (0.8.1's order, run); timed with its Gumbel noise on the 2nd expert")
     for c in res["numeric_check"]:
-        for name in DS_LABELS:
+        for name in dsl:
             d = c[name]
             lines.append(f"numeric check BL={c['tokens_per_rank']} f={c['capacity_factor']} "
                          f"(drop-free) baseline vs {name}: max|y diff| "
                          f"{d['max_abs_diff_output']:.2e} (max|y| {d['max_abs_output']:.2e}), "
                          f"max|dx diff| {d['max_abs_diff_input_grad']:.2e}: "
                          + ("AGREE" if d["agrees"] else "DIFFER")
-                         + f" (tolerance {d['tolerance']:g})")
+                         + f" (tolerance {d['tolerance']:g}; 2nd-expert noise "
+                         + c.get("second_expert_noise", "off") + ")")
     return "\n".join(lines)
