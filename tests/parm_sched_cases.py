@@ -27,7 +27,12 @@ SCHEDULES = {
     "s2_saa": dict(parallel_schedule="s2"),
     "s2_aas": dict(parallel_schedule="s2", parm_saa=False),
 }
-LAYOUT_8 = (2, 2, 2, True)           # 8 ranks as 2 nodes x 4
+#: 8 ranks as 2 nodes x 4: (N_MP, N_EP, N_ESP) = (2, 2, 2), both placements (Section IV-A)
+LAYOUTS_8 = {"mp2_ep2_esp2_esp_in_node": (2, 2, 2, True),
+             "mp2_ep2_esp2_ep_in_node": (2, 2, 2, False)}
+#: the baseline beside the schedules, on the 4-rank cases (tiny tensors: the cases take a few
+#: seconds, the spawn of 8 ranks the rest)
+SCHEDULES_8 = {"baseline": {}, **SCHEDULES}
 # composability on one layout: BigMac (exact), a lossy codec with chunks and OptSche on the
 # EP&ESP payloads (close to the reference: bf16 rounding)
 EXTRAS_LAYOUT = "mp2_esp2_esp_in_node"
@@ -43,14 +48,15 @@ EXTRAS = {
 
 
 def schedule_cases(schedule: str) -> list[str]:
-    """AAS shares S2-SAA's code but the exchange: two cases (one chunked) suffice for it."""
+    """AAS shares S2-SAA's code but the exchange: two cases (one chunked) suffice for it (the
+    baseline, on 8 ranks, takes them all)."""
     if schedule == "s2_aas":
         return ["dropless_k2", "expert_bias_capacity"]
     return list(CASES)
 
 
 def overrides(schedule: str, case: str) -> dict:
-    kw = {**CASES[case], **SCHEDULES[schedule]}
+    kw = {**CASES[case], **SCHEDULES_8[schedule]}
     if schedule == "s2_saa":             # SAA takes no chunks (refused, see test_refusals)
         kw.pop("pipeline_degree", None)
     return kw
@@ -75,12 +81,23 @@ def rank_worker(layouts: list[str]) -> dict:
     return out
 
 
-def rank_worker_8() -> dict:
-    mp, ep, esp, in_node = LAYOUT_8
-    topo = Topology.from_env(ep_size=ep, local_size=4, mp_size=mp, esp_size=esp,
+def topology_8(layout: str) -> Topology:
+    mp, ep, esp, in_node = LAYOUTS_8[layout]
+    return Topology.from_env(ep_size=ep, local_size=4, mp_size=mp, esp_size=esp,
                              esp_in_node=in_node)
-    return {(s, c): run_rank(c, topo, **overrides(s, c))
-            for s, c in (("s1", "capacity_k2"), ("s2_saa", "expert_bias_swiglu_dropless"))}
+
+
+def rank_worker_8() -> dict:
+    """Every (layout, schedule, case) of the 8-rank grid, and SAA vs AAS (4 phases) per
+    layout, in one spawn."""
+    out = {}
+    for layout in LAYOUTS_8:
+        topo = topology_8(layout)
+        for schedule in SCHEDULES_8:
+            for case in schedule_cases(schedule):
+                out[(layout, schedule, case)] = run_rank(case, topo, **overrides(schedule, case))
+        out[(layout, "saa_vs_aas")] = saa_vs_aas(topo)
+    return out
 
 
 def saa_vs_aas(topo: Topology) -> dict:
@@ -168,21 +185,35 @@ def reference_parts(name: str, world: int, mp: int, parts_per_batch: int, **kw) 
 
 
 def check_eight_ranks() -> None:
-    """(N_MP, N_EP, N_ESP) = (2, 2, 2) on 8 ranks as 2 nodes x 4, S1 and S2 (SAA), against
-    the references. Not in the suite (8 processes take ~1 min on 2 cores); run it with
-    ``python -m tests.parm_sched_cases``."""
+    """Baseline, S1, S2 (SAA) and S2 (AAS) at (N_MP, N_EP, N_ESP) = (2, 2, 2) on 8 ranks as
+    2 nodes x 4, both placements, the cases of ``schedule_cases`` (capacity and dropless, top-2,
+    biases and SwiGLU, 2 chunks, shared experts), against the single-process references;
+    SAA == AAS (outputs and input gradients) bit for bit with 4 phases.
+    ``tests/test_parm_schedules.py``, or ``python -m tests.parm_sched_cases``."""
     from moeflow.launch import launch_local
     from tests import parm_cases
 
-    mp = LAYOUT_8[0]
-    got = launch_local(rank_worker_8, 8, timeout_s=300)
-    for (schedule, name) in got[0]:
-        ref = (reference_s1(name, 8, mp, **CASES[name]) if schedule == "s1"
-               else parm_cases.reference(name, 8, mp))
-        for rank in range(8):
-            parm_cases.assert_rank_matches(got[rank][(schedule, name)], ref, rank, 8,
-                                           f"(8 ranks, {schedule}, {name})")
-    print(f"8 ranks, (N_MP, N_EP, N_ESP, esp_in_node) = {LAYOUT_8}: {sorted(got[0])} match")
+    world = 8
+    got = launch_local(rank_worker_8, world, timeout_s=300)
+    refs = {}
+    for layout, (mp, *_) in LAYOUTS_8.items():
+        for schedule in SCHEDULES_8:
+            for name in schedule_cases(schedule):
+                kind = "s1" if schedule == "s1" else "whole"
+                if (kind, mp, name) not in refs:
+                    refs[(kind, mp, name)] = (
+                        reference_s1(name, world, mp, **CASES[name]) if kind == "s1"
+                        else parm_cases.reference(name, world, mp))
+                for rank in range(world):
+                    parm_cases.assert_rank_matches(
+                        got[rank][(layout, schedule, name)], refs[(kind, mp, name)], rank,
+                        world, f"(8 ranks, {layout}, {schedule}, {name})")
+        for rank in range(world):
+            res = got[rank][(layout, "saa_vs_aas")]
+            assert res["saa"][0].numel() > 0 and res["saa"][1].numel() > 0, (layout, rank)
+            for i in range(2):
+                torch.testing.assert_close(res["saa"][i], res["aas"][i], rtol=0, atol=0)
+    print(f"8 ranks, {LAYOUTS_8}: {list(SCHEDULES_8)} x their cases match; SAA == AAS")
 
 
 if __name__ == "__main__":

@@ -146,3 +146,11 @@ def test_algorithm1_follows_the_paper_limits():
     # a tie goes to S1 (line 6: t_D1 <= t_D2)
     tie = _fits(a2a=(0, 0), ag=(1.0, 0), o=(1.0, 0))
     assert algorithm1(tie, 10, 2, 2, 1, 1.0, 1, 2).schedule == "s1"
+
+
+@pytest.mark.multirank
+def test_eight_ranks_match_the_reference():
+    """(N_MP, N_EP, N_ESP) = (2, 2, 2) on 8 ranks as 2 nodes x 4, ESP and EP in the node:
+    baseline, S1, S2 (SAA) and S2 (AAS), capacity and dropless, against one process in float64
+    (one spawn of 8 ranks); SAA == AAS with 4 phases, forward and backward, bit for bit."""
+    cases.check_eight_ranks()

@@ -14,8 +14,23 @@ AAS (:func:`aas`) is the sequential version: the whole all-to-all, then the whol
 Both return, for every MP rank m of the group in MP order, the rows m received from each slot
 of its EP&ESP block, in slot order (what the local combine reads).
 
-Backward (both): the reduce-scatter (sum) over the MP group (AllGather's adjoint), then the
-all-to-all the other way; sequential, not phased.
+Backward of SAA, phased too (Fig. 5 in reverse, the adjoint of each phase): phase t's
+AllGather has for adjoint a reduce-scatter (sum over the MP group) of the gradient blocks of
+the slices gathered in that phase (MP rank m's slice from slot ``slot_m - t``), which hands
+this rank the gradient of the slice it received in phase t, from slot ``me - t``; phase t's
+pairwise exchange has for adjoint the pairwise exchange the other way (send that gradient to
+``me - t``, receive the gradient of the rows sent to ``me + t``). The phases run in reverse
+order, u - 1 first: the reduce-scatter of phase t runs at once with the reverse exchange of
+phase t + 1 (MP group and EP&ESP group), and phase 0's exchange is a local copy, so the
+backward has u communication steps as the forward has. Every rank issues the reduce-scatters
+on the MP group and the exchanges on the EP&ESP group in that same phase order. The sums are
+the ones of one whole reduce-scatter (each element is the sum of the same N_MP values), so the
+gradients equal AAS's sequential backward (bit for bit on the tested MP = 2 layouts: a sum of
+two numbers does not depend on order). With N_MP = 1 there is nothing to overlap: one
+all-to-all back.
+
+AAS's backward stays sequential (the comparison): the reduce-scatter over the MP group
+(AllGather's adjoint), then the all-to-all the other way.
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.parallel.parm.collectives import (
-    _all_gather, _padded, _reduce_scatter_rows, all_to_all, mp_all_gather)
+    _all_gather, _padded, _reduce_scatter, all_to_all, mp_all_gather)
 from moeflow.parallel.parm.collectives import _all_to_all
 
 
@@ -38,7 +53,7 @@ class _SAA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, send, recv, ag_sizes, me, mp_slots, mp_me, block_ranks, a2a_group,
                 mp_group):
-        ctx.save = (send, recv, ag_sizes, mp_me, a2a_group, mp_group)
+        ctx.save = (send, recv, ag_sizes, me, mp_slots, mp_me, block_ranks, a2a_group, mp_group)
         u, mp = len(send), len(mp_slots)
         out_blocks = _blocks(send)
         received: list[torch.Tensor | None] = [None] * u
@@ -78,11 +93,55 @@ class _SAA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        send, recv, ag_sizes, mp_me, a2a_group, mp_group = ctx.save
-        mine = g
-        if ag_sizes.shape[0] > 1:
-            mine = _reduce_scatter_rows(g, [int(s) for s in ag_sizes.sum(1)], mp_me, mp_group)
-        return (_all_to_all(mine, recv, send, a2a_group),) + (None,) * 9
+        send, recv, ag_sizes, me, mp_slots, mp_me, block_ranks, a2a_group, mp_group = ctx.save
+        if len(mp_slots) == 1:                      # no AllGather: one all-to-all back
+            return (_all_to_all(g, recv, send, a2a_group),) + (None,) * 9
+        return (_saa_backward(g.contiguous(), send, recv, ag_sizes, me, mp_slots, mp_me,
+                              block_ranks, a2a_group, mp_group),) + (None,) * 9
+
+
+def _saa_backward(g: torch.Tensor, send: list[int], recv: list[int], ag_sizes: np.ndarray,
+                  me: int, mp_slots: list[int], mp_me: int, block_ranks: list[int], a2a_group,
+                  mp_group) -> torch.Tensor:
+    """SAA's phased backward (module docstring): phases u - 1 .. 0; in step t the
+    reduce-scatter of phase t (MP group) runs with the reverse exchange of phase t + 1
+    (EP&ESP group). ``g``: the output's gradient, blocks ``ag_sizes[m][p]`` in (m, p) order."""
+    u, mp = len(send), len(mp_slots)
+    tail = tuple(g.shape[1:])
+    offs = np.cumsum([0] + [int(n) for n in ag_sizes.reshape(-1)])
+    out_blocks = _blocks(send)
+    gy = g.new_empty((sum(send),) + tail)
+    pending = None                                  # (phase, gradient of its received slice)
+    for t in range(u - 1, -2, -1):
+        rs = None
+        if t >= 0:                                  # reduce-scatter of phase t (MP group)
+            srcs = [(mp_slots[m] - t) % u for m in range(mp)]
+            sizes = [int(ag_sizes[m][srcs[m]]) for m in range(mp)]
+            top = max(sizes)
+            blocks = [g.narrow(0, int(offs[m * u + srcs[m]]), sizes[m]) for m in range(mp)]
+            rs_buf = g.new_empty((top,) + tail)
+            rs = (_reduce_scatter(rs_buf, torch.cat([_padded(b, top) for b in blocks]),
+                                  group=mp_group, async_op=True), rs_buf, sizes[mp_me])
+        reqs = []
+        if pending is not None:                     # reverse exchange of phase t + 1
+            s, got = pending
+            src, dst = (me - s) % u, (me + s) % u
+            lo, n = out_blocks[dst]
+            if s == 0:
+                gy.narrow(0, lo, n).copy_(got)
+            else:
+                ops = [dist.P2POp(dist.isend, got.contiguous(), block_ranks[src], a2a_group),
+                       dist.P2POp(dist.irecv, gy.narrow(0, lo, n), block_ranks[dst],
+                                  a2a_group)]
+                reqs = dist.batch_isend_irecv(ops)
+        for r in reqs:
+            r.wait()
+        pending = None
+        if rs is not None:
+            work, rs_buf, n = rs
+            work.wait()
+            pending = (t, rs_buf[:n])
+    return gy
 
 
 def saa(y: torch.Tensor, send: list[int], recv: list[int], ag_sizes: np.ndarray, me: int,
