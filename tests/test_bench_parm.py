@@ -45,5 +45,11 @@ def test_accuracy_per_fit_set_and_n_mp():
     acc = summarize(rows)["algorithm1_accuracy"]
     assert acc["grid"] == {"all": [1, 2], "n_mp=1": [0, 1], "n_mp>1": [1, 1]}
     assert acc["default"] == {"all": [0, 2], "n_mp=1": [0, 1], "n_mp>1": [0, 1]}
+    assert not any(k.startswith("comm_chain:") for k in acc)     # no --collectives rows
     text = format_result({"topology": "T", "rows": rows, "summary": summarize(rows)})
     assert "with the grid fits: picked the faster in 1/2, 1/1 (N_MP>1), 0/1 (N_MP=1)" in text
+    # with --collectives: also scored against the S1 / S2 forward comm chains alone
+    rows[0]["collectives"] = {"s1": {"chain_ms": 3.0}, "s2": {"chain_ms": 2.0}}   # S2 faster
+    rows[2]["collectives"] = {"s1": {"chain_ms": 2.0}, "s2": {"chain_ms": 2.1}}   # within 10 %
+    acc = summarize(rows)["algorithm1_accuracy"]
+    assert acc["comm_chain:grid"]["all"] == [1, 1] and acc["comm_chain:default"]["all"] == [0, 1]

@@ -119,7 +119,8 @@ def messages(topo: Topology, tokens: int, M: int, E: int, k: int, f: float) -> d
     back = sum(send_back) * M
     gathered = sum(map(sum, ag)) * M
     s2["saa"] = Message("saa", "SAA (A2A back || MP-AllGather)" if mp > 1 else
-                        "SAA (phased A2A back)", "overlap", "ep_esp+mp", back, back * mp,
+                        "SAA (phased A2A back)", "overlap", "ep_esp+mp" if mp > 1 else "ep_esp",
+                        back, back * mp,
                         "Overlap(ETM N_ESP / N_MP) + AG_MP(ETM)" if mp > 1 else
                         "Overlap(ETM N_ESP) = A2A_EP&ESP(ETM N_ESP)", send_back, recv_back, ag)
     if mp > 1:
