@@ -6,11 +6,16 @@ For every layout (N_MP, N_EP, N_ESP) that fits the world and every MoE case (tok
 (Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
 hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
 are reported. Per layout, the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the
-running cluster first (:func:`moeflow.parallel.parm.fits.measure_parm_fits`) and Algorithm 1's
-predictions (communication only, Eq. 13 and line 5) are recorded next to the measured step
-times. The summary gives the speedups over the baseline per (N_MP, N_ESP) (Table IV), how often
-S1 / S2 beat the baseline (Eq. 6, 10), how often Algorithm 1 picked the faster of S1 and S2
-where they differ by more than 10 %, and SAA vs AAS.
+running cluster first (:func:`moeflow.parallel.parm.fits.measure_parm_fits`), twice: at the
+default 16 Ki-256 Ki elements and at sizes spanning the messages this grid sends on the layout
+(:func:`moeflow.bench.parm_collectives.grid_elements`); the auto layers take the set
+``fit_sizes`` names, and both sets' Algorithm 1 predictions (communication only, Eq. 13 and
+line 5) are recorded next to the measured step times. With ``collectives`` every forward
+collective of every schedule is also timed alone next to its prediction
+(:mod:`moeflow.bench.parm_collectives`). The summary gives the speedups over the baseline per
+(N_MP, N_ESP) (Table IV), how often S1 / S2 beat the baseline (Eq. 6, 10), how often Algorithm 1 picked the faster of S1 and S2
+where they differ by more than 10 % (per fit set, split by N_MP, and with ``collectives`` also
+against the measured comm chains), and SAA vs AAS.
 """
 
 from __future__ import annotations
