@@ -14,8 +14,8 @@ line 5) are recorded next to the measured step times. With ``collectives`` every
 collective of every schedule is also timed alone next to its prediction
 (:mod:`moeflow.bench.parm_collectives`). The summary gives the speedups over the baseline per
 (N_MP, N_ESP) (Table IV), how often S1 / S2 beat the baseline (Eq. 6, 10), how often
-Algorithm 1 picked the faster of S1 and S2 where they differ by more than 10 % (per fit set, split by N_MP, and with ``collectives`` also
-against the measured comm chains), and SAA vs AAS.
+Algorithm 1 picked the faster of S1 and S2 where they differ by more than 10 % (per fit set,
+split by N_MP, and with ``collectives`` also against the measured comm chains), and SAA vs AAS.
 """
 
 from __future__ import annotations
