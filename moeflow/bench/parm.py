@@ -127,7 +127,8 @@ def summarize(rows: list[dict]) -> dict:
             decided += 1
             correct += r["auto_choice"] == ("s1" if t["s1"] < t["s2"] else "s2")
     n = len(rows)
-    return {"algorithm1_accuracy": accuracy(rows), "mean_speedup_over_baseline": {k: {v: statistics.mean(s) for v, s in d.items()}
+    return {"algorithm1_accuracy": accuracy(rows),
+            "mean_speedup_over_baseline": {k: {v: statistics.mean(s) for v, s in d.items()}
                                            for k, d in table.items()},
             "cases": n, "s1_beats_baseline": beat["s1"], "s2_beats_baseline": beat["s2"],
             "s1_or_s2_beats_baseline": beat["any"],
