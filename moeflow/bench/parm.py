@@ -24,12 +24,12 @@ import statistics
 
 import torch
 
+from moeflow.bench.parm_collectives import (
+    ab_json, format_case, grid_elements, measure_baseline_fits, messages, time_case)
 from moeflow.bench.schedule import time_variants
 from moeflow.config import MoEConfig
 from moeflow.devices import resolve_device
 from moeflow.parallel.parm.algorithm1 import algorithm1, use_fits
-from moeflow.bench.parm_collectives import (
-    ab_json, format_case, grid_elements, measure_baseline_fits, messages, time_case)
 from moeflow.parallel.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
 from moeflow.topology import Topology
 
