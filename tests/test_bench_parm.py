@@ -33,3 +33,23 @@ def test_summary_counts():
     assert s["saa_speedup_over_aas_mean"] == pytest.approx((6 / 4 + 6 / 5.2 + 8 / 8) / 3)
     text = format_result({"topology": "T", "rows": rows, "summary": s})
     assert "Algorithm 1 picked the faster in 1/2" in text
+
+
+def test_accuracy_per_fit_set_and_n_mp():
+    """Both fit sets' choices are scored; N_MP = 1 (S1 = S2 by the equations) apart."""
+    rows = [_row(2, 1, [10, 5, 4, 6, 4], "s2"),        # S2 faster by 25 %
+            _row(1, 2, [10, 12, 8, 8, 12], "s1"),      # N_MP = 1, S2 faster by 50 %
+            _row(2, 2, [10, 5, 5.2, 6, 5], "s1")]      # within 10 %: not counted
+    for r, (grid, default) in zip(rows, [("s2", "s1"), ("s1", "s1"), ("s1", "s2")]):
+        r["algorithm1"] = {"grid": {"choice": grid}, "default": {"choice": default}}
+    acc = summarize(rows)["algorithm1_accuracy"]
+    assert acc["grid"] == {"all": [1, 2], "n_mp=1": [0, 1], "n_mp>1": [1, 1]}
+    assert acc["default"] == {"all": [0, 2], "n_mp=1": [0, 1], "n_mp>1": [0, 1]}
+    assert not any(k.startswith("comm_chain:") for k in acc)     # no --collectives rows
+    text = format_result({"topology": "T", "rows": rows, "summary": summarize(rows)})
+    assert "with the grid fits: picked the faster in 1/2, 1/1 (N_MP>1), 0/1 (N_MP=1)" in text
+    # with --collectives: also scored against the S1 / S2 forward comm chains alone
+    rows[0]["collectives"] = {"s1": {"chain_ms": 3.0}, "s2": {"chain_ms": 2.0}}   # S2 faster
+    rows[2]["collectives"] = {"s1": {"chain_ms": 2.0}, "s2": {"chain_ms": 2.1}}   # within 10 %
+    acc = summarize(rows)["algorithm1_accuracy"]
+    assert acc["comm_chain:grid"]["all"] == [1, 1] and acc["comm_chain:default"]["all"] == [0, 1]

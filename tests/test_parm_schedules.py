@@ -12,7 +12,7 @@ from moeflow.bench.linkmodel import AlphaBeta
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 from moeflow.parallel.parm.algorithm1 import algorithm1
-from moeflow.parallel.parm.fits import ParmFits
+from moeflow.parallel.parm.fits import ParmFits, elements_around
 from tests import parm_cases, parm_sched_cases as cases
 
 WORLD = 4
@@ -154,3 +154,38 @@ def test_eight_ranks_match_the_reference():
     baseline, S1, S2 (SAA) and S2 (AAS), capacity and dropless, against one process in float64
     (one spawn of 8 ranks); SAA == AAS with 4 phases, forward and backward, bit for bit."""
     cases.check_eight_ranks()
+
+
+def test_fit_sizes_span_the_call():
+    """elements_around covers x = B L M and z = k f B L M N_ESP / N_MP (Algorithm 1 lines 1-3)."""
+    sizes = elements_around(2048, 256, 2, 1.2, 2, 1)
+    x, z = 2048 * 256, 2 * 1.2 * 2048 * 256 * 2
+    assert len(sizes) == 3 and sizes[0] == round(x / 4) and sizes[-1] == round(z)
+    assert sizes[0] < sizes[1] < sizes[2]
+    with pytest.raises(ValueError, match="points=1"):
+        elements_around(8, 8, 1, 1.0, 1, 1, points=1)
+
+
+def test_auto_measures_fits_around_its_first_call(monkeypatch):
+    """Without given fits, auto measures them once per topology, at the first call's sizes."""
+    import importlib
+
+    from moeflow.topology import Topology
+    a1 = importlib.import_module("moeflow.parallel.parm.algorithm1")  # the module, not the fn
+    calls = []
+
+    def fake(topo, elements, width, device):
+        calls.append((elements, width, str(device)))
+        return _fits(a2a=(0, 1e-9), ag=(0, 1e-9), o=(0, 1e-9))
+
+    monkeypatch.setattr(a1, "measure_parm_fits", fake)
+    topo = Topology(rank=0, world_size=1, local_size=1, ep_size=1)
+    cfg = MoEConfig(d_model=16, d_expert=32, num_experts=4, parallel_schedule="auto")
+    auto = a1.AutoSchedule(topo)
+    try:
+        auto.choose(cfg, 128, 2, 1.5)
+        a1.AutoSchedule(topo).choose(cfg, 4096, 2, 1.5)      # the topology's fits are reused
+    finally:
+        a1._FITS.pop(id(topo), None)
+    assert calls == [(elements_around(128, 16, 2, 1.5, 1, 1), 16, "cpu")]
+    assert auto.last is not None and auto.fits is not None

@@ -6,11 +6,16 @@ For every layout (N_MP, N_EP, N_ESP) that fits the world and every MoE case (tok
 (Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
 hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
 are reported. Per layout, the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the
-running cluster first (:func:`moeflow.parallel.parm.fits.measure_parm_fits`) and Algorithm 1's
-predictions (communication only, Eq. 13 and line 5) are recorded next to the measured step
-times. The summary gives the speedups over the baseline per (N_MP, N_ESP) (Table IV), how often
-S1 / S2 beat the baseline (Eq. 6, 10), how often Algorithm 1 picked the faster of S1 and S2
-where they differ by more than 10 %, and SAA vs AAS.
+running cluster first (:func:`moeflow.parallel.parm.fits.measure_parm_fits`), twice: at the
+default 16 Ki-256 Ki elements and at sizes spanning the messages this grid sends on the layout
+(:func:`moeflow.bench.parm_collectives.grid_elements`); the auto layers take the set
+``fit_sizes`` names, and both sets' Algorithm 1 predictions (communication only, Eq. 13 and
+line 5) are recorded next to the measured step times. With ``collectives`` every forward
+collective of every schedule is also timed alone next to its prediction
+(:mod:`moeflow.bench.parm_collectives`). The summary gives the speedups over the baseline per
+(N_MP, N_ESP) (Table IV), how often S1 / S2 beat the baseline (Eq. 6, 10), how often
+Algorithm 1 picked the faster of S1 and S2 where they differ by more than 10 % (per fit set,
+split by N_MP, and with ``collectives`` also against the measured comm chains), and SAA vs AAS.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import statistics
 
 import torch
 
+from moeflow.bench.parm_collectives import (
+    ab_json, format_case, grid_elements, measure_baseline_fits, messages, time_case)
 from moeflow.bench.schedule import time_variants
 from moeflow.config import MoEConfig
 from moeflow.devices import resolve_device
 from moeflow.parallel.parm.algorithm1 import algorithm1, use_fits
-from moeflow.parallel.parm.fits import measure_parm_fits
+from moeflow.parallel.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
 from moeflow.topology import Topology
 
 VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
@@ -48,31 +55,56 @@ def bench_worker(opts: dict) -> dict:
     world_topo = Topology.from_env()
     device = resolve_device(opts.get("device", "cpu"))
     rows, fits_out = [], {}
+    M, k = opts["d_model"], opts["top_k"]
     for mp, ep, esp in layouts(world_topo.world_size, world_topo.local_size):
         topo = Topology.from_env(ep_size=ep, mp_size=mp, esp_size=esp, esp_in_node=True)
-        fits = measure_parm_fits(topo, device=device)
-        use_fits(topo, fits)                 # the auto layers' Algorithm 1 takes these
-        fits_out[f"{mp},{ep},{esp}"] = fits.to_json()
+        E = ep * opts["experts_per_ep"]
+        # Algorithm 1's fits twice: at the default 16 Ki-256 Ki elements, and at sizes spanning
+        # the messages this grid sends on this layout (no extrapolation); the auto layers take
+        # the set --fit-sizes names, and both sets' choices are recorded
+        grid = grid_elements(topo, opts["tokens"], M, E, k, opts["capacity_factors"])
+        fit_sets = {"default": measure_parm_fits(topo, device=device),
+                    "grid": measure_parm_fits(topo, elements=grid, width=M, device=device)}
+        use_fits(topo, fit_sets[opts.get("fit_sizes", "grid")])
+        fits_out[f"{mp},{ep},{esp}"] = {"grid_elements": grid,
+                                        **{lab: f.to_json() for lab, f in fit_sets.items()}}
+        coll_fits = {}
+        if opts.get("collectives"):
+            for lab, sizes, width in (("default", DEFAULT_ELEMENTS, 64), ("grid", grid, M)):
+                bf = measure_baseline_fits(topo, sizes, width=width, device=device)
+                pf = fit_sets[lab]
+                coll_fits[lab] = {"ag_mp": pf.ag_mp, "a2a": pf.a2a, "overlap": pf.overlap,
+                                  **{n: v for n, v in bf.items() if n != "points"}}
+                fits_out[f"{mp},{ep},{esp}"][lab]["baseline"] = {
+                    **{n: ab_json(v) for n, v in bf.items() if n != "points"},
+                    "points": bf["points"]}
         for tokens in opts["tokens"]:
             for f in opts["capacity_factors"]:
-                M = opts["d_model"]
-                base = MoEConfig(d_model=M, d_expert=2 * M, num_experts=ep * opts["experts_per_ep"],
-                                 top_k=opts["top_k"], capacity_factor=f, seed=1)
+                base = MoEConfig(d_model=M, d_expert=2 * M, num_experts=E, top_k=k,
+                                 capacity_factor=f, seed=1)
                 gen = torch.Generator().manual_seed(4000 + topo.rank // mp)
                 x = torch.randn(tokens, M, generator=gen).to(device)
-                variants = list(VARIANTS)
-                got = time_variants(base, variants, topo, x, opts["warmup"], opts["reps"])
-                pred = algorithm1(fits, tokens, base.num_experts, M, base.top_k, f, esp, mp)
-                rows.append({"n_mp": mp, "n_ep": ep, "n_esp": esp, "tokens_per_rank": tokens,
-                             "d_model": M, "d_expert": 2 * M, "num_experts": base.num_experts,
-                             "top_k": base.top_k, "capacity_factor": f,
-                             "step_ms": {r["variant"]: r["step_ms"] for r in got},
-                             "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
-                             "auto_choice": pred.schedule,
-                             "predicted_comm_ms": {"s1": 1e3 * pred.t_d1,
-                                                   "s2": 1e3 * pred.t_d2}})
-    return {"topology": repr(world_topo), "fits": fits_out, "rows": rows,
-            "summary": summarize(rows)}
+                got = time_variants(base, list(VARIANTS), topo, x, opts["warmup"], opts["reps"])
+                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp)
+                         for lab, fs in fit_sets.items()}
+                pred = preds[opts.get("fit_sizes", "grid")]
+                row = {"n_mp": mp, "n_ep": ep, "n_esp": esp, "tokens_per_rank": tokens,
+                       "d_model": M, "d_expert": 2 * M, "num_experts": E, "top_k": k,
+                       "capacity_factor": f,
+                       "step_ms": {r["variant"]: r["step_ms"] for r in got},
+                       "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
+                       "auto_choice": pred.schedule,
+                       "predicted_comm_ms": {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2},
+                       "algorithm1": {lab: {"choice": p.schedule, "t_d1_ms": 1e3 * p.t_d1,
+                                            "t_d2_ms": 1e3 * p.t_d2}
+                                      for lab, p in preds.items()}}
+                if opts.get("collectives"):
+                    msgs = messages(topo, tokens, M, E, k, f)
+                    row["collectives"] = time_case(topo, msgs, coll_fits, M, device,
+                                                   opts["warmup"], opts["reps"])
+                rows.append(row)
+    return {"topology": repr(world_topo), "fit_sizes": opts.get("fit_sizes", "grid"),
+            "fits": fits_out, "rows": rows, "summary": summarize(rows)}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -95,13 +127,43 @@ def summarize(rows: list[dict]) -> dict:
             decided += 1
             correct += r["auto_choice"] == ("s1" if t["s1"] < t["s2"] else "s2")
     n = len(rows)
-    return {"mean_speedup_over_baseline": {k: {v: statistics.mean(s) for v, s in d.items()}
+    return {"algorithm1_accuracy": accuracy(rows),
+            "mean_speedup_over_baseline": {k: {v: statistics.mean(s) for v, s in d.items()}
                                            for k, d in table.items()},
             "cases": n, "s1_beats_baseline": beat["s1"], "s2_beats_baseline": beat["s2"],
             "s1_or_s2_beats_baseline": beat["any"],
             "algorithm1_cases_differing_by_10pct": decided,
             "algorithm1_picked_faster": correct,
             "saa_speedup_over_aas_mean": statistics.mean(saa_vs_aas) if saa_vs_aas else None}
+
+
+def accuracy(rows: list[dict]) -> dict:
+    """Per fit set (rows' ``algorithm1``), [picked the faster, cases where S1 and S2 differ by
+    more than 10 %], over all rows and split by N_MP, against the measured step times and
+    (keys ``comm_chain:<fit set>``, rows with ``collectives``) against the measured forward
+    communication chains of S1 and S2 alone: at N_MP = 1 S1 and S2 are the same
+    schedule by Eq. 11 / 14 (no MP-Split, no MP-AllGather), so a measured difference there is
+    the implementation's, not the schedule's, and Algorithm 1's prediction is a near tie."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for r in rows:
+        part = "n_mp=1" if r["n_mp"] == 1 else "n_mp>1"
+        # against the step times; with --collectives also against the measured forward
+        # communication chains alone (what Algorithm 1 models: Eq. 13 and line 5)
+        against = [("", r["step_ms"]["s1"], r["step_ms"]["s2"])]
+        c = r.get("collectives", {})
+        if "s1" in c and "s2" in c:
+            against.append(("comm_chain:", c["s1"]["chain_ms"], c["s2"]["chain_ms"]))
+        for prefix, t1, t2 in against:
+            if abs(t1 - t2) <= 0.1 * min(t1, t2):
+                continue
+            faster = "s1" if t1 < t2 else "s2"
+            for lab, p in r.get("algorithm1", {}).items():
+                d = out.setdefault(prefix + lab,
+                                   {"all": [0, 0], "n_mp=1": [0, 0], "n_mp>1": [0, 0]})
+                for key in ("all", part):
+                    d[key][0] += p["choice"] == faster
+                    d[key][1] += 1
+    return out
 
 
 def format_result(res: dict) -> str:
@@ -125,4 +187,14 @@ def format_result(res: dict) -> str:
     lines.append(f"Algorithm 1 picked the faster in {s['algorithm1_picked_faster']}/"
                  f"{s['algorithm1_cases_differing_by_10pct']} cases where S1 and S2 differ "
                  f"by > 10%; SAA vs AAS: mean AAS/SAA time {s['saa_speedup_over_aas_mean']:.3f}")
+    for lab, d in s.get("algorithm1_accuracy", {}).items():
+        what = (f"the {lab.split(':')[1]} fits vs the comm chains alone" if ":" in lab
+                else f"the {lab} fits")
+        lines.append(f"Algorithm 1 with {what}: picked the faster in "
+                     + ", ".join(f"{d[key][0]}/{d[key][1]} ({key.replace('n_mp', 'N_MP')})"
+                                 if key != "all" else f"{d[key][0]}/{d[key][1]}"
+                                 for key in ("all", "n_mp>1", "n_mp=1")))
+    for r in res["rows"]:
+        if "collectives" in r:
+            lines.extend(format_case(r))
     return "\n".join(lines)

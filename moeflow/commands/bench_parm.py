@@ -25,6 +25,13 @@ def register_bench(bsub) -> None:
                    help="f, a comma list (Table III: 1.2,2.4)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     p.add_argument("--reps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--collectives", action="store_true",
+                   help="also time each collective every schedule runs, alone, at the "
+                        "case's sizes, next to its alpha-beta prediction (Eq. 1 / 11 / 14)")
+    p.add_argument("--fit-sizes", choices=["grid", "default"], default="grid",
+                   help="sizes of the alpha-beta fits the auto layers take: 'grid' spans the "
+                        "messages this grid sends (default), 'default' 16Ki-256Ki elements; "
+                        "both sets' Algorithm 1 choices are recorded")
     add_device_arg(p)
     p.add_argument("--compare", choices=["deepspeed"], default=None,
                    help="time DeepSpeed-MoE's own layer (same weights and gate, N_MP = N_EP = "
@@ -46,7 +53,8 @@ def run_parm(args: argparse.Namespace) -> int:
             raise SystemExit(f"moeflow bench parm: --{name.replace('_', '-')} "
                              f"{getattr(args, name)} must be >= 1")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "experts_per_ep", "top_k",
-                                          "capacity_factors", "warmup", "reps", "device")}
+                                          "capacity_factors", "warmup", "reps", "device",
+                                          "collectives", "fit_sizes")}
     if args.compare == "deepspeed":
         return run_compare_deepspeed(args, opts)
     return _report(run_on_ranks(bench_worker, args, opts), args, format_result)

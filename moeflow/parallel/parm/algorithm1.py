@@ -11,7 +11,9 @@ the exchanged width, ``f`` the capacity factor (1 for dropless: the mean tokens 
   the whole SAA, :mod:`.fits`).
 
 :class:`AutoSchedule` is ``parallel_schedule="auto"``: the fits are measured once per topology
-on the running cluster (:func:`.fits.measure_parm_fits`, collective) unless given, and every
+on the running cluster (:func:`.fits.measure_parm_fits`, collective) unless given, at sizes
+around the messages of the first call (:func:`.fits.elements_around` of the largest ``B L``
+over the ranks, so the line is not extrapolated from much smaller messages), and every
 call all-reduces the ranks' predictions (sums), so every rank makes the same choice even when
 their batches differ. The last prediction is kept on ``AutoSchedule.last`` and logged (logger
 ``moeflow.parm``) whenever the choice changes, for comparison with the measured time.
@@ -22,10 +24,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from moeflow.config import MoEConfig
 from moeflow.devices import host_all_reduce
 from moeflow.experts.structure import comm_width
-from moeflow.parallel.parm.fits import ParmFits, measure_parm_fits
+from moeflow.parallel.parm.fits import ParmFits, elements_around, measure_parm_fits
 from moeflow.topology import Topology
 
 log = logging.getLogger("moeflow.parm")
@@ -65,14 +69,19 @@ class AutoSchedule:
         self.topo, self.fits = topo, fits
         self.last: Prediction | None = None
 
-    def choose(self, cfg: MoEConfig, tokens: int, top_k: int, factor: float | None) -> str:
+    def choose(self, cfg: MoEConfig, tokens: int, top_k: int, factor: float | None,
+               device: torch.device | str = "cpu") -> str:
+        f, M = 1.0 if factor is None else float(factor), comm_width(cfg)
         if self.fits is None:
             key = id(self.topo)
-            if key not in _FITS:
-                _FITS[key] = measure_parm_fits(self.topo)
+            if key not in _FITS:                # collective: every rank measures the same sizes
+                most = host_all_reduce([float(tokens)], "max", self.topo.world_group)[0]
+                sizes = elements_around(int(most), M, top_k, f, self.topo.esp_size,
+                                        self.topo.mp_size)
+                _FITS[key] = measure_parm_fits(self.topo, elements=sizes, width=M,
+                                               device=device)
             self.fits = _FITS[key]
-        mine = algorithm1(self.fits, tokens, cfg.num_experts, comm_width(cfg), top_k,
-                          1.0 if factor is None else float(factor), self.topo.esp_size,
+        mine = algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f, self.topo.esp_size,
                           self.topo.mp_size)
         t1, t2 = host_all_reduce([mine.t_d1, mine.t_d2], "sum", self.topo.world_group)
         n = self.topo.world_size

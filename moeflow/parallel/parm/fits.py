@@ -12,6 +12,12 @@ placement and the concurrent groups are those the layer will see):
 
 ``beta`` is seconds per element of the measured dtype. Every rank measures together and gets
 the same fits (each time is the slowest rank's).
+
+Sizes: a line fitted over small messages and evaluated at messages 20x larger extrapolates
+(on the emulated cluster a fit from 16Ki-256Ki elements missed messages of 1-5Mi elements,
+docs/benchmarks/parm.md). :func:`elements_around` gives sizes that span the messages one call
+of Algorithm 1 evaluates; ``parallel_schedule="auto"`` measures there, ``moeflow bench parm``
+over the whole grid's messages.
 """
 
 from __future__ import annotations
@@ -55,6 +61,21 @@ class ParmFits:
                              math.nan if v.get("r2") is None else v["r2"],
                              math.nan if v.get("max_rel_err") is None else v["max_rel_err"])
         return cls(ab(d["ag_mp"]), ab(d["a2a"]), ab(d["overlap"]), d.get("points"))
+
+
+def elements_around(tokens: int, M: int, k: int, f: float, n_esp: int, n_mp: int,
+                    points: int = 3) -> tuple[int, ...]:
+    """Fit sizes around the messages Algorithm 1 evaluates for ``tokens = B L`` (lines 1-3):
+    ``x = B L M`` (AG_MP) and ``z = y / N_MP = k f B L M N_ESP / N_MP`` (the all-to-all's and
+    SAA's send buffer): ``points`` sizes, geometric from a quarter of the smaller to the
+    larger (at least 4 Ki elements)."""
+    x = tokens * M
+    z = k * f * tokens * M * n_esp / n_mp
+    hi = max(4096.0, x, z)
+    lo = max(1024.0, min(x, z) / 4)
+    if points < 2:
+        raise ValueError(f"elements_around points={points} is invalid: a line needs >= 2")
+    return tuple(int(round(lo * (hi / lo) ** (i / (points - 1)))) for i in range(points))
 
 
 def _median_time(run, topo: Topology, device: torch.device, warmup: int, reps: int) -> float:

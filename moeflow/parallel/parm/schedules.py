@@ -48,7 +48,8 @@ class ParmParts:
         cfg = layer.cfg
         if self.auto is None:
             return cfg.parallel_schedule
-        return self.auto.choose(cfg, tokens, top_k, factor)
+        device = next(layer.parameters()).device     # the fits time this device's buffers
+        return self.auto.choose(cfg, tokens, top_k, factor, device)
 
     def experts(self, cfg: MoEConfig, sched: str, send: torch.Tensor, plan: DispatchPlan,
                 runner: ScheduledExperts) -> torch.Tensor:
