@@ -43,6 +43,7 @@ BALANCE_LOSSES = ("all_choices", "first_choice")   # = moeflow.routing.losses.BA
 # MoE structures (BigMac section "Analysis of Different MoE Structures"); see
 # moeflow/experts/structure.py for what each one computes.
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
+CAPACITY_PADDINGS = ("auto", "pad", "trim")
 DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
 DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
 
@@ -240,6 +241,11 @@ class MoEConfig:
     # (a dict or moeflow.fssdp_options.FSSDPOptions) are checked there.
     placement: str = "ep"
     fssdp: dict | FSSDPOptions | None = None
+    # Capacity mode's empty slots (issue 18, moeflow/dispatch/plan.py): "pad" sends and
+    # computes all E*C rows (fixed shapes, no host synchronisation: Tutel's way); "trim" only
+    # each expert's kept rows (same function, fewer bytes and FLOPs, one host sync per call);
+    # "auto": trim on CPU (where the sync costs nothing), pad on other devices.
+    capacity_padding: str = "auto"
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
@@ -257,6 +263,14 @@ class MoEConfig:
                      and not isinstance(self.pipeline_degree, bool) and self.pipeline_degree > 0,
                      o, "pipeline_degree", self.pipeline_degree,
                      "must be a positive integer, or 'auto' (measured at the first forward)")
+        _require(self.capacity_padding in CAPACITY_PADDINGS, o, "capacity_padding",
+                 self.capacity_padding, "choose 'auto' (trim on CPU, pad elsewhere), 'pad' "
+                 "(send all E*C capacity rows) or 'trim' (send only the kept rows)")
+        _require(self.capacity_padding != "trim" or (self.placement == "ep" and
+                                                     self.parallel_schedule == "baseline"),
+                 o, "capacity_padding", self.capacity_padding,
+                 "'trim' works with placement='ep' and parallel_schedule='baseline' only "
+                 "(FSSDP and Parm build their own capacity layouts); use 'auto' or 'pad'")
         _require(self.parallel_schedule in PARM_SCHEDULES, o, "parallel_schedule",
                  self.parallel_schedule, "unknown schedule; use one of "
                  f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1)")

@@ -147,6 +147,15 @@ class MoELayer(nn.Module):
                 "choose another schedule") from e
         self._checked_schedule = key
 
+    def _trims(self, sched, device: torch.device) -> bool:
+        """Whether capacity mode sends only the kept rows (``MoEConfig.capacity_padding``):
+        on the expert-parallel path (not FSSDP, Parm's schedules or ESP shards, which lay out
+        capacity themselves); "auto" where a host synchronisation is free (CPU)."""
+        mode = self.cfg.capacity_padding
+        if mode == "pad" or sched is not None or self.topo.esp_size > 1:
+            return False
+        return mode == "trim" or device.type == "cpu"
+
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the last forward's aux_loss (it belongs to that graph)."""
         state = dict(super().__getstate__())
@@ -237,7 +246,8 @@ class MoELayer(nn.Module):
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
             plan = (fssdp.plan(routing.experts, cap) if fssdp is not None   # HECATE 4.4
-                    else make_plan(routing.experts, cfg.num_experts, cap))
+                    else make_plan(routing.experts, cfg.num_experts, cap,
+                                   trim=cap is not None and self._trims(sched, h.device)))
             send = permute(t.mark(h, "permute"), plan)
         nonfinite = (None if self.codec.represents_nonfinite
                      and self.backward_codec.represents_nonfinite

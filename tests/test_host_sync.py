@@ -67,3 +67,17 @@ def test_dropless_sync_is_the_counts():
     x = torch.randn(12, 16)
     host_sync.step_syncs(layer, x)
     assert host_sync.step_syncs(layer, x) == {"Tensor.tolist": 1}
+
+
+def test_trimmed_capacity_sync_is_the_counts():
+    """capacity_padding="trim" learns the kept counts on the host: one sync, like dropless;
+    "pad" (what "auto" is on a GPU) none."""
+    x = torch.randn(12, 16)
+    for padding, want in (("trim", {"Tensor.tolist": 1}),
+                          ("pad", {})):
+        layer = mf.MoELayer(mf.MoEConfig(d_model=16, d_expert=32, num_experts=4, top_k=2,
+                                         capacity_factor=1.25, capacity_padding=padding))
+        host_sync.step_syncs(layer, x)
+        got = host_sync.step_syncs(layer, x)
+        assert {k: v for k, v in got.items() if v} == want
+

@@ -9,8 +9,8 @@ import torch
 
 import moeflow as mf
 from moeflow.comm.codecs import CODECS
-from moeflow.schedule.chunks import Grouping, block_rows, chunk_counts
-from moeflow.schedule.pipeline import pack, unpack
+from moeflow.schedule.chunks import ChunkPlan, Grouping, block_rows, chunk_counts
+from moeflow.schedule.pipeline import _assemble, pack, unpack
 
 
 @pytest.mark.parametrize("codec", ["none", "int8", "fp8", "fp8-row", "zfp"])
@@ -46,6 +46,26 @@ def test_grouping_equal_counts_is_a_transpose():
     assert uneven.counts == [4, 2, 1] and uneven.offsets.tolist() == [4, 6, 7]
     y = torch.arange(7.0).unsqueeze(1)
     assert torch.equal(uneven.ungroup(uneven.group(y)), y)
+
+
+def test_uneven_grouping_gathers_both_ways():
+    g = Grouping.build(np.array([[1, 2, 0], [3, 0, 1]]), torch.device("cpu"))
+    y = torch.randn(7, 3)
+    scattered = y.new_empty(y.shape).index_copy(0, g.perm, y)      # what ungroup must equal
+    assert torch.equal(g.ungroup(y), scattered)
+    assert torch.equal(g.inverse[g.perm], torch.arange(7))
+
+
+@pytest.mark.parametrize("r", [2, 3, 5])
+def test_assemble_puts_chunk_rows_back_in_send_order(r):
+    class Plan:                                       # the fields ChunkPlan.build reads
+        counts = np.array([[3, 0, 4, 2], [1, 5, 2, 2]])   # 2 ranks x 4 experts
+        ep_rank, num_local = 1, 2
+    cp = ChunkPlan.build(Plan(), r, torch.device("cpu"))
+    send = torch.randn(int(Plan.counts[1].sum()), 4)
+    chunks = [send.index_select(0, rows) * 2 for rows in cp.rows]   # row-wise "experts"
+    assert torch.equal(_assemble(chunks, cp, send), send * 2)
+    assert ChunkPlan.build(Plan(), 1, torch.device("cpu")).assemble is None
 
 
 def test_eval_builds_no_expert_graph():

@@ -10,6 +10,11 @@ in token order, then all second choices, ...), which is GShard's priority order.
   Every choice keeps an entry: a dropped one points at row ``E*C``, a scratch row that
   :func:`~moeflow.dispatch.permute.permute` cuts off, and carries no gate. So the plan is
   built with no data-dependent shapes and no host synchronisation.
+* Capacity with trimmed padding (``trim=True``, issue 18): the same kept choices and the
+  same function, but each expert's block holds only its ``min(n_e, C)`` kept rows, so the
+  exchange and the experts skip the empty slots (with balanced routing at f = 1.25 they are
+  a fifth of the ``E*C`` rows; Tutel sends and computes them). The kept counts come to the
+  host once (one synchronisation on a GPU, none on CPU) and travel as host integers.
 * Dropless: every choice gets a row, sorted stably by expert; the only host synchronisation
   of the layer is learning the counts (:func:`moeflow.comm.exchange.gather_device_counts`).
 
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeflow.comm.exchange import gather_device_counts, gather_host_ints
+from moeflow.comm.exchange import gather_device_counts, gather_host_ints, to_host
 from moeflow.topology import Topology
 
 
@@ -42,6 +47,7 @@ class DispatchPlan:
     local_counts: torch.Tensor | None = None   # dropless: (E,) rows per expert, on the device
     counts: np.ndarray | None = None  # (ep, E) rows EP rank p sends to expert e (host; set by
     ep_rank: int = 0                  # exchange_counts)
+    host_counts: np.ndarray | None = None  # trimmed capacity: (E,) kept rows per expert, host
 
     @property
     def dense_slots(self) -> bool:
@@ -59,8 +65,10 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
 
 
-def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None) -> DispatchPlan:
-    """Build the plan for ``experts: (T, k)`` (device work only, no communication)."""
+def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
+              trim: bool = False) -> DispatchPlan:
+    """Build the plan for ``experts: (T, k)`` (device work only, no communication; with
+    ``trim``, capacity mode's kept counts come to the host: see the module docstring)."""
     T, k = experts.shape
     flat = experts.t().reshape(-1)                       # priority order: choice-major
     order = torch.argsort(flat, stable=True)             # expert-major, priority kept inside
@@ -75,6 +83,14 @@ def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None) -> 
         0, flat.index_select(0, order))
     position = torch.empty_like(ranked).index_copy_(0, order, ranked)
     keep = position < capacity
+    if trim:                   # expert e's block: its min(n_e, C) kept rows, nothing else
+        kept = counts.clamp(max=capacity)
+        host = to_host(kept)                             # the one host synchronisation
+        send_rows = int(host.sum())
+        base = (torch.cumsum(kept, 0) - kept).index_select(0, flat)
+        slot = torch.where(keep, base + position, send_rows)
+        return DispatchPlan(num_experts, T, k, capacity, slot, send_rows, (~keep).sum(),
+                            host_counts=host)
     send_rows = num_experts * capacity
     slot = torch.where(keep, flat * capacity + position, send_rows)
     return DispatchPlan(num_experts, T, k, capacity, slot, send_rows, (~keep).sum())
@@ -86,6 +102,8 @@ def exchange_counts(plan: DispatchPlan, topo: Topology) -> None:
     integers, since rank p sends ``C_p`` rows to every expert."""
     if plan.capacity is None:
         plan.counts = gather_device_counts(plan.local_counts, topo.ep_group, topo.ep_size)
+    elif plan.host_counts is not None:         # trimmed capacity: the kept rows per expert
+        plan.counts = gather_host_ints(plan.host_counts.tolist(), topo.ep_group, topo.ep_size)
     else:
         caps = gather_host_ints([plan.capacity], topo.ep_group, topo.ep_size)    # (ep, 1)
         plan.counts = np.repeat(caps, plan.num_experts, axis=1)

@@ -35,6 +35,13 @@ def block_rows(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, sizes) + np.arange(total, dtype=np.int64)
 
 
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """``inv`` with ``inv[perm[i]] = i``: gathering by ``inv`` undoes gathering by ``perm``."""
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
+    return inv
+
+
 def to_device(a: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """Host indices -> ``device`` (from pinned memory, non-blocking, on CUDA)."""
     return to_device_async(np.ascontiguousarray(a), device, dtype)
@@ -45,7 +52,9 @@ class Grouping:
     """Received rows (source-major, then local expert) <-> expert-major rows for the experts.
 
     ``counts[j]``: rows of local expert j. With equal counts per (source, expert) the regroup
-    is a transpose done by reshapes (``shape`` set); otherwise a permutation (``perm``).
+    is a transpose done by reshapes (``shape`` set); otherwise a permutation: ``group`` gathers
+    rows by ``perm`` and ``ungroup`` gathers them back by its inverse ``inverse`` (a row gather
+    both ways; a scatter, ``index_copy`` by ``perm``, is slower on CPU, issue 18).
     """
 
     counts: list[int]
@@ -53,6 +62,7 @@ class Grouping:
                                         # differ (grouped_mm); None when equal
     shape: tuple[int, int, int] | None  # (ep, E_local, rows per block) for the transpose case
     perm: torch.Tensor | None
+    inverse: torch.Tensor | None = None     # inverse[perm[i]] = i
 
     @classmethod
     def build(cls, recv: np.ndarray, device: torch.device) -> "Grouping":
@@ -66,7 +76,8 @@ class Grouping:
             return cls(counts, offs, (ep, e_local, int(recv.flat[0])), None)
         expert_of_row = np.repeat(np.tile(np.arange(e_local), ep), recv.reshape(-1))
         perm = np.argsort(expert_of_row, kind="stable")
-        return cls(counts, offs, None, to_device(perm, device))
+        return cls(counts, offs, None, to_device(perm, device),
+                   to_device(inverse_permutation(perm), device))
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
         if self.shape is not None:
@@ -78,7 +89,7 @@ class Grouping:
         if self.shape is not None:
             ep, e, c = self.shape
             return y.view(e, ep, c, y.shape[1]).transpose(0, 1).reshape(-1, y.shape[1])
-        return y if self.perm is None else y.new_empty(y.shape).index_copy(0, self.perm, y)
+        return y if self.perm is None else y.index_select(0, self.inverse)
 
 
 @dataclass
@@ -88,19 +99,24 @@ class ChunkPlan:
     send_splits: list[list[int]]
     recv_splits: list[list[int]]
     groupings: list[Grouping]
+    # r > 1: where each send-buffer row lies in the chunks' concatenation (the inverse of
+    # cat(rows)), so reassembling the chunks is one row gather; None at r = 1
+    assemble: torch.Tensor | None = None
 
     @classmethod
     def build(cls, plan: DispatchPlan, r: int, device: torch.device) -> "ChunkPlan":
         ep, me, e_local = plan.counts.shape[0], plan.ep_rank, plan.num_local
         parts = chunk_counts(plan.counts, r)
         mats = [c.reshape(ep, ep, e_local).sum(2) for c in parts]
-        rows = None
+        rows = assemble = None
         if r > 1:
             mine = plan.counts[me]
             starts = np.cumsum(mine) - mine
-            rows = [to_device(block_rows(starts + (mine * i) // r, parts[i][me]), device)
-                    for i in range(r)]
-        return cls(rows=rows,
+            host = [block_rows(starts + (mine * i) // r, parts[i][me]) for i in range(r)]
+            rows = [to_device(h, device) for h in host]
+            # the chunks' rows partition the send buffer's int(mine.sum()) rows
+            assemble = to_device(inverse_permutation(np.concatenate(host)), device)
+        return cls(rows=rows, assemble=assemble,
                    matrix=[m.tolist() for m in mats],
                    send_splits=[m[me].tolist() for m in mats],
                    recv_splits=[m[:, me].tolist() for m in mats],

@@ -179,10 +179,11 @@ class ScheduledExperts:
 
 
 def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> torch.Tensor:
+    """The chunks' returned rows back in send-buffer order: one row gather by the inverse of
+    the chunks' row order (``cp.assemble``; a gather, not an ``index_copy`` scatter)."""
     if len(chunks) == 1:
         return chunks[0]
-    out = chunks[0].new_empty((like.shape[0],) + tuple(chunks[0].shape[1:]))
-    return out.index_copy_(0, torch.cat(cp.rows), torch.cat(chunks))
+    return torch.cat(chunks).index_select(0, cp.assemble)
 
 
 class _Scheduled(torch.autograd.Function):
