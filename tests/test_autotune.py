@@ -54,7 +54,10 @@ def test_auto_changes_speed_only(two_ranks):
     for rank, res in two_ranks.items():
         assert res["ref"].keys() == res["got"].keys()
         for k in res["ref"]:
-            torch.testing.assert_close(res["got"][k], res["ref"][k], rtol=1e-12, atol=1e-12,
+            # The tuner may pick r > 1, whose chunked expert GEMMs sum the weight gradients in
+            # another order: float64 rounding, not a change of function (an absolute 7.45e-9
+            # was seen against the old 1e-12 bound; a wrong function differs by far more).
+            torch.testing.assert_close(res["got"][k], res["ref"][k], rtol=1e-10, atol=1e-10,
                                        msg=lambda m: f"rank {rank} {k}: {m}")
 
 
