@@ -65,3 +65,16 @@ def test_missing_peer_is_skipped_with_a_message(monkeypatch, capsys):
 def test_tutel_computes_the_same_layer():
     res = compare_worker("tutel", OPTS)
     assert res["agreement"]["agree"], res["agreement"]
+
+
+def test_flops_count_the_kept_rows_when_padding_is_trimmed():
+    """With trimmed capacity padding the experts compute the kept rows, not E*C: the FLOP
+    count (and the GFLOP/s built on it) must follow."""
+    from moeflow.bench.compare import layer_flops
+    layer = MoELayer(MoEConfig(d_model=8, d_expert=16, num_experts=4, top_k=2,
+                               capacity_factor=1.25))
+    padded = layer_flops(layer, 64)
+    trimmed = layer_flops(layer, 64, trimmed_kept=0.75)
+    assert padded["rows"] == 4 * 40                   # E * C, C = ceil(1.25 * 64 * 2 / 4)
+    assert trimmed["rows"] == 96                      # 0.75 of the 128 choices
+    assert trimmed["expert_flops"] / padded["expert_flops"] == 96 / 160

@@ -85,12 +85,17 @@ def matmul_flops(rows: int, m: int, h: int, times: int, device: torch.device,
     return 2.0 * rows * m * h * times, once
 
 
-def layer_flops(layer: MoELayer, tokens: int) -> dict:
-    """Executed FLOPs of one forward + backward (see the module docstring)."""
+def layer_flops(layer: MoELayer, tokens: int, trimmed_kept: float | None = None) -> dict:
+    """Executed FLOPs of one forward + backward (see the module docstring).
+    ``trimmed_kept``: where capacity mode sends only the kept rows
+    (``MoEConfig.capacity_padding``), the fraction of the k routing choices kept (1 - the
+    layer's ``dropped_fraction``); the experts then compute those rows, not ``E C``."""
     cfg = layer.cfg
     k = cfg.top_k
     if cfg.capacity_factor is None:
         rows_local = tokens * k               # per rank on average (balanced load)
+    elif trimmed_kept is not None:
+        rows_local = round(tokens * k * trimmed_kept)   # per rank on average, empty slots cut
     else:
         from moeflow.dispatch import capacity
         rows_local = capacity(tokens, k, cfg.num_experts, cfg.capacity_factor) * cfg.num_experts
@@ -129,7 +134,9 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
     check = _agreement(layer, theirs, x, topo)
     for m in (layer, other):
         m.zero_grad(set_to_none=True)
-    fl = layer_flops(layer, opts["tokens"])
+    trimmed_kept = (1.0 - layer.stats["dropped_fraction"]
+                    if cfg.capacity_factor is not None and layer._trims(None, x.device) else None)
+    fl = layer_flops(layer, opts["tokens"], trimmed_kept)
     # the reference: one (S, M) x (M, H) product, S = the rows this rank's experts compute
     # (the FLOPs of the experts' first forward GEMM, as one large matmul)
     mm_rows = max(1, fl["rows"])
