@@ -41,11 +41,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from moeflow.config import AUTO, MoEConfig
+from moeflow.autotune_clock import TuneClock
+from moeflow.autotune_lossy import codec_errors, lossy_candidates
+from moeflow.config import AUTO, AUTO_LOSSY, MoEConfig
 
 log = logging.getLogger("moeflow.autotune")
 
-AUTO_FIELDS = ("a2a", "schedule", "pipeline_degree")
+AUTO_FIELDS = ("a2a", "schedule", "pipeline_degree", "codec")
 SCHEDULES = ("sequential", "pipelined", "optsche")
 DEGREES = (1, 2, 4)
 KEEP_ALGOS = 2          # algorithms kept after the screen
@@ -62,12 +64,19 @@ class TunedChoice:
     a2a: str
     schedule: str
     pipeline_degree: int
-    predicted_ms: float | None        # None where nothing was predicted (one rank)
+    predicted_ms: float | None        # None where nothing was predicted (one rank, screen)
     measured_ms: float | None
     topology: str                     # layout(topo): a resume on another layout re-tunes
     rows: int | None = None           # rows sent per forward over the EP group when tuned
     tune_s: float = 0.0               # wall time the tuning took
     candidates: list[dict] = field(default_factory=list)   # every measured candidate
+    codec: str = "none"               # the codec (tuned with codec="auto:lossy")
+    codec_error: float | None = None  # its relative L2 error (worst rank; 0.0 for "none")
+    codec_errors: dict = field(default_factory=dict)       # every lossy codec's error
+    lossy_error_budget: float | None = None   # the budget it was chosen under
+    budget_s: float | None = None     # autotune_budget_s it was tuned with
+    budget_cut: list[str] = field(default_factory=list)    # what the time budget cut short
+    max_step_ms: float | None = None  # the longest timed step (slowest rank's) while tuning
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -87,15 +96,19 @@ def layout(topo) -> str:
 
 
 def auto_fields(cfg: MoEConfig) -> tuple[str, ...]:
-    """The fields of ``cfg`` left to the tuner."""
-    return tuple(f for f in AUTO_FIELDS if getattr(cfg, f) == AUTO)
+    """The fields of ``cfg`` left to the tuner (codec: with ``"auto:lossy"``)."""
+    return tuple(f for f in AUTO_FIELDS
+                 if getattr(cfg, f) == (AUTO_LOSSY if f == "codec" else AUTO))
 
 
 def placeholder(cfg: MoEConfig) -> MoEConfig:
-    """``cfg`` with its auto fields set to the untuned defaults (direct, sequential, r = 1),
-    used until the first forward tunes them."""
-    defaults = {"a2a": "direct", "schedule": "sequential", "pipeline_degree": 1}
-    return cfg.replace(**{f: defaults[f] for f in auto_fields(cfg)})
+    """``cfg`` with its auto fields set to the untuned defaults (direct, sequential, r = 1,
+    codec none), used until the first forward tunes them."""
+    defaults = {"a2a": "direct", "schedule": "sequential", "pipeline_degree": 1,
+                "codec": "none"}
+    fields = auto_fields(cfg)
+    extra = {"lossy_error_budget": None} if "codec" in fields else {}
+    return cfg.replace(**{f: defaults[f] for f in fields}, **extra)
 
 
 def retune_agreed(layer) -> bool:
@@ -152,8 +165,8 @@ class _Preserved:
         self.grads = {id(p): p.grad for p in L.parameters()}
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.state = (L.cfg, L.algo, L.scheduler, L.timer, L.timeline, L.aux_loss,
-                      dict(L._stats))
+        self.state = (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer,
+                      L.timeline, L.aux_loss, dict(L._stats))
         L.timer, L.timeline = None, None
         return self
 
@@ -164,17 +177,22 @@ class _Preserved:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        (L.cfg, L.algo, L.scheduler, L.timer, L.timeline, L.aux_loss, stats) = self.state
+        (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer, L.timeline,
+         L.aux_loss, stats) = self.state
         L._stats = stats
         return False
 
 
 def apply(layer, cfg: MoEConfig) -> None:
-    """Run ``layer`` with the concrete settings of ``cfg`` (algorithm and scheduler rebuilt
-    only when they change)."""
+    """Run ``layer`` with the concrete settings of ``cfg`` (algorithm, scheduler and codecs
+    rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them)."""
     from moeflow.comm.alltoall import ALLTOALLS
+    from moeflow.comm.codecs import CODECS
     from moeflow.schedule import SCHEDULERS
 
+    if (cfg.codec, cfg.codec_backward) != (layer.cfg.codec, layer.cfg.codec_backward):
+        layer.codec = CODECS[cfg.codec]()
+        layer.backward_codec = layer.codec if cfg.codec_backward else CODECS["none"]()
     if cfg.a2a != layer.cfg.a2a:
         layer.algo = ALLTOALLS[cfg.a2a](layer.topo)
     if cfg.schedule != layer.cfg.schedule:
@@ -182,9 +200,11 @@ def apply(layer, cfg: MoEConfig) -> None:
     layer.cfg = cfg
 
 
-def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int) -> float:
-    """Median seconds of ``reps`` forward + backward steps (after one warm-up), each step the
-    slowest rank's: the same number on every rank."""
+def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock) -> float:
+    """Median seconds of up to ``reps`` forward + backward steps (after one warm-up), each step
+    the slowest rank's: the same number on every rank. After the first timed step, a further
+    one runs only while ``clock`` says it fits the time budget (the same answer on every
+    rank), so the repetitions adapt to the step time."""
     from moeflow.bench.timing import time_aligned
 
     def step():
@@ -193,8 +213,13 @@ def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int) -> float:
 
     apply(layer, cfg)
     times = []
-    for _ in range(1 + reps):
+    for i in range(1 + reps):
+        if i >= 2 and not clock.fits(1):
+            clock.note_cut(f"{cfg.codec}/{cfg.a2a}/{cfg.schedule}/r={cfg.pipeline_degree}: "
+                           f"{i - 1} of {reps} reps")
+            break
         times.append(time_aligned(step, layer.topo, x.device))
+        clock.note_step(times[-1])
         layer.zero_grad(set_to_none=True)
     return statistics.median(times[1:])
 
@@ -214,19 +239,39 @@ def _say(topo, msg: str) -> None:
         log.info(msg)
 
 
+def _key(c) -> tuple:
+    get = (c.get if isinstance(c, dict) else lambda k: getattr(c, k))
+    return (get("codec"), get("a2a"), get("schedule"), get("pipeline_degree"))
+
+
+def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[int]) -> list:
+    """Candidates measured without predictions when the budget leaves no time to profile:
+    the best screened (codec, algorithm) with the overlapping schedules at the smallest
+    pipelining degree above 1 (ScheMoE's OptSche first, Theorem 1)."""
+    r = min((d for d in degrees if d > 1), default=None)
+    order = [s for s in ("optsche", "pipelined") if s in schedules]
+    return [((pair[0], pair[1], s, r), None) for s in order] if r is not None else []
+
+
 def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
          name: str = "") -> TunedChoice:
     """Choose the auto fields of ``requested`` for ``layer`` on input ``x`` (collective over
     every rank of the layer's topology; all ranks must call it together)."""
     from moeflow.schedule.chooser import choose
 
-    topo, t0 = layer.topo, time.perf_counter()
+    topo = layer.topo
+    clock = TuneClock(requested.autotune_budget_s, topo)
+    t0 = clock.t0
     label = f"autotune {name or 'layer'} (layer_id {requested.layer_id})"
     fixed = placeholder(requested)
+    budget = requested.effective_lossy_error_budget      # None unless codec="auto:lossy"
+    common = dict(lossy_error_budget=budget, budget_s=requested.autotune_budget_s)
     if not topo.distributed or topo.ep_size == 1:
-        # No exchange to tune: every algorithm is a no-op and r only adds chunking.
+        # No exchange to tune: every algorithm is a no-op, r only adds chunking, a codec
+        # only adds error.
         choice = TunedChoice(fixed.a2a, fixed.schedule, fixed.pipeline_degree, None, None,
-                             layout(topo))
+                             layout(topo), codec="none",
+                             codec_error=0.0 if budget is not None else None, **common)
         _say(topo, f"{label}: one expert-parallel rank, nothing to tune: {choice.settings()}")
         return choice
     algos = candidate_algorithms(requested, topo)
@@ -234,57 +279,125 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
     degrees = list(DEGREES) if requested.pipeline_degree == AUTO else [requested.pipeline_degree]
     x = x.detach().requires_grad_(x.requires_grad)   # same backward as the real step
     measured: list[dict] = []
+    errors: dict[str, float] = {}
+    codecs = [fixed.codec]
+
+    def elapsed() -> str:
+        return f"({time.perf_counter() - t0:.1f} s)"
+
+    def record(cfg: MoEConfig, pred, stage: str) -> dict:
+        ms = 1e3 * _measure(layer, cfg, x, reps, clock)
+        m = {"codec": cfg.codec, "a2a": cfg.a2a, "schedule": cfg.schedule,
+             "pipeline_degree": cfg.pipeline_degree,
+             "predicted_ms": None if pred is None else 1e3 * pred, "measured_ms": ms,
+             "stage": stage}
+        measured.append(m)
+        return m
+
     with _Preserved(layer), torch.enable_grad():
         layer._tuning = True
         try:
-            # 1. screen the algorithms at r = 1, sequential
             base = fixed.replace(schedule="sequential", pipeline_degree=1)
-            screen = {}
-            if len(algos) > 1:
-                for i, a in enumerate(algos):
-                    screen[a] = _measure(layer, base.replace(a2a=a), x, reps)
-                    _say(topo, f"{label}: screen {i + 1}/{len(algos)} a2a={a} r=1: "
-                               f"{screen[a] * 1e3:.1f} ms ({time.perf_counter() - t0:.1f} s)")
-                kept = sorted(algos, key=screen.get)[:KEEP_ALGOS]
+            # 0. codec="auto:lossy": each lossy codec's error; those over budget are dropped
+            if budget is not None:
+                names = lossy_candidates(x.dtype, x.device)
+                errors = codec_errors(layer, base, x, names)
+                codecs += [c for c in names if errors[c] <= budget]   # NaN: dropped
+                _say(topo, f"{label}: codec errors " + ", ".join(
+                    f"{c} {e:.2e}" for c, e in errors.items())
+                    + f"; within budget {budget:g}: {codecs} {elapsed()}")
+            # 1. screen the algorithms (lossless) at r = 1, sequential; then the lossy codecs
+            #    within budget on the best algorithm
+            pairs = [("none" if budget is not None else fixed.codec, a) for a in algos]
+            screen: dict[tuple[str, str], float] = {}
+            if len(algos) > 1 or len(codecs) > 1:
+                cut = False
+                for i, (c, a) in enumerate(pairs):
+                    if measured and not clock.fits(2):
+                        clock.note_cut(f"screen: {len(pairs) - i} of {len(pairs)} algorithms "
+                                       "unscreened")
+                        cut = True
+                        break
+                    screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
+                                            "screen")["measured_ms"]
+                    _say(topo, f"{label}: screen {i + 1}/{len(pairs)} codec={c} a2a={a} r=1: "
+                               f"{screen[(c, a)]:.1f} ms {elapsed()}")
+                best_a = min(screen, key=screen.get)[1]
+                lossy = [(c, best_a) for c in codecs[1:]] if not cut else []
+                for i, (c, a) in enumerate(lossy):
+                    if not clock.fits(2):
+                        clock.note_cut(f"screen: {len(lossy) - i} of {len(lossy)} codecs "
+                                       "unscreened")
+                        break
+                    screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
+                                            "screen")["measured_ms"]
+                    _say(topo, f"{label}: screen codec {i + 1}/{len(lossy)} codec={c} a2a={a} "
+                               f"r=1: {screen[(c, a)]:.1f} ms {elapsed()}")
+                kept = sorted(screen, key=screen.get)[:KEEP_ALGOS]
             else:
-                kept = algos
-            # 2. ScheMoE's profiler + chooser on the kept algorithms
-            best, cands, _ = choose(
-                lambda codec, a2a: (apply(layer, base.replace(codec=codec, a2a=a2a)), layer)[1],
-                x, [requested.codec], kept, degrees, schedules, reps=reps)
-            _say(topo, f"{label}: profiled {kept} at r={degrees}, {len(cands)} candidates "
-                       f"predicted ({time.perf_counter() - t0:.1f} s)")
-            # 3. measure the best predictions (and the screen's winner at r = 1)
+                kept = pairs
+            # 2. ScheMoE's profiler + chooser on the kept (codec, algorithm) pairs, cut to
+            #    one pair, then skipped, when the budget cannot hold it
+            cands = []
+            profile_steps = len(degrees) * (1 + reps)
+            plan = next((p for p in (kept, kept[:1])
+                         if not measured or clock.fits(len(p) * profile_steps)), None)
+            if plan is None:
+                clock.note_cut("profile: skipped")
+            else:
+                if len(plan) < len(kept):
+                    clock.note_cut(f"profile: {len(plan)} of {len(kept)} pairs")
+                for c, a in plan:
+                    _, more, _ = choose(
+                        lambda codec, a2a: (apply(layer, base.replace(codec=codec, a2a=a2a)),
+                                            layer)[1],
+                        x, [c], [a], degrees, schedules, reps=reps)
+                    cands += more
+                cands.sort(key=lambda c: c.predicted_s)
+                _say(topo, f"{label}: profiled {plan} at r={degrees}, {len(cands)} candidates "
+                           f"predicted {elapsed()}")
+            # 3. measure the best predictions (fallback without predictions: the overlapping
+            #    schedules of the best screened pair), skipping what was measured already
             trial = []
             for c in cands:
-                key = (c.a2a, c.schedule, c.pipeline_degree)
+                key = _key(c)
                 if key not in [k for k, _ in trial]:
                     trial.append((key, c.predicted_s))
                 if len(trial) == MEASURE_TOP:
                     break
-            key = (kept[0], "sequential", 1)
-            if screen and key not in [k for k, _ in trial]:
-                pred = next((c.predicted_s for c in cands
-                             if (c.a2a, c.schedule, c.pipeline_degree) == key), None)
-                if pred is not None:
-                    trial.append((key, pred))
-            for i, ((a, s, r), pred) in enumerate(trial):
-                cfg = fixed.replace(a2a=a, schedule=s, pipeline_degree=r)
-                ms = 1e3 * _measure(layer, cfg, x, reps)
-                measured.append({"a2a": a, "schedule": s, "pipeline_degree": r,
-                                 "predicted_ms": 1e3 * pred, "measured_ms": ms})
-                _say(topo, f"{label}: measure {i + 1}/{len(trial)} a2a={a} schedule={s} r={r}: "
-                           f"predicted {1e3 * pred:.1f} ms, measured {ms:.1f} ms "
-                           f"({time.perf_counter() - t0:.1f} s)")
+            if plan is None and screen:
+                trial = _fallback_trials(min(screen, key=screen.get), schedules, degrees)
+            done = {_key(m) for m in measured}
+            trial = [t for t in trial if t[0] not in done]
+            for i, ((c, a, s, r), pred) in enumerate(trial):
+                if measured and not clock.fits(2):
+                    clock.note_cut(f"measure: {len(trial) - i} of {len(trial)} unmeasured")
+                    break
+                cfg = fixed.replace(codec=c, a2a=a, schedule=s, pipeline_degree=r)
+                m = record(cfg, pred, "measure")
+                p = "-" if pred is None else f"{1e3 * pred:.1f} ms"
+                _say(topo, f"{label}: measure {i + 1}/{len(trial)} codec={c} a2a={a} "
+                           f"schedule={s} r={r}: predicted {p}, measured "
+                           f"{m['measured_ms']:.1f} ms {elapsed()}")
         finally:
             layer._tuning = False
     win = min(measured, key=lambda m: (m["measured_ms"], m["pipeline_degree"]))
-    choice = TunedChoice(win["a2a"], win["schedule"], win["pipeline_degree"],
-                         win["predicted_ms"], win["measured_ms"], layout(topo),
-                         tune_s=time.perf_counter() - t0, candidates=measured)
-    _say(topo, f"{label}: chose a2a={choice.a2a} schedule={choice.schedule} "
-               f"r={choice.pipeline_degree}: predicted {choice.predicted_ms:.1f} ms, measured "
-               f"{choice.measured_ms:.1f} ms; tuning took {choice.tune_s:.1f} s")
+    pred = win["predicted_ms"]
+    if pred is None:      # measured in the screen: the chooser's prediction, where it made one
+        pred = next((1e3 * c.predicted_s for c in cands if _key(c) == _key(win)), None)
+    err = errors.get(win["codec"], 0.0) if budget is not None else None
+    choice = TunedChoice(win["a2a"], win["schedule"], win["pipeline_degree"], pred,
+                         win["measured_ms"], layout(topo), tune_s=time.perf_counter() - t0,
+                         candidates=measured, codec=win["codec"], codec_error=err,
+                         codec_errors=errors, budget_cut=list(clock.cut),
+                         max_step_ms=1e3 * clock.max_step_s, **common)
+    p = "-" if pred is None else f"{pred:.1f} ms"
+    lossy = "" if err is None else f" (error {err:.2e}, budget {budget:g})"
+    cut = (f"; time budget {requested.autotune_budget_s:g} s cut: {'; '.join(clock.cut)}"
+           if clock.cut else "")
+    _say(topo, f"{label}: chose codec={choice.codec}{lossy} a2a={choice.a2a} "
+               f"schedule={choice.schedule} r={choice.pipeline_degree}: predicted {p}, "
+               f"measured {choice.measured_ms:.1f} ms; tuning took {choice.tune_s:.1f} s{cut}")
     return choice
 
 
@@ -305,7 +418,9 @@ def restore_tuning(model: torch.nn.Module, state: dict[str, dict]) -> list[str]:
         if m is None or not getattr(m, "auto_fields", None):
             continue
         choice = TunedChoice.from_dict(d)
-        if choice.topology == layout(m.topo):
+        budget = m.requested_cfg.effective_lossy_error_budget
+        if choice.topology == layout(m.topo) and (
+                "codec" not in m.auto_fields or choice.lossy_error_budget == budget):
             m.set_tuned(choice)
             done.append(name)
     return done

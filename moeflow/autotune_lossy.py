@@ -1,0 +1,76 @@
+"""The error of each lossy codec, for ``MoEConfig(codec="auto:lossy")`` (issue 18).
+
+ScheMoE (section 3.1) lets the compressor trade accuracy for bytes on the wire; moeflow only
+lets the tuner make that trade when asked to, within ``lossy_error_budget``. The error of a
+codec is measured, not assumed: on the tuning batch, with the layer's own weights, one forward
++ backward with the lossless exchange (codec ``none``) gives the reference output ``y0`` and
+input gradient ``dx0`` (the backward's incoming gradient is ``y0`` itself, so every codec is
+differentiated against the same cotangent); each candidate codec runs the same step from the
+same random state. Its error is
+
+    max( ||y - y0|| / ||y0||,  ||dx - dx0|| / ||dx0|| )      (relative L2, per rank)
+
+maximised over every rank in one host all-reduce, so all ranks hold the same numbers and keep
+the same codecs. The router runs before the exchange, so the routing is the same for every
+codec; what differs is only what the codec did to the payload (and, with
+``codec_backward=True``, to the gradients on their way back).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeflow.config import MoEConfig
+
+
+def lossy_candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
+    """Every registered lossy codec that takes ``dtype`` payloads on ``device``."""
+    from moeflow.comm.codecs import CODECS
+
+    out = []
+    for name, cls in sorted(CODECS.items()):
+        codec = cls()
+        if not codec.lossless and codec.supports(dtype, device):
+            out.append(name)
+    return out
+
+
+def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = float((a.double() - ref.double()).norm())
+    norm = float(ref.double().norm())
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm
+
+
+def codec_errors(layer, base: MoEConfig, x: torch.Tensor, codecs: list[str]) -> dict[str, float]:
+    """The error of each codec of ``codecs`` (see the module docstring); collective over the
+    layer's ranks. ``base`` is the concrete config to run with (its codec is replaced); the
+    caller restores the layer's state (moeflow.autotune._Preserved)."""
+    from moeflow.autotune import apply
+    from moeflow.devices import host_all_reduce
+
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def run(codec: str, cotangent: torch.Tensor | None):
+        torch.set_rng_state(cpu_rng)                  # e.g. gate noise: the same draws
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        apply(layer, base.replace(codec=codec))
+        xi = x.detach().clone().requires_grad_(True)
+        y = layer(xi)
+        g = y.detach().clone() if cotangent is None else cotangent
+        y.backward(g)
+        layer.zero_grad(set_to_none=True)
+        return y.detach(), xi.grad, g
+
+    y0, dx0, g = run("none", None)
+    local = []
+    for name in codecs:
+        y, dx, _ = run(name, g)
+        local.append(max(_relative(y, y0), _relative(dx, dx0)))
+    worst = host_all_reduce(local, "max", layer.topo.world_group) if local else []
+    return dict(zip(codecs, worst))
