@@ -6,18 +6,36 @@ section 4: the task profiler fits per-task models, the two-lane model of section
 each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's first forward
 (or :meth:`moeflow.layer.MoELayer.tune`), collectively on every rank of the layer:
 
+0. Only with ``codec="auto:lossy"``: every registered lossy codec that takes the payload's
+   dtype has its error measured against the lossless exchange on the tuning batch
+   (:mod:`moeflow.autotune_lossy`: relative L2 of the output and of the input gradient, worst
+   rank); those over ``lossy_error_budget`` are dropped.
 1. Screen: time every usable all-to-all algorithm (``check_topology`` passes) at r = 1,
-   sequential (1 warm-up + ``reps`` steps, each the slowest rank's time); keep the best two.
+   sequential, lossless (1 warm-up + ``reps`` steps, each the slowest rank's time); then the
+   lossy codecs within budget on the best algorithm; keep the best two (codec, algorithm).
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
-   ``DEGREES`` and predicts every (algorithm, schedule, r) candidate.
-3. Measure: the ``MEASURE_TOP`` best predictions and the screen's winner are run (1 warm-up +
-   ``reps`` steps); the fastest *measured* median wins. Every timing is the maximum over ranks
-   (a host all-reduce), so every rank computes the same numbers and fixes the same choice.
+   ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
+3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
+   for those the screen measured already; the fastest *measured* median of all stages wins. Every timing is the
+   maximum over ranks (a host all-reduce), so every rank computes the same numbers and fixes
+   the same choice.
 
-Only the exchange is tuned: the codec stays the config's (lossless ``none`` by default), since
-lossy codecs change the function and are never picked automatically. Tuning changes speed
-only: the layer's parameters, gradients and random state are as before it, and the real
-forward that follows runs with the chosen settings (float64 parity in tests/test_autotune.py).
+The codec stays the config's (lossless ``none`` by default) unless the config opts in with
+``codec="auto:lossy"``: lossy codecs change the function, so they are never picked otherwise
+(plain ``codec="auto"`` is refused by MoEConfig: ``none`` is the only lossless codec). Tuning
+changes speed only: the layer's parameters, gradients and random state are as before it, and
+the real forward that follows runs with the chosen settings (float64 parity in
+tests/test_autotune.py and tests/test_autotune_lossy.py).
+
+Time budget (``MoEConfig.autotune_budget_s``, default 30 s; None: unbounded): before each
+measured candidate, each further repetition and the profile stage, the ranks ask
+:class:`moeflow.autotune_clock.TuneClock` whether the estimated work (steps x the last step
+time, both the slowest rank's) still ends within the budget; the answer is the same on every
+rank. When not, the rest of that stage is cut: fewer repetitions, fewer screened candidates,
+the profile on one pair or skipped (then the overlapping schedules of the best screened pair
+at the smallest r > 1 are measured without prediction), fewer measured candidates; the best
+measured so far wins and ``TunedChoice.budget_cut`` / the log line say what was cut. Always
+made: the first measurement (1 warm-up + 1 step) and, with ``auto:lossy``, the error stage.
 
 Re-tuning: the layer records the rows its EP group sends per forward (the count matrix, known
 to every rank of the group); every ``layer.retune_check_every`` (default
@@ -26,9 +44,9 @@ group's rows differ by more than ``RETUNE_RATIO`` from the rows at tuning time, 
 they re-tune together (EP groups may see different rows: deciding alone could leave a rank
 waiting in the tuner's collectives).
 
-The cost is bounded by construction: ``(algorithms x (1 + reps)) + 2 x choose's profile steps +
-(MEASURE_TOP + 1) x (1 + reps)`` forward + backward steps; each stage logs a line (logger
-``moeflow.autotune``, rank 0) with its elapsed time.
+Without a time budget the cost is bounded by construction: ``(algorithms + lossy codecs) x
+(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps;
+each stage logs a line (logger ``moeflow.autotune``, rank 0) with its elapsed time.
 """
 
 from __future__ import annotations
@@ -309,33 +327,28 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             # 1. screen the algorithms (lossless) at r = 1, sequential; then the lossy codecs
             #    within budget on the best algorithm
             pairs = [("none" if budget is not None else fixed.codec, a) for a in algos]
-            screen: dict[tuple[str, str], float] = {}
-            if len(algos) > 1 or len(codecs) > 1:
-                cut = False
-                for i, (c, a) in enumerate(pairs):
-                    if measured and not clock.fits(2):
-                        clock.note_cut(f"screen: {len(pairs) - i} of {len(pairs)} algorithms "
-                                       "unscreened")
-                        cut = True
-                        break
-                    screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
-                                            "screen")["measured_ms"]
-                    _say(topo, f"{label}: screen {i + 1}/{len(pairs)} codec={c} a2a={a} r=1: "
-                               f"{screen[(c, a)]:.1f} ms {elapsed()}")
-                best_a = min(screen, key=screen.get)[1]
-                lossy = [(c, best_a) for c in codecs[1:]] if not cut else []
-                for i, (c, a) in enumerate(lossy):
-                    if not clock.fits(2):
-                        clock.note_cut(f"screen: {len(lossy) - i} of {len(lossy)} codecs "
-                                       "unscreened")
-                        break
-                    screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
-                                            "screen")["measured_ms"]
-                    _say(topo, f"{label}: screen codec {i + 1}/{len(lossy)} codec={c} a2a={a} "
-                               f"r=1: {screen[(c, a)]:.1f} ms {elapsed()}")
-                kept = sorted(screen, key=screen.get)[:KEEP_ALGOS]
-            else:
-                kept = pairs
+            screen: dict[tuple[str, str], float] = {}    # even one pair: the step estimate
+            for i, (c, a) in enumerate(pairs):
+                if measured and not clock.fits(2):
+                    clock.note_cut(f"screen: {len(pairs) - i} of {len(pairs)} algorithms "
+                                   "unscreened")
+                    break
+                screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
+                                        "screen")["measured_ms"]
+                _say(topo, f"{label}: screen {i + 1}/{len(pairs)} codec={c} a2a={a} r=1: "
+                           f"{screen[(c, a)]:.1f} ms {elapsed()}")
+            best_a = min(screen, key=screen.get)[1]
+            lossy = [(c, best_a) for c in codecs[1:]]
+            for i, (c, a) in enumerate(lossy):
+                if not clock.fits(2):
+                    clock.note_cut(f"screen: {len(lossy) - i} of {len(lossy)} lossy codecs "
+                                   "unscreened")
+                    break
+                screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
+                                        "screen")["measured_ms"]
+                _say(topo, f"{label}: screen codec {i + 1}/{len(lossy)} codec={c} a2a={a} "
+                           f"r=1: {screen[(c, a)]:.1f} ms {elapsed()}")
+            kept = sorted(screen, key=screen.get)[:KEEP_ALGOS]
             # 2. ScheMoE's profiler + chooser on the kept (codec, algorithm) pairs, cut to
             #    one pair, then skipped, when the budget cannot hold it
             cands = []
