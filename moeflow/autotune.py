@@ -12,7 +12,8 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    rank); those over ``lossy_error_budget`` are dropped.
 1. Screen: time every usable all-to-all algorithm (``check_topology`` passes) at r = 1,
    sequential, lossless (1 warm-up + ``reps`` steps, each the slowest rank's time); then the
-   lossy codecs within budget on the best algorithm; keep the best two (codec, algorithm).
+   lossy codecs within budget on the best algorithm (fewest wire bytes first); keep the best
+   two (codec, algorithm).
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
@@ -60,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moeflow.autotune_clock import TuneClock
-from moeflow.autotune_lossy import codec_errors, lossy_candidates
+from moeflow.autotune_lossy import by_wire_bytes, codec_errors, lossy_candidates
 from moeflow.config import AUTO, AUTO_LOSSY, MoEConfig
 
 log = logging.getLogger("moeflow.autotune")
@@ -320,7 +321,8 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             if budget is not None:
                 names = lossy_candidates(x.dtype, x.device)
                 errors = codec_errors(layer, base, x, names)
-                codecs += [c for c in names if errors[c] <= budget]   # NaN: dropped
+                codecs += by_wire_bytes([c for c in names if errors[c] <= budget],  # NaN:
+                                        errors, x.shape[-1], x.dtype)              # dropped
                 _say(topo, f"{label}: codec errors " + ", ".join(
                     f"{c} {e:.2e}" for c, e in errors.items())
                     + f"; within budget {budget:g}: {codecs} {elapsed()}")

@@ -25,16 +25,32 @@ import torch
 from moeflow.config import MoEConfig
 
 
+# Registered codecs that only re-implement another one for reference: "zfpy" is LLNL's zfp on
+# CPU, the same payload bytes as "zfp" and slower; the tuner does not spend steps on it.
+REFERENCE_ONLY = ("zfpy",)
+
+
 def lossy_candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
-    """Every registered lossy codec that takes ``dtype`` payloads on ``device``."""
+    """Every registered lossy codec that takes ``dtype`` payloads on ``device`` (but for
+    ``REFERENCE_ONLY`` ones)."""
     from moeflow.comm.codecs import CODECS
 
     out = []
     for name, cls in sorted(CODECS.items()):
         codec = cls()
-        if not codec.lossless and codec.supports(dtype, device):
+        if name not in REFERENCE_ONLY and not codec.lossless and codec.supports(dtype, device):
             out.append(name)
     return out
+
+
+def by_wire_bytes(names: list[str], errors: dict[str, float], cols: int,
+                  dtype: torch.dtype) -> list[str]:
+    """``names`` with the fewest wire bytes per row first (ties: smaller error first): the
+    order in which the tuner screens them, so that a time budget that cuts the screen short
+    keeps the codecs that save the most traffic."""
+    from moeflow.comm.codecs import CODECS
+
+    return sorted(names, key=lambda n: (CODECS[n]().wire_bytes(1, cols, dtype), errors[n], n))
 
 
 def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
