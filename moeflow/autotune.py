@@ -6,20 +6,20 @@ section 4: the task profiler fits per-task models, the two-lane model of section
 each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's first forward
 (or :meth:`moeflow.layer.MoELayer.tune`), collectively on every rank of the layer:
 
-0. Only with ``codec="auto:lossy"``: every registered lossy codec that takes the payload's
-   dtype has its error measured against the lossless exchange on the tuning batch
-   (:mod:`moeflow.autotune_lossy`: relative L2 of the output and of the input gradient, worst
-   rank); those over ``lossy_error_budget`` are dropped.
-1. Screen: time every usable all-to-all algorithm (``check_topology`` passes) at r = 1,
-   sequential, lossless (1 warm-up + ``reps`` steps, each the slowest rank's time); then the
-   lossy codecs within budget on the best algorithm (fewest wire bytes first); keep the best
-   two (codec, algorithm).
+1. Screen at r = 1, sequential (1 warm-up + ``reps`` steps, each the slowest rank's time;
+   1 rep when the time budget cannot hold them all): the placeholder's algorithm (direct)
+   lossless first; with ``codec="auto:lossy"`` then every registered lossy codec that takes
+   the payload's dtype, fewest wire bytes first, whose warm-up step measures its error
+   against the lossless exchange (:mod:`moeflow.autotune_lossy`: relative L2 of the output
+   and of the input gradient, worst rank) and which is not timed when over
+   ``lossy_error_budget``; then every other usable all-to-all algorithm (``check_topology``
+   passes), lossless. The best two (codec, algorithm) pairs are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
-   for those the screen measured already; the fastest *measured* median of all stages wins. Every timing is the
-   maximum over ranks (a host all-reduce), so every rank computes the same numbers and fixes
-   the same choice.
+   for those the screen measured already; the fastest *measured* median of all stages wins.
+   Every timing is the maximum over ranks (a host all-reduce), so every rank computes the
+   same numbers and fixes the same choice.
 
 The codec stays the config's (lossless ``none`` by default) unless the config opts in with
 ``codec="auto:lossy"``: lossy codecs change the function, so they are never picked otherwise
@@ -36,7 +36,7 @@ rank. When not, the rest of that stage is cut: fewer repetitions, fewer screened
 the profile on one pair or skipped (then the overlapping schedules of the best screened pair
 at the smallest r > 1 are measured without prediction), fewer measured candidates; the best
 measured so far wins and ``TunedChoice.budget_cut`` / the log line say what was cut. Always
-made: the first measurement (1 warm-up + 1 step) and, with ``auto:lossy``, the error stage.
+made: the first measurement (1 warm-up + 1 step).
 
 Re-tuning: the layer records the rows its EP group sends per forward (the count matrix, known
 to every rank of the group); every ``layer.retune_check_every`` (default
@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moeflow.autotune_clock import TuneClock
-from moeflow.autotune_lossy import by_wire_bytes, codec_errors, lossy_candidates
+from moeflow.autotune_lossy import ErrorProbe, by_wire_bytes, lossy_candidates
 from moeflow.config import AUTO, AUTO_LOSSY, MoEConfig
 
 log = logging.getLogger("moeflow.autotune")
@@ -219,11 +219,14 @@ def apply(layer, cfg: MoEConfig) -> None:
     layer.cfg = cfg
 
 
-def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock) -> float:
+def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock,
+             warmup=None) -> float | None:
     """Median seconds of up to ``reps`` forward + backward steps (after one warm-up), each step
     the slowest rank's: the same number on every rank. After the first timed step, a further
     one runs only while ``clock`` says it fits the time budget (the same answer on every
-    rank), so the repetitions adapt to the step time."""
+    rank), so the repetitions adapt to the step time. ``warmup`` (collective, returns whether
+    to go on: the same answer on every rank) replaces the warm-up step, e.g. an error probe
+    of ``codec="auto:lossy"``; None is returned when it says no."""
     from moeflow.bench.timing import time_aligned
 
     def step():
@@ -231,15 +234,21 @@ def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock
         (y.float().square().mean() + layer.aux_loss).backward()
 
     apply(layer, cfg)
-    times = []
+    times, go = [], [True]
     for i in range(1 + reps):
         if i >= 2 and not clock.fits(1):
             clock.note_cut(f"{cfg.codec}/{cfg.a2a}/{cfg.schedule}/r={cfg.pipeline_degree}: "
                            f"{i - 1} of {reps} reps")
             break
-        times.append(time_aligned(step, layer.topo, x.device))
+        if i == 0 and warmup is not None:
+            times.append(time_aligned(lambda: go.__setitem__(0, warmup()), layer.topo,
+                                      x.device))
+        else:
+            times.append(time_aligned(step, layer.topo, x.device))
         clock.note_step(times[-1])
         layer.zero_grad(set_to_none=True)
+        if not go[0]:
+            return None
     return statistics.median(times[1:])
 
 
@@ -299,16 +308,17 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
     x = x.detach().requires_grad_(x.requires_grad)   # same backward as the real step
     measured: list[dict] = []
     errors: dict[str, float] = {}
-    codecs = [fixed.codec]
 
     def elapsed() -> str:
         return f"({time.perf_counter() - t0:.1f} s)"
 
-    def record(cfg: MoEConfig, pred, stage: str) -> dict:
-        ms = 1e3 * _measure(layer, cfg, x, reps, clock)
+    def record(cfg: MoEConfig, pred, stage: str, reps=reps, warmup=None) -> dict | None:
+        sec = _measure(layer, cfg, x, reps, clock, warmup)
+        if sec is None:
+            return None
         m = {"codec": cfg.codec, "a2a": cfg.a2a, "schedule": cfg.schedule,
              "pipeline_degree": cfg.pipeline_degree,
-             "predicted_ms": None if pred is None else 1e3 * pred, "measured_ms": ms,
+             "predicted_ms": None if pred is None else 1e3 * pred, "measured_ms": 1e3 * sec,
              "stage": stage}
         measured.append(m)
         return m
@@ -317,39 +327,46 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
         layer._tuning = True
         try:
             base = fixed.replace(schedule="sequential", pipeline_degree=1)
-            # 0. codec="auto:lossy": each lossy codec's error; those over budget are dropped
-            if budget is not None:
-                names = lossy_candidates(x.dtype, x.device)
-                errors = codec_errors(layer, base, x, names)
-                codecs += by_wire_bytes([c for c in names if errors[c] <= budget],  # NaN:
-                                        errors, x.shape[-1], x.dtype)              # dropped
-                _say(topo, f"{label}: codec errors " + ", ".join(
-                    f"{c} {e:.2e}" for c, e in errors.items())
-                    + f"; within budget {budget:g}: {codecs} {elapsed()}")
-            # 1. screen the algorithms (lossless) at r = 1, sequential; then the lossy codecs
-            #    within budget on the best algorithm
-            pairs = [("none" if budget is not None else fixed.codec, a) for a in algos]
+            # 1. screen at r = 1, sequential: the placeholder's algorithm (direct) lossless
+            #    first; with codec="auto:lossy" then every lossy codec on it, fewest wire bytes
+            #    first, each one's warm-up step measuring its error (ErrorProbe; over budget:
+            #    not timed); then the other algorithms, lossless
+            first = fixed.a2a if fixed.a2a in algos else algos[0]
+            algos = [first] + [a for a in algos if a != first]
+            lossless = "none" if budget is not None else fixed.codec
+            probe = ErrorProbe(layer, x) if budget is not None else None
+            lossy = (by_wire_bytes(lossy_candidates(x.dtype, x.device), x.shape[-1], x.dtype)
+                     if budget is not None else [])
+            order = ([(lossless, first)] + [(c, first) for c in lossy]
+                     + [(lossless, a) for a in algos[1:]])
             screen: dict[tuple[str, str], float] = {}    # even one pair: the step estimate
-            for i, (c, a) in enumerate(pairs):
+            for i, (c, a) in enumerate(order):
+                left = len(order) - i
                 if measured and not clock.fits(2):
-                    clock.note_cut(f"screen: {len(pairs) - i} of {len(pairs)} algorithms "
-                                   "unscreened")
+                    clock.note_cut(f"screen: {left} of {len(order)} unscreened "
+                                   f"({', '.join(f'{c}/{a}' for c, a in order[i:])})")
                     break
-                screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
-                                        "screen")["measured_ms"]
-                _say(topo, f"{label}: screen {i + 1}/{len(pairs)} codec={c} a2a={a} r=1: "
-                           f"{screen[(c, a)]:.1f} ms {elapsed()}")
-            best_a = min(screen, key=screen.get)[1]
-            lossy = [(c, best_a) for c in codecs[1:]]
-            for i, (c, a) in enumerate(lossy):
-                if not clock.fits(2):
-                    clock.note_cut(f"screen: {len(lossy) - i} of {len(lossy)} lossy codecs "
-                                   "unscreened")
-                    break
-                screen[(c, a)] = record(base.replace(codec=c, a2a=a), None,
-                                        "screen")["measured_ms"]
-                _say(topo, f"{label}: screen codec {i + 1}/{len(lossy)} codec={c} a2a={a} "
-                           f"r=1: {screen[(c, a)]:.1f} ms {elapsed()}")
+                # the repetitions adapt: 1 when the budget cannot hold them all
+                n = reps if not measured or clock.fits((1 + reps) * left) else 1
+                if n < reps:
+                    clock.note_cut(f"screen {c}/{a}: 1 of {reps} reps")
+                warm = None
+                if probe is not None and c == lossless and i == 0:
+                    warm = lambda: (probe.reference(), True)[1]          # noqa: E731
+                elif probe is not None and c != lossless:
+                    def warm(c=c):
+                        errors[c] = probe.error()
+                        return errors[c] <= budget                       # NaN: dropped
+                m = record(base.replace(codec=c, a2a=a), None, "screen", n, warm)
+                if m is None:
+                    _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c}: error "
+                               f"{errors[c]:.2e} over budget {budget:g}, not timed "
+                               f"{elapsed()}")
+                    continue
+                screen[(c, a)] = m["measured_ms"]
+                err = f", error {errors[c]:.2e}" if c in errors else ""
+                _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c} a2a={a} r=1: "
+                           f"{screen[(c, a)]:.1f} ms{err} {elapsed()}")
             kept = sorted(screen, key=screen.get)[:KEEP_ALGOS]
             # 2. ScheMoE's profiler + chooser on the kept (codec, algorithm) pairs, cut to
             #    one pair, then skipped, when the budget cannot hold it

@@ -10,8 +10,9 @@ same random state. Its error is
 
     max( ||y - y0|| / ||y0||,  ||dx - dx0|| / ||dx0|| )      (relative L2, per rank)
 
-maximised over every rank in one host all-reduce, so all ranks hold the same numbers and keep
-the same codecs. The router runs before the exchange, so the routing is the same for every
+maximised over every rank (one host all-reduce per codec), so all ranks hold the same numbers
+and keep the same codecs. The tuner runs these probe steps as the warm-up steps of its screen
+(:class:`ErrorProbe`), so measuring the errors costs no step of its own. The router runs before the exchange, so the routing is the same for every
 codec; what differs is only what the codec did to the payload (and, with
 ``codec_backward=True``, to the gradients on their way back).
 """
@@ -43,14 +44,13 @@ def lossy_candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
     return out
 
 
-def by_wire_bytes(names: list[str], errors: dict[str, float], cols: int,
-                  dtype: torch.dtype) -> list[str]:
-    """``names`` with the fewest wire bytes per row first (ties: smaller error first): the
-    order in which the tuner screens them, so that a time budget that cuts the screen short
-    keeps the codecs that save the most traffic."""
+def by_wire_bytes(names: list[str], cols: int, dtype: torch.dtype) -> list[str]:
+    """``names`` with the fewest wire bytes per row first (ties by name): the order in which
+    the tuner screens them, so that a time budget that cuts the screen short keeps the codecs
+    that save the most traffic."""
     from moeflow.comm.codecs import CODECS
 
-    return sorted(names, key=lambda n: (CODECS[n]().wire_bytes(1, cols, dtype), errors[n], n))
+    return sorted(names, key=lambda n: (CODECS[n]().wire_bytes(1, cols, dtype), n))
 
 
 def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -61,32 +61,59 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / norm
 
 
-def codec_errors(layer, base: MoEConfig, x: torch.Tensor, codecs: list[str]) -> dict[str, float]:
-    """The error of each codec of ``codecs`` (see the module docstring); collective over the
-    layer's ranks. ``base`` is the concrete config to run with (its codec is replaced); the
-    caller restores the layer's state (moeflow.autotune._Preserved)."""
-    from moeflow.autotune import apply
-    from moeflow.devices import host_all_reduce
+class ErrorProbe:
+    """One forward + backward per codec that measures its error (see the module docstring);
+    the tuner runs these as the warm-up steps of its screen, so the errors cost no extra
+    steps. :meth:`reference` must run first, with the lossless codec applied to the layer;
+    :meth:`error` then with the codec to measure applied. Both are collective."""
 
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    def __init__(self, layer, x: torch.Tensor):
+        self.layer, self.x = layer, x.detach()
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.ref = None
 
-    def run(codec: str, cotangent: torch.Tensor | None):
-        torch.set_rng_state(cpu_rng)                  # e.g. gate noise: the same draws
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        apply(layer, base.replace(codec=codec))
-        xi = x.detach().clone().requires_grad_(True)
-        y = layer(xi)
+    def _run(self, cotangent: torch.Tensor | None):
+        torch.set_rng_state(self.cpu_rng)              # e.g. gate noise: the same draws
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        xi = self.x.clone().requires_grad_(True)
+        y = self.layer(xi)
         g = y.detach().clone() if cotangent is None else cotangent
         y.backward(g)
-        layer.zero_grad(set_to_none=True)
+        self.layer.zero_grad(set_to_none=True)
         return y.detach(), xi.grad, g
 
-    y0, dx0, g = run("none", None)
-    local = []
+    def reference(self) -> None:
+        if not self.layer.codec.lossless:
+            raise ValueError(f"ErrorProbe.reference needs the lossless codec applied, not "
+                             f"{self.layer.cfg.codec!r}")
+        self.ref = self._run(None)
+
+    def local_error(self) -> float:
+        y0, dx0, g = self.ref
+        y, dx, _ = self._run(g)
+        return max(_relative(y, y0), _relative(dx, dx0))
+
+    def error(self) -> float:
+        """The applied codec's error, the worst rank's (the same number on every rank)."""
+        from moeflow.devices import host_all_reduce
+
+        return host_all_reduce([self.local_error()], "max", self.layer.topo.world_group)[0]
+
+
+def codec_errors(layer, base: MoEConfig, x: torch.Tensor, codecs: list[str]) -> dict[str, float]:
+    """The error of each codec of ``codecs`` (see the module docstring), one probe step each
+    after the lossless reference; collective over the layer's ranks. ``base`` is the concrete
+    config to run with (its codec is replaced); the caller restores the layer's state
+    (moeflow.autotune._Preserved)."""
+    from moeflow.autotune import apply
+
+    probe = ErrorProbe(layer, x)
+    apply(layer, base.replace(codec="none"))
+    probe.reference()
+    out = {}
     for name in codecs:
-        y, dx, _ = run(name, g)
-        local.append(max(_relative(y, y0), _relative(dx, dx0)))
-    worst = host_all_reduce(local, "max", layer.topo.world_group) if local else []
-    return dict(zip(codecs, worst))
+        apply(layer, base.replace(codec=name))
+        out[name] = probe.error()
+    return out
