@@ -9,7 +9,7 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
 1. Screen at r = 1, sequential (1 warm-up + ``reps`` steps, each the slowest rank's time;
    1 rep when the time budget cannot hold them all): the placeholder's algorithm (direct)
    lossless first; with ``codec="auto:lossy"`` then every registered lossy codec that takes
-   the payload's dtype, fewest wire bytes first, whose warm-up step measures its error
+   the payload's dtype, most wire bytes (the gentlest) first, whose warm-up step measures its error
    against the lossless exchange (:mod:`moeflow.autotune_lossy`: relative L2 of the output
    and of the input gradient, worst rank) and which is not timed when over
    ``lossy_error_budget``; then every other usable all-to-all algorithm (``check_topology``
@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moeflow.autotune_clock import TuneClock
-from moeflow.autotune_lossy import ErrorProbe, by_wire_bytes, lossy_candidates
+from moeflow.autotune_lossy import ErrorProbe, gentlest_first, lossy_candidates
 from moeflow.config import AUTO, AUTO_LOSSY, MoEConfig
 
 log = logging.getLogger("moeflow.autotune")
@@ -328,14 +328,13 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
         try:
             base = fixed.replace(schedule="sequential", pipeline_degree=1)
             # 1. screen at r = 1, sequential: the placeholder's algorithm (direct) lossless
-            #    first; with codec="auto:lossy" then every lossy codec on it, fewest wire bytes
-            #    first, each one's warm-up step measuring its error (ErrorProbe; over budget:
+            #    first; with codec="auto:lossy" then every lossy codec on it, gentlest first, each one's warm-up step measuring its error (ErrorProbe; over budget:
             #    not timed); then the other algorithms, lossless
             first = fixed.a2a if fixed.a2a in algos else algos[0]
             algos = [first] + [a for a in algos if a != first]
             lossless = "none" if budget is not None else fixed.codec
             probe = ErrorProbe(layer, x) if budget is not None else None
-            lossy = (by_wire_bytes(lossy_candidates(x.dtype, x.device), x.shape[-1], x.dtype)
+            lossy = (gentlest_first(lossy_candidates(x.dtype, x.device), x.shape[-1], x.dtype)
                      if budget is not None else [])
             order = ([(lossless, first)] + [(c, first) for c in lossy]
                      + [(lossless, a) for a in algos[1:]])

@@ -44,13 +44,14 @@ def lossy_candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
     return out
 
 
-def by_wire_bytes(names: list[str], cols: int, dtype: torch.dtype) -> list[str]:
-    """``names`` with the fewest wire bytes per row first (ties by name): the order in which
-    the tuner screens them, so that a time budget that cuts the screen short keeps the codecs
-    that save the most traffic."""
+def gentlest_first(names: list[str], cols: int, dtype: torch.dtype) -> list[str]:
+    """``names`` with the most wire bytes per row first (ties by name): the order in which
+    the tuner screens them. The codecs that compress least are the most accurate, so the
+    most likely to be within the error budget; under a time budget that cuts the screen
+    short, the probes it can afford go to them rather than to codecs likely to be refused."""
     from moeflow.comm.codecs import CODECS
 
-    return sorted(names, key=lambda n: (CODECS[n]().wire_bytes(1, cols, dtype), n))
+    return sorted(names, key=lambda n: (-CODECS[n]().wire_bytes(1, cols, dtype), n))
 
 
 def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from moeflow import ConfigError, MoEConfig, MoELayer
 from moeflow import autotune
-from moeflow.autotune_lossy import by_wire_bytes, codec_errors, lossy_candidates
+from moeflow.autotune_lossy import gentlest_first, codec_errors, lossy_candidates
 from moeflow.config import DEFAULT_LOSSY_ERROR_BUDGET
 from moeflow.launch import launch_local
 
@@ -37,8 +37,8 @@ def test_lossy_candidates_are_the_lossy_codecs_that_take_the_dtype():
     names = lossy_candidates(torch.float32, torch.device("cpu"))
     assert "none" not in names and {"fp16", "bf16", "int8"} <= set(names)
     assert "zfpy" not in names                       # zfp's reference: same bytes, slower
-    order = by_wire_bytes(["fp16", "int8", "bf16"], 64, torch.float32)
-    assert order == ["int8", "bf16", "fp16"]
+    order = gentlest_first(["fp16", "int8", "bf16"], 64, torch.float32)
+    assert order == ["bf16", "fp16", "int8"]
 
 
 def test_codec_errors_are_measured_against_lossless_on_one_process():
