@@ -9,9 +9,9 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
 1. Screen at r = 1, sequential (1 warm-up + ``reps`` steps, each the slowest rank's time;
    1 rep when the time budget cannot hold them all): the placeholder's algorithm (direct)
    lossless first; with ``codec="auto:lossy"`` then every registered lossy codec that takes
-   the payload's dtype, most wire bytes (the gentlest) first, whose warm-up step measures its error
-   against the lossless exchange (:mod:`moeflow.autotune_lossy`: relative L2 of the output
-   and of the input gradient, worst rank) and which is not timed when over
+   the payload's dtype, most wire bytes (the gentlest) first, whose warm-up step measures
+   its error against the lossless exchange (:mod:`moeflow.autotune_lossy`: relative L2 of
+   the output and of the input gradient, worst rank) and which is not timed when over
    ``lossy_error_budget``; then every other usable all-to-all algorithm (``check_topology``
    passes), lossless. The best two (codec, algorithm) pairs are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
@@ -328,8 +328,9 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
         try:
             base = fixed.replace(schedule="sequential", pipeline_degree=1)
             # 1. screen at r = 1, sequential: the placeholder's algorithm (direct) lossless
-            #    first; with codec="auto:lossy" then every lossy codec on it, gentlest first, each one's warm-up step measuring its error (ErrorProbe; over budget:
-            #    not timed); then the other algorithms, lossless
+            #    first; with codec="auto:lossy" then every lossy codec on it, gentlest first,
+            #    each one's warm-up step measuring its error (ErrorProbe; over budget: not
+            #    timed); then the other algorithms, lossless
             first = fixed.a2a if fixed.a2a in algos else algos[0]
             algos = [first] + [a for a in algos if a != first]
             lossless = "none" if budget is not None else fixed.codec

@@ -12,9 +12,11 @@ same random state. Its error is
 
 maximised over every rank (one host all-reduce per codec), so all ranks hold the same numbers
 and keep the same codecs. The tuner runs these probe steps as the warm-up steps of its screen
-(:class:`ErrorProbe`), so measuring the errors costs no step of its own. The router runs before the exchange, so the routing is the same for every
-codec; what differs is only what the codec did to the payload (and, with
-``codec_backward=True``, to the gradients on their way back).
+(:class:`ErrorProbe`), so measuring the errors costs no step of its own. The router runs
+before the exchange, so the routing is the same for every codec; what differs is only what
+the codec did to the payload (and, with ``codec_backward=True``, to the gradients on their
+way back). The all-to-all algorithms move the encoded payloads exactly, so the error does
+not depend on the algorithm it was probed with.
 """
 
 from __future__ import annotations

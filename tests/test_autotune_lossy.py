@@ -21,7 +21,8 @@ def test_config_opt_in_and_budget_checks():
     cfg = MoEConfig(**KW, codec="auto:lossy")
     assert autotune.auto_fields(cfg) == ("codec",)
     assert cfg.effective_lossy_error_budget == DEFAULT_LOSSY_ERROR_BUDGET
-    assert MoEConfig(**KW, codec="auto:lossy", lossy_error_budget=0).effective_lossy_error_budget == 0
+    zero = MoEConfig(**KW, codec="auto:lossy", lossy_error_budget=0)
+    assert zero.effective_lossy_error_budget == 0
     ph = autotune.placeholder(MoEConfig(**KW, codec="auto:lossy", lossy_error_budget=0.1))
     assert ph.codec == "none" and ph.lossy_error_budget is None
     with pytest.raises(ConfigError, match=r"MoEConfig\.codec='auto'.*auto:lossy"):
