@@ -348,8 +348,6 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                     break
                 # the repetitions adapt: 1 when the budget cannot hold them all
                 n = reps if not measured or clock.fits((1 + reps) * left) else 1
-                if n < reps:
-                    clock.note_cut(f"screen {c}/{a}: 1 of {reps} reps")
                 warm = None
                 if probe is not None and c == lossless and i == 0:
                     warm = lambda: (probe.reference(), True)[1]          # noqa: E731
@@ -363,6 +361,8 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                                f"{errors[c]:.2e} over budget {budget:g}, not timed "
                                f"{elapsed()}")
                     continue
+                if n < reps:
+                    clock.note_cut(f"screen {c}/{a}: 1 of {reps} reps")
                 screen[(c, a)] = m["measured_ms"]
                 err = f", error {errors[c]:.2e}" if c in errors else ""
                 _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c} a2a={a} r=1: "
