@@ -85,6 +85,8 @@ def clock_worker() -> dict:
     out = {}
     tiny = _pair(topo, x, autotune_budget_s=1e-3, **EXCHANGE_AUTO)
     out["tiny"] = {k: v for k, v in tiny.items() if k != "layer"}
+    some = _pair(topo, x, autotune_budget_s=0.5, **EXCHANGE_AUTO)
+    out["some"] = {"choice": some["choice"]}
     free = _pair(topo, x, autotune_budget_s=None, **EXCHANGE_AUTO)
     out["free"] = {"choice": free["choice"]}
     return out
