@@ -245,7 +245,7 @@ def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock
                                       x.device))
         else:
             times.append(time_aligned(step, layer.topo, x.device))
-        clock.note_step(times[-1])
+        clock.note_step(times[-1], estimate=i > 0)     # warm-ups / probes: not estimates
         layer.zero_grad(set_to_none=True)
         if not go[0]:
             return None

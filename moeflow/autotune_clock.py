@@ -29,10 +29,13 @@ class TuneClock:
     def local_elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def note_step(self, seconds: float) -> None:
-        """Record a step time (the slowest rank's: equal on every rank) as the estimate of the
-        next steps' length."""
-        self.step_s = seconds
+    def note_step(self, seconds: float, estimate: bool = True) -> None:
+        """Record a step time (the slowest rank's: equal on every rank); with ``estimate``
+        (or while there is none yet) it becomes the estimate of the next steps' length.
+        Warm-up steps and error probes are not estimates: a slow codec's probe would make
+        the next candidates look as slow."""
+        if estimate or self.step_s == 0.0:
+            self.step_s = seconds
         self.max_step_s = max(self.max_step_s, seconds)
 
     def fits(self, steps: float) -> bool:

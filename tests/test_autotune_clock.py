@@ -34,6 +34,11 @@ def test_clock_rule():
     assert clock.fits(4) and not clock.fits(6)
     clock.note_step(0.5)
     assert clock.max_step_s == 2.0 and clock.step_s == 0.5
+    clock.note_step(9.0, estimate=False)          # a warm-up or a slow codec's error probe
+    assert clock.step_s == 0.5 and clock.max_step_s == 9.0
+    first = TuneClock(10.0, Topology.single())
+    first.note_step(3.0, estimate=False)          # no estimate yet: the warm-up is one
+    assert first.step_s == 3.0
 
 
 @pytest.fixture(scope="module")
