@@ -6,18 +6,37 @@ section 4: the task profiler fits per-task models, the two-lane model of section
 each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's first forward
 (or :meth:`moeflow.layer.MoELayer.tune`), collectively on every rank of the layer:
 
-1. Screen: time every usable all-to-all algorithm (``check_topology`` passes) at r = 1,
-   sequential (1 warm-up + ``reps`` steps, each the slowest rank's time); keep the best two.
+1. Screen at r = 1, sequential (1 warm-up + ``reps`` steps, each the slowest rank's time;
+   1 rep when the time budget cannot hold them all): the placeholder's algorithm (direct)
+   lossless first; with ``codec="auto:lossy"`` then every registered lossy codec that takes
+   the payload's dtype, most wire bytes (the gentlest) first, whose warm-up step measures
+   its error against the lossless exchange (:mod:`moeflow.autotune_lossy`: relative L2 of
+   the output and of the input gradient, worst rank) and which is not timed when over
+   ``lossy_error_budget``; then every other usable all-to-all algorithm (``check_topology``
+   passes), lossless. The best two (codec, algorithm) pairs are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
-   ``DEGREES`` and predicts every (algorithm, schedule, r) candidate.
-3. Measure: the ``MEASURE_TOP`` best predictions and the screen's winner are run (1 warm-up +
-   ``reps`` steps); the fastest *measured* median wins. Every timing is the maximum over ranks
-   (a host all-reduce), so every rank computes the same numbers and fixes the same choice.
+   ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
+3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
+   for those the screen measured already; the fastest *measured* median of all stages wins.
+   Every timing is the maximum over ranks (a host all-reduce), so every rank computes the
+   same numbers and fixes the same choice.
 
-Only the exchange is tuned: the codec stays the config's (lossless ``none`` by default), since
-lossy codecs change the function and are never picked automatically. Tuning changes speed
-only: the layer's parameters, gradients and random state are as before it, and the real
-forward that follows runs with the chosen settings (float64 parity in tests/test_autotune.py).
+The codec stays the config's (lossless ``none`` by default) unless the config opts in with
+``codec="auto:lossy"``: lossy codecs change the function, so they are never picked otherwise
+(plain ``codec="auto"`` is refused by MoEConfig: ``none`` is the only lossless codec). Tuning
+changes speed only: the layer's parameters, gradients and random state are as before it, and
+the real forward that follows runs with the chosen settings (float64 parity in
+tests/test_autotune.py and tests/test_autotune_lossy.py).
+
+Time budget (``MoEConfig.autotune_budget_s``, default 30 s; None: unbounded): before each
+measured candidate, each further repetition and the profile stage, the ranks ask
+:class:`moeflow.autotune_clock.TuneClock` whether the estimated work (steps x the last step
+time, both the slowest rank's) still ends within the budget; the answer is the same on every
+rank. When not, the rest of that stage is cut: fewer repetitions, fewer screened candidates,
+the profile on one pair or skipped (then the overlapping schedules of the best screened pair
+at the smallest r > 1 are measured without prediction), fewer measured candidates; the best
+measured so far wins and ``TunedChoice.budget_cut`` / the log line say what was cut. Always
+made: the first measurement (1 warm-up + 1 step).
 
 Re-tuning: the layer records the rows its EP group sends per forward (the count matrix, known
 to every rank of the group); every ``layer.retune_check_every`` (default
@@ -26,9 +45,9 @@ group's rows differ by more than ``RETUNE_RATIO`` from the rows at tuning time, 
 they re-tune together (EP groups may see different rows: deciding alone could leave a rank
 waiting in the tuner's collectives).
 
-The cost is bounded by construction: ``(algorithms x (1 + reps)) + 2 x choose's profile steps +
-(MEASURE_TOP + 1) x (1 + reps)`` forward + backward steps; each stage logs a line (logger
-``moeflow.autotune``, rank 0) with its elapsed time.
+Without a time budget the cost is bounded by construction: ``(algorithms + lossy codecs) x
+(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps;
+each stage logs a line (logger ``moeflow.autotune``, rank 0) with its elapsed time.
 """
 
 from __future__ import annotations
@@ -41,11 +60,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from moeflow.config import AUTO, MoEConfig
+from moeflow.autotune_clock import TuneClock
+from moeflow.autotune_lossy import ErrorProbe, gentlest_first, lossy_candidates
+from moeflow.config import AUTO, AUTO_LOSSY, MoEConfig
 
 log = logging.getLogger("moeflow.autotune")
 
-AUTO_FIELDS = ("a2a", "schedule", "pipeline_degree")
+AUTO_FIELDS = ("a2a", "schedule", "pipeline_degree", "codec")
 SCHEDULES = ("sequential", "pipelined", "optsche")
 DEGREES = (1, 2, 4)
 KEEP_ALGOS = 2          # algorithms kept after the screen
@@ -62,12 +83,19 @@ class TunedChoice:
     a2a: str
     schedule: str
     pipeline_degree: int
-    predicted_ms: float | None        # None where nothing was predicted (one rank)
+    predicted_ms: float | None        # None where nothing was predicted (one rank, screen)
     measured_ms: float | None
     topology: str                     # layout(topo): a resume on another layout re-tunes
     rows: int | None = None           # rows sent per forward over the EP group when tuned
     tune_s: float = 0.0               # wall time the tuning took
     candidates: list[dict] = field(default_factory=list)   # every measured candidate
+    codec: str = "none"               # the codec (tuned with codec="auto:lossy")
+    codec_error: float | None = None  # its relative L2 error (worst rank; 0.0 for "none")
+    codec_errors: dict = field(default_factory=dict)       # every lossy codec's error
+    lossy_error_budget: float | None = None   # the budget it was chosen under
+    budget_s: float | None = None     # autotune_budget_s it was tuned with
+    budget_cut: list[str] = field(default_factory=list)    # what the time budget cut short
+    max_step_ms: float | None = None  # the longest timed step (slowest rank's) while tuning
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -87,15 +115,19 @@ def layout(topo) -> str:
 
 
 def auto_fields(cfg: MoEConfig) -> tuple[str, ...]:
-    """The fields of ``cfg`` left to the tuner."""
-    return tuple(f for f in AUTO_FIELDS if getattr(cfg, f) == AUTO)
+    """The fields of ``cfg`` left to the tuner (codec: with ``"auto:lossy"``)."""
+    return tuple(f for f in AUTO_FIELDS
+                 if getattr(cfg, f) == (AUTO_LOSSY if f == "codec" else AUTO))
 
 
 def placeholder(cfg: MoEConfig) -> MoEConfig:
-    """``cfg`` with its auto fields set to the untuned defaults (direct, sequential, r = 1),
-    used until the first forward tunes them."""
-    defaults = {"a2a": "direct", "schedule": "sequential", "pipeline_degree": 1}
-    return cfg.replace(**{f: defaults[f] for f in auto_fields(cfg)})
+    """``cfg`` with its auto fields set to the untuned defaults (direct, sequential, r = 1,
+    codec none), used until the first forward tunes them."""
+    defaults = {"a2a": "direct", "schedule": "sequential", "pipeline_degree": 1,
+                "codec": "none"}
+    fields = auto_fields(cfg)
+    extra = {"lossy_error_budget": None} if "codec" in fields else {}
+    return cfg.replace(**{f: defaults[f] for f in fields}, **extra)
 
 
 def retune_agreed(layer) -> bool:
@@ -152,8 +184,8 @@ class _Preserved:
         self.grads = {id(p): p.grad for p in L.parameters()}
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.state = (L.cfg, L.algo, L.scheduler, L.timer, L.timeline, L.aux_loss,
-                      dict(L._stats))
+        self.state = (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer,
+                      L.timeline, L.aux_loss, dict(L._stats))
         L.timer, L.timeline = None, None
         return self
 
@@ -164,17 +196,22 @@ class _Preserved:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        (L.cfg, L.algo, L.scheduler, L.timer, L.timeline, L.aux_loss, stats) = self.state
+        (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer, L.timeline,
+         L.aux_loss, stats) = self.state
         L._stats = stats
         return False
 
 
 def apply(layer, cfg: MoEConfig) -> None:
-    """Run ``layer`` with the concrete settings of ``cfg`` (algorithm and scheduler rebuilt
-    only when they change)."""
+    """Run ``layer`` with the concrete settings of ``cfg`` (algorithm, scheduler and codecs
+    rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them)."""
     from moeflow.comm.alltoall import ALLTOALLS
+    from moeflow.comm.codecs import CODECS
     from moeflow.schedule import SCHEDULERS
 
+    if (cfg.codec, cfg.codec_backward) != (layer.cfg.codec, layer.cfg.codec_backward):
+        layer.codec = CODECS[cfg.codec]()
+        layer.backward_codec = layer.codec if cfg.codec_backward else CODECS["none"]()
     if cfg.a2a != layer.cfg.a2a:
         layer.algo = ALLTOALLS[cfg.a2a](layer.topo)
     if cfg.schedule != layer.cfg.schedule:
@@ -182,9 +219,14 @@ def apply(layer, cfg: MoEConfig) -> None:
     layer.cfg = cfg
 
 
-def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int) -> float:
-    """Median seconds of ``reps`` forward + backward steps (after one warm-up), each step the
-    slowest rank's: the same number on every rank."""
+def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock,
+             warmup=None) -> float | None:
+    """Median seconds of up to ``reps`` forward + backward steps (after one warm-up), each step
+    the slowest rank's: the same number on every rank. After the first timed step, a further
+    one runs only while ``clock`` says it fits the time budget (the same answer on every
+    rank), so the repetitions adapt to the step time. ``warmup`` (collective, returns whether
+    to go on: the same answer on every rank) replaces the warm-up step, e.g. an error probe
+    of ``codec="auto:lossy"``; None is returned when it says no."""
     from moeflow.bench.timing import time_aligned
 
     def step():
@@ -192,10 +234,21 @@ def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int) -> float:
         (y.float().square().mean() + layer.aux_loss).backward()
 
     apply(layer, cfg)
-    times = []
-    for _ in range(1 + reps):
-        times.append(time_aligned(step, layer.topo, x.device))
+    times, go = [], [True]
+    for i in range(1 + reps):
+        if i >= 2 and not clock.fits(1):
+            clock.note_cut(f"{cfg.codec}/{cfg.a2a}/{cfg.schedule}/r={cfg.pipeline_degree}: "
+                           f"{i - 1} of {reps} reps")
+            break
+        if i == 0 and warmup is not None:
+            times.append(time_aligned(lambda: go.__setitem__(0, warmup()), layer.topo,
+                                      x.device))
+        else:
+            times.append(time_aligned(step, layer.topo, x.device))
+        clock.note_step(times[-1], estimate=i > 0)     # warm-ups / probes: not estimates
         layer.zero_grad(set_to_none=True)
+        if not go[0]:
+            return None
     return statistics.median(times[1:])
 
 
@@ -214,19 +267,39 @@ def _say(topo, msg: str) -> None:
         log.info(msg)
 
 
+def _key(c) -> tuple:
+    get = (c.get if isinstance(c, dict) else lambda k: getattr(c, k))
+    return (get("codec"), get("a2a"), get("schedule"), get("pipeline_degree"))
+
+
+def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[int]) -> list:
+    """Candidates measured without predictions when the budget leaves no time to profile:
+    the best screened (codec, algorithm) with the overlapping schedules at the smallest
+    pipelining degree above 1 (ScheMoE's OptSche first, Theorem 1)."""
+    r = min((d for d in degrees if d > 1), default=None)
+    order = [s for s in ("optsche", "pipelined") if s in schedules]
+    return [((pair[0], pair[1], s, r), None) for s in order] if r is not None else []
+
+
 def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
          name: str = "") -> TunedChoice:
     """Choose the auto fields of ``requested`` for ``layer`` on input ``x`` (collective over
     every rank of the layer's topology; all ranks must call it together)."""
     from moeflow.schedule.chooser import choose
 
-    topo, t0 = layer.topo, time.perf_counter()
+    topo = layer.topo
+    clock = TuneClock(requested.autotune_budget_s, topo)
+    t0 = clock.t0
     label = f"autotune {name or 'layer'} (layer_id {requested.layer_id})"
     fixed = placeholder(requested)
+    budget = requested.effective_lossy_error_budget      # None unless codec="auto:lossy"
+    common = dict(lossy_error_budget=budget, budget_s=requested.autotune_budget_s)
     if not topo.distributed or topo.ep_size == 1:
-        # No exchange to tune: every algorithm is a no-op and r only adds chunking.
+        # No exchange to tune: every algorithm is a no-op, r only adds chunking, a codec
+        # only adds error.
         choice = TunedChoice(fixed.a2a, fixed.schedule, fixed.pipeline_degree, None, None,
-                             layout(topo))
+                             layout(topo), codec="none",
+                             codec_error=0.0 if budget is not None else None, **common)
         _say(topo, f"{label}: one expert-parallel rank, nothing to tune: {choice.settings()}")
         return choice
     algos = candidate_algorithms(requested, topo)
@@ -234,57 +307,129 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
     degrees = list(DEGREES) if requested.pipeline_degree == AUTO else [requested.pipeline_degree]
     x = x.detach().requires_grad_(x.requires_grad)   # same backward as the real step
     measured: list[dict] = []
+    errors: dict[str, float] = {}
+
+    def elapsed() -> str:
+        return f"({time.perf_counter() - t0:.1f} s)"
+
+    def record(cfg: MoEConfig, pred, stage: str, reps=reps, warmup=None) -> dict | None:
+        sec = _measure(layer, cfg, x, reps, clock, warmup)
+        if sec is None:
+            return None
+        m = {"codec": cfg.codec, "a2a": cfg.a2a, "schedule": cfg.schedule,
+             "pipeline_degree": cfg.pipeline_degree,
+             "predicted_ms": None if pred is None else 1e3 * pred, "measured_ms": 1e3 * sec,
+             "stage": stage}
+        measured.append(m)
+        return m
+
     with _Preserved(layer), torch.enable_grad():
         layer._tuning = True
         try:
-            # 1. screen the algorithms at r = 1, sequential
             base = fixed.replace(schedule="sequential", pipeline_degree=1)
-            screen = {}
-            if len(algos) > 1:
-                for i, a in enumerate(algos):
-                    screen[a] = _measure(layer, base.replace(a2a=a), x, reps)
-                    _say(topo, f"{label}: screen {i + 1}/{len(algos)} a2a={a} r=1: "
-                               f"{screen[a] * 1e3:.1f} ms ({time.perf_counter() - t0:.1f} s)")
-                kept = sorted(algos, key=screen.get)[:KEEP_ALGOS]
+            # 1. screen at r = 1, sequential: the placeholder's algorithm (direct) lossless
+            #    first; with codec="auto:lossy" then every lossy codec on it, gentlest first,
+            #    each one's warm-up step measuring its error (ErrorProbe; over budget: not
+            #    timed); then the other algorithms, lossless
+            first = fixed.a2a if fixed.a2a in algos else algos[0]
+            algos = [first] + [a for a in algos if a != first]
+            lossless = "none" if budget is not None else fixed.codec
+            probe = ErrorProbe(layer, x) if budget is not None else None
+            lossy = (gentlest_first(lossy_candidates(x.dtype, x.device), x.shape[-1], x.dtype)
+                     if budget is not None else [])
+            order = ([(lossless, first)] + [(c, first) for c in lossy]
+                     + [(lossless, a) for a in algos[1:]])
+            screen: dict[tuple[str, str], float] = {}    # even one pair: the step estimate
+            for i, (c, a) in enumerate(order):
+                left = len(order) - i
+                if measured and not clock.fits(2):
+                    clock.note_cut(f"screen: {left} of {len(order)} unscreened "
+                                   f"({', '.join(f'{c}/{a}' for c, a in order[i:])})")
+                    break
+                # the repetitions adapt: 1 when the budget cannot hold them all
+                n = reps if not measured or clock.fits((1 + reps) * left) else 1
+                warm = None
+                if probe is not None and c == lossless and i == 0:
+                    warm = lambda: (probe.reference(), True)[1]          # noqa: E731
+                elif probe is not None and c != lossless:
+                    def warm(c=c):
+                        errors[c] = probe.error()
+                        return errors[c] <= budget                       # NaN: dropped
+                m = record(base.replace(codec=c, a2a=a), None, "screen", n, warm)
+                if m is None:
+                    _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c}: error "
+                               f"{errors[c]:.2e} over budget {budget:g}, not timed "
+                               f"{elapsed()}")
+                    continue
+                if n < reps:
+                    clock.note_cut(f"screen {c}/{a}: 1 of {reps} reps")
+                screen[(c, a)] = m["measured_ms"]
+                err = f", error {errors[c]:.2e}" if c in errors else ""
+                _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c} a2a={a} r=1: "
+                           f"{screen[(c, a)]:.1f} ms{err} {elapsed()}")
+            kept = sorted(screen, key=screen.get)[:KEEP_ALGOS]
+            # 2. ScheMoE's profiler + chooser on the kept (codec, algorithm) pairs, cut to
+            #    one pair, then skipped, when the budget cannot hold it
+            cands = []
+            profile_steps = len(degrees) * (1 + reps)
+            plan = next((p for p in (kept, kept[:1])
+                         if not measured or clock.fits(len(p) * profile_steps)), None)
+            if plan is None:
+                clock.note_cut("profile: skipped")
             else:
-                kept = algos
-            # 2. ScheMoE's profiler + chooser on the kept algorithms
-            best, cands, _ = choose(
-                lambda codec, a2a: (apply(layer, base.replace(codec=codec, a2a=a2a)), layer)[1],
-                x, [requested.codec], kept, degrees, schedules, reps=reps)
-            _say(topo, f"{label}: profiled {kept} at r={degrees}, {len(cands)} candidates "
-                       f"predicted ({time.perf_counter() - t0:.1f} s)")
-            # 3. measure the best predictions (and the screen's winner at r = 1)
+                if len(plan) < len(kept):
+                    clock.note_cut(f"profile: {len(plan)} of {len(kept)} pairs")
+                for c, a in plan:
+                    _, more, _ = choose(
+                        lambda codec, a2a: (apply(layer, base.replace(codec=codec, a2a=a2a)),
+                                            layer)[1],
+                        x, [c], [a], degrees, schedules, reps=reps)
+                    cands += more
+                cands.sort(key=lambda c: c.predicted_s)
+                _say(topo, f"{label}: profiled {plan} at r={degrees}, {len(cands)} candidates "
+                           f"predicted {elapsed()}")
+            # 3. measure the best predictions (fallback without predictions: the overlapping
+            #    schedules of the best screened pair), skipping what was measured already
             trial = []
             for c in cands:
-                key = (c.a2a, c.schedule, c.pipeline_degree)
+                key = _key(c)
                 if key not in [k for k, _ in trial]:
                     trial.append((key, c.predicted_s))
                 if len(trial) == MEASURE_TOP:
                     break
-            key = (kept[0], "sequential", 1)
-            if screen and key not in [k for k, _ in trial]:
-                pred = next((c.predicted_s for c in cands
-                             if (c.a2a, c.schedule, c.pipeline_degree) == key), None)
-                if pred is not None:
-                    trial.append((key, pred))
-            for i, ((a, s, r), pred) in enumerate(trial):
-                cfg = fixed.replace(a2a=a, schedule=s, pipeline_degree=r)
-                ms = 1e3 * _measure(layer, cfg, x, reps)
-                measured.append({"a2a": a, "schedule": s, "pipeline_degree": r,
-                                 "predicted_ms": 1e3 * pred, "measured_ms": ms})
-                _say(topo, f"{label}: measure {i + 1}/{len(trial)} a2a={a} schedule={s} r={r}: "
-                           f"predicted {1e3 * pred:.1f} ms, measured {ms:.1f} ms "
-                           f"({time.perf_counter() - t0:.1f} s)")
+            if plan is None and screen:
+                trial = _fallback_trials(min(screen, key=screen.get), schedules, degrees)
+            done = {_key(m) for m in measured}
+            trial = [t for t in trial if t[0] not in done]
+            for i, ((c, a, s, r), pred) in enumerate(trial):
+                if measured and not clock.fits(2):
+                    clock.note_cut(f"measure: {len(trial) - i} of {len(trial)} unmeasured")
+                    break
+                cfg = fixed.replace(codec=c, a2a=a, schedule=s, pipeline_degree=r)
+                m = record(cfg, pred, "measure")
+                p = "-" if pred is None else f"{1e3 * pred:.1f} ms"
+                _say(topo, f"{label}: measure {i + 1}/{len(trial)} codec={c} a2a={a} "
+                           f"schedule={s} r={r}: predicted {p}, measured "
+                           f"{m['measured_ms']:.1f} ms {elapsed()}")
         finally:
             layer._tuning = False
     win = min(measured, key=lambda m: (m["measured_ms"], m["pipeline_degree"]))
-    choice = TunedChoice(win["a2a"], win["schedule"], win["pipeline_degree"],
-                         win["predicted_ms"], win["measured_ms"], layout(topo),
-                         tune_s=time.perf_counter() - t0, candidates=measured)
-    _say(topo, f"{label}: chose a2a={choice.a2a} schedule={choice.schedule} "
-               f"r={choice.pipeline_degree}: predicted {choice.predicted_ms:.1f} ms, measured "
-               f"{choice.measured_ms:.1f} ms; tuning took {choice.tune_s:.1f} s")
+    pred = win["predicted_ms"]
+    if pred is None:      # measured in the screen: the chooser's prediction, where it made one
+        pred = next((1e3 * c.predicted_s for c in cands if _key(c) == _key(win)), None)
+    err = errors.get(win["codec"], 0.0) if budget is not None else None
+    choice = TunedChoice(win["a2a"], win["schedule"], win["pipeline_degree"], pred,
+                         win["measured_ms"], layout(topo), tune_s=time.perf_counter() - t0,
+                         candidates=measured, codec=win["codec"], codec_error=err,
+                         codec_errors=errors, budget_cut=list(clock.cut),
+                         max_step_ms=1e3 * clock.max_step_s, **common)
+    p = "-" if pred is None else f"{pred:.1f} ms"
+    lossy = "" if err is None else f" (error {err:.2e}, budget {budget:g})"
+    cut = (f"; time budget {requested.autotune_budget_s:g} s cut: {'; '.join(clock.cut)}"
+           if clock.cut else "")
+    _say(topo, f"{label}: chose codec={choice.codec}{lossy} a2a={choice.a2a} "
+               f"schedule={choice.schedule} r={choice.pipeline_degree}: predicted {p}, "
+               f"measured {choice.measured_ms:.1f} ms; tuning took {choice.tune_s:.1f} s{cut}")
     return choice
 
 
@@ -305,7 +450,9 @@ def restore_tuning(model: torch.nn.Module, state: dict[str, dict]) -> list[str]:
         if m is None or not getattr(m, "auto_fields", None):
             continue
         choice = TunedChoice.from_dict(d)
-        if choice.topology == layout(m.topo):
+        budget = m.requested_cfg.effective_lossy_error_budget
+        if choice.topology == layout(m.topo) and (
+                "codec" not in m.auto_fields or choice.lossy_error_budget == budget):
             m.set_tuned(choice)
             done.append(name)
     return done

@@ -21,6 +21,9 @@ def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
 
 
 AUTO = "auto"      # issue 18: a2a / schedule / pipeline_degree chosen by measurement
+AUTO_LOSSY = "auto:lossy"   # issue 18: codec chosen by measurement among lossy ones too
+DEFAULT_LOSSY_ERROR_BUDGET = 1e-2   # what lossy_error_budget=None means with codec auto:lossy
+DEFAULT_AUTOTUNE_BUDGET_S = 30.0    # MoEConfig.autotune_budget_s's default
 PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
 
 
@@ -235,6 +238,12 @@ class MoEConfig:
     # Parm (issue 16): schedule of MP+EP+ESP, and S2's SAA (True) or AAS (False)
     parallel_schedule: str = "baseline"
     parm_saa: bool = True
+    # issue 18 (moeflow/autotune.py, docs/autotune.md): codec="auto:lossy" lets the tuner pick
+    # a lossy codec whose relative L2 error (layer output and input gradient vs the lossless
+    # exchange, tuning batch, worst rank) is <= lossy_error_budget (None: 1e-2); the tuning
+    # of any "auto" field stops measuring after autotune_budget_s seconds (None: unbounded)
+    lossy_error_budget: float | None = None
+    autotune_budget_s: float | None = DEFAULT_AUTOTUNE_BUDGET_S
 
     # HECATE FSSDP (issue 17, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
     # experts fully sharded (one owner each), materialized per iteration by spAG; its options
@@ -313,6 +322,13 @@ class MoEConfig:
             v = getattr(self, name)
             if v == AUTO and name in ("a2a", "schedule"):      # issue 18: tuned at run time
                 continue
+            if name == "codec" and v == AUTO_LOSSY:              # issue 18: tuned, lossy too
+                continue
+            _require(not (name == "codec" and v == AUTO), o, "codec", v,
+                     "the only lossless codec is 'none' (the default), so there is nothing "
+                     "lossless to choose; use codec='none', or codec='auto:lossy' (with "
+                     "lossy_error_budget) to let the tuner pick a lossy codec within an error "
+                     "budget")
             reg = registry(kind)
             _require(v in reg, o, name, v,
                      f"unknown name; registered: {', '.join(sorted(reg))} "
@@ -323,6 +339,32 @@ class MoEConfig:
                  "must be a dict of the router's settings (or None)")
         self.router_options = registry("router")[self.router].check_options(self)
         self._check_architecture_pieces(o)
+        self._check_tuning_budgets(o)
+
+    def _check_tuning_budgets(self, o: str) -> None:
+        """lossy_error_budget and autotune_budget_s (issue 18, moeflow/autotune.py)."""
+        b = self.lossy_error_budget
+        if b is not None:
+            _require(self.codec == AUTO_LOSSY, o, "lossy_error_budget", b,
+                     f"it only applies to codec='{AUTO_LOSSY}' (codec is {self.codec!r}); set "
+                     f"codec='{AUTO_LOSSY}' or drop lossy_error_budget")
+            _require(isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0, o,
+                     "lossy_error_budget", b,
+                     "must be a number >= 0: the largest relative L2 error of the layer's "
+                     "output and input gradient allowed (e.g. 1e-2; 0 keeps codec 'none')")
+        t = self.autotune_budget_s
+        if t is not None:
+            _require(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0, o,
+                     "autotune_budget_s", t,
+                     "must be a number of seconds > 0 (e.g. 30), or None for no time limit")
+
+    @property
+    def effective_lossy_error_budget(self) -> float | None:
+        """The error budget codec='auto:lossy' tunes with (None for other codecs)."""
+        if self.codec != AUTO_LOSSY:
+            return None
+        b = self.lossy_error_budget
+        return DEFAULT_LOSSY_ERROR_BUDGET if b is None else float(b)
 
     def _check_architecture_pieces(self, o: str) -> None:
         """Shared experts, activation options, expert module (issue 20)."""
@@ -476,6 +518,9 @@ class ModelConfig:
     a2a: str = "direct"
     schedule: str = "sequential"
     pipeline_degree: int = 1
+    # issue 18: see MoEConfig.lossy_error_budget / MoEConfig.autotune_budget_s
+    lossy_error_budget: float | None = None
+    autotune_budget_s: float | None = DEFAULT_AUTOTUNE_BUDGET_S
     # HECATE FSSDP (issue 17): see MoEConfig.placement / MoEConfig.fssdp
     placement: str = "ep"
     fssdp: dict | None = None

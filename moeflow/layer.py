@@ -77,11 +77,12 @@ class MoELayer(nn.Module):
         self._forwards = 0
         if self.auto_fields and (cfg.placement == "fssdp" or cfg.parallel_schedule != "baseline"):
             raise ConfigError(
-                f"MoEConfig {'/'.join(self.auto_fields)}='auto' cannot be tuned with "
+                f"MoEConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in self.auto_fields)}"
+                " cannot be tuned with "
                 f"placement={cfg.placement!r} and parallel_schedule={cfg.parallel_schedule!r}: "
                 "the tuner times the expert-parallel exchange (FSSDP's load window and Parm's "
-                "EP&ESP exchange are not what it measures); set a2a, schedule and "
-                "pipeline_degree explicitly (e.g. 'direct', 'sequential', 1)")
+                "EP&ESP exchange are not what it measures); set a2a, schedule, "
+                "pipeline_degree and codec explicitly (e.g. 'direct', 'sequential', 1, 'none')")
         cfg = autotune.placeholder(cfg)
         if cfg.num_experts % topo.ep_size:
             raise ConfigError(
@@ -174,7 +175,8 @@ class MoELayer(nn.Module):
         rank calls it, as the first forward does); returns the choice, also in ``tuned``."""
         if not self.auto_fields:
             raise ConfigError("MoELayer.tune: this layer's MoEConfig has no 'auto' field "
-                              "(a2a, schedule, pipeline_degree); set one to 'auto' to tune it")
+                              "(a2a, schedule, pipeline_degree; codec 'auto:lossy'); set one "
+                              "to 'auto' to tune it")
         self.set_tuned(autotune.tune(self, x.reshape(-1, self.cfg.d_model),
                                      self.requested_cfg, reps))
         return self.tuned
@@ -291,9 +293,10 @@ class MoELayer(nn.Module):
                        "dropped_fraction": plan.dropped / n_choices}
         if self.tuned is not None:
             self._stats["autotune_pipeline_degree"] = float(self.cfg.pipeline_degree)
-            for key in ("predicted_ms", "measured_ms"):
+            for key in ("predicted_ms", "measured_ms", "codec_error"):
                 if getattr(self.tuned, key) is not None:
                     self._stats[f"autotune_{key}"] = getattr(self.tuned, key)
+            self._stats["autotune_budget_cut"] = float(bool(self.tuned.budget_cut))
         if fssdp is not None:
             self._stats.update(fssdp.stats())
         if nonfinite is not None:       # forward's count; backward adds its own in place

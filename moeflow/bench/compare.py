@@ -29,7 +29,7 @@ import torch
 
 from moeflow.bench.peer import PEERS
 from moeflow.bench.timing import slowest, start_aligned
-from moeflow.config import MoEConfig
+from moeflow.config import DEFAULT_AUTOTUNE_BUDGET_S, MoEConfig
 from moeflow.devices import resolve_device, synchronize
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseTimer
@@ -64,6 +64,9 @@ def _agreement(layer: MoELayer, peer_fn, x: torch.Tensor, topo: Topology) -> dic
         a, b = got["moeflow"][i].float(), got["peer"][i].float()
         out[f"max_abs_diff_{what}"] = slowest(float((a - b).abs().max()), topo)
         ok &= bool(torch.allclose(b, a, rtol=RTOL, atol=ATOL))
+        # relative L2 (worst rank): what a lossy codec's error budget bounds (autotune_lossy)
+        rel = float((a - b).double().norm() / b.double().norm().clamp_min(1e-30))
+        out[f"rel_l2_diff_{what}"] = slowest(rel, topo)
     out["agree"] = slowest(0.0 if ok else 1.0, topo) == 0.0
     return out
 
@@ -114,7 +117,9 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
                     num_experts=opts["num_experts"], top_k=opts["top_k"],
                     capacity_factor=opts["capacity_factor"], activation=opts["activation"],
                     seed=1, a2a=opts["a2a"], schedule=opts["schedule"],
-                    pipeline_degree=opts["pipeline_degree"], codec=opts.get("codec", "none"))
+                    pipeline_degree=opts["pipeline_degree"], codec=opts.get("codec", "none"),
+                    lossy_error_budget=opts.get("lossy_error_budget"),
+                    autotune_budget_s=opts.get("autotune_budget_s", DEFAULT_AUTOTUNE_BUDGET_S))
     layer = MoELayer(cfg, topo).to(device)
     peer.check(layer, opts["tokens"])
     other = peer.build(layer)
@@ -170,9 +175,11 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
     return {"peer": peer_name, "topology": repr(topo), "world_size": topo.world_size,
             "tokens_per_rank": opts["tokens"], "config": {k: opts[k] for k in (
                 "d_model", "d_expert", "num_experts", "top_k", "capacity_factor",
-                "activation", "a2a", "schedule", "pipeline_degree")},
+                "activation", "a2a", "schedule", "pipeline_degree")}
+            | {k: opts.get(k) for k in ("codec", "lossy_error_budget", "autotune_budget_s")},
             "input_grad": x.requires_grad, "threads": torch.get_num_threads(), "warmup": opts["warmup"], "reps": opts["reps"],
-            "moeflow_settings": {"a2a": layer.cfg.a2a, "schedule": layer.cfg.schedule,
+            "moeflow_settings": {"codec": layer.cfg.codec, "a2a": layer.cfg.a2a,
+                                 "schedule": layer.cfg.schedule,
                                  "pipeline_degree": layer.cfg.pipeline_degree},
             "tuned": tuned, "agreement": check,
             "step_ms": ms, "samples_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
@@ -192,11 +199,13 @@ def format_compare(res: dict) -> str:
     s = res["moeflow_settings"]
     lines = [f"{res['topology']}, {res['tokens_per_rank']} tokens/rank, {res['threads']} "
              f"threads/rank, {res['reps']} interleaved reps (medians)",
-             f"moeflow ({s['a2a']} / {s['schedule']} / r={s['pipeline_degree']}): "
+             f"moeflow ({s.get('codec', 'none')} / {s['a2a']} / {s['schedule']} / "
+             f"r={s['pipeline_degree']}): "
              f"{ms['moeflow']:.1f} ms   {p}: {ms[p]:.1f} ms   "
              f"speedup {p}/moeflow = {res['speedup']:.3f}",
              f"outputs agree: {a['agree']} (max |dy| {a['max_abs_diff_y']:.2e}, max |dx| "
-             f"{a['max_abs_diff_dx']:.2e})",
+             f"{a['max_abs_diff_dx']:.2e}; relative L2 y {a.get('rel_l2_diff_y', 0):.2e}, "
+             f"dx {a.get('rel_l2_diff_dx', 0):.2e})",
              "moeflow phases (ms, fwd+bwd): " + ", ".join(
                  f"{k} {v:.1f}" for k, v in res["phase_ms"].items())
              + f"; step {res['phase_step_ms']:.1f}",
@@ -205,6 +214,14 @@ def format_compare(res: dict) -> str:
              f"{e['layer_gflops']:.1f} GFLOP/s = {e['layer_fraction']:.2f}"]
     t = res.get("tuned")
     if t and t.get("measured_ms") is not None:
-        lines.append(f"auto-tuned in {t['tune_s']:.1f} s: predicted {t['predicted_ms']:.1f} ms,"
+        pred = "-" if t["predicted_ms"] is None else f"{t['predicted_ms']:.1f} ms"
+        lines.append(f"auto-tuned in {t['tune_s']:.1f} s: predicted {pred},"
                      f" measured {t['measured_ms']:.1f} ms")
+        if t.get("codec_error") is not None:
+            lines.append(f"codec auto:lossy chose {t['codec']} (error {t['codec_error']:.2e}, "
+                         f"budget {t['lossy_error_budget']:g}; errors: " + ", ".join(
+                             f"{c} {e:.2e}" for c, e in t["codec_errors"].items()) + ")")
+        if t.get("budget_cut"):
+            lines.append(f"tuning cut by its {t['budget_s']:g} s budget: "
+                         + "; ".join(t["budget_cut"]))
     return "\n".join(lines)

@@ -48,6 +48,14 @@ def register(sub) -> None:
                           "parameter gradients only)")
     cmp.add_argument("--degree", default="auto",
                      help="moeflow's pipelining degree (--compare; an integer or auto)")
+    cmp.add_argument("--codec", default="none",
+                     help="moeflow's codec (--compare; 'auto:lossy' lets the tuner pick a lossy "
+                          "codec within --lossy-error-budget)")
+    cmp.add_argument("--lossy-error-budget", type=float, default=None,
+                     help="MoEConfig.lossy_error_budget with --codec auto:lossy (default 1e-2)")
+    cmp.add_argument("--autotune-budget", default="30",
+                     help="MoEConfig.autotune_budget_s: seconds the tuner may take, or 'none' "
+                          "(unbounded) (--compare)")
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
@@ -228,7 +236,10 @@ def run_compare(args: argparse.Namespace) -> int:
             "capacity_factor": args.capacity_factor, "activation": args.activation,
             "a2a": args.a2a, "schedule": args.schedule, "pipeline_degree": degree,
             "warmup": args.warmup, "reps": args.reps, "device": args.device,
-            "input_grad": args.input_grad}
+            "input_grad": args.input_grad, "codec": args.codec,
+            "lossy_error_budget": args.lossy_error_budget,
+            "autotune_budget_s": (None if args.autotune_budget.lower() == "none"
+                                  else float(args.autotune_budget))}
     return _report(run_on_ranks(compare_worker, args, args.compare, opts), args,
                    format_compare)
 
