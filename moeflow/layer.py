@@ -151,11 +151,13 @@ class MoELayer(nn.Module):
     def _trims(self, sched, device: torch.device) -> bool:
         """Whether capacity mode sends only the kept rows (``MoEConfig.capacity_padding``):
         on the expert-parallel path (not FSSDP, Parm's schedules or ESP shards, which lay out
-        capacity themselves); "auto" where a host synchronisation is free (CPU)."""
+        capacity themselves); "auto" where a host synchronisation is free: on CPU, in eager
+        mode (under ``torch.compile`` the kept counts' host read would break the graph at the
+        plan, so "auto" pads there)."""
         mode = self.cfg.capacity_padding
         if mode == "pad" or sched is not None or self.topo.esp_size > 1:
             return False
-        return mode == "trim" or device.type == "cpu"
+        return mode == "trim" or (device.type == "cpu" and not torch.compiler.is_compiling())
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the last forward's aux_loss (it belongs to that graph)."""

@@ -5,8 +5,8 @@ Algorithm 1 with re-materialization), counted by :mod:`moeflow.bench.syncs` (thi
 the comm lane).
 
 Measured (every rank): Parm S1 / S2-SAA / S2-AAS and shared experts keep EP's contract,
-capacity 0 syncs and dropless 1 (``Tensor.tolist``: learning the row counts). FSSDP makes 1
-sync in capacity mode too: see ``FSSDP_SYNCS``.
+padded capacity 0 syncs and dropless 1 (``Tensor.tolist``: learning the row counts). FSSDP
+makes 1 sync in capacity mode too: see ``FSSDP_SYNCS``.
 """
 
 from __future__ import annotations

@@ -134,8 +134,10 @@ def test_shared_task_overlaps_the_dispatch_all_to_all():
 
 
 def test_no_host_syncs_added():
-    """Capacity mode stays at zero syncs and dropless at one with shared experts (one
-    process; a lossless and a lossy codec, the sequential and an overlapping schedule)."""
+    """Padded capacity mode stays at zero syncs and dropless at one with shared experts (one
+    process; a lossless and a lossy codec, the sequential and an overlapping schedule).
+    Padded: the GPU default; "auto" trims on CPU, one read of the kept counts
+    (tests/test_host_sync.py)."""
     x = torch.randn(12, 16, requires_grad=True)
     for codec in ("none", "int8"):
         for schedule, r in (("sequential", 1), ("optsche", 2)):
@@ -143,7 +145,8 @@ def test_no_host_syncs_added():
                 cfg = mf.MoEConfig(d_model=16, d_expert=32, num_experts=4, top_k=2, seed=1,
                                    codec=codec, schedule=schedule, pipeline_degree=r,
                                    capacity_factor=cf, num_shared_experts=2,
-                                   shared_expert_gate=True, activation="swiglu")
+                                   shared_expert_gate=True, activation="swiglu",
+                                   capacity_padding="pad")
                 layer = mf.MoELayer(cfg)
                 host_sync.step_syncs(layer, x)
                 syncs = host_sync.step_syncs(layer, x)

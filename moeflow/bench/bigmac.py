@@ -83,7 +83,9 @@ class _Runner:
         self.cfg = MoEConfig(d_model=d_model, d_expert=case.d_expert,
                              num_experts=case.num_experts, top_k=case.top_k,
                              structure=case.structure, downscale_factor=case.downscale_factor,
-                             capacity_factor=case.capacity_factor, a2a="counting", seed=1)
+                             capacity_factor=case.capacity_factor, a2a="counting", seed=1,
+                             # the byte formula counts capacity's whole E*C buffer
+                             capacity_padding="pad")
         self.layer = MoELayer(self.cfg, topo).to(device)
         self.timer = PhaseTimer()
         gen = torch.Generator().manual_seed(1000 + topo.rank)

@@ -7,7 +7,8 @@ combine, forward + backward, as charged by :class:`~moeflow.phases.PhaseTimer`).
 
 Two more figures per config, from extra untimed steps so they do not disturb the timing:
 ``host_syncs`` (operations that would make the host wait for a GPU, per forward + backward,
-counted by :mod:`moeflow.bench.syncs`; the budget is 0 in capacity mode, 1 dropless) and, for
+counted by :mod:`moeflow.bench.syncs`; the budget is 0 in padded capacity mode, 1 with trimmed
+capacity, ``capacity_padding="auto"``'s choice on CPU, and 1 dropless) and, for
 the pipelined schedules (``--schedules``), ``overlap``: the fraction of communication time
 during which a computing task ran (:mod:`moeflow.schedule.overlap`).
 """
