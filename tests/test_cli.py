@@ -194,3 +194,20 @@ def test_a_failing_rank_is_reported_once_with_the_traceback_in_the_run_folder(tm
     assert "Traceback" in log and "_fail_on_rank_one" in log and "rank one is broken" in log
     assert "Traceback" not in capfd.readouterr().err     # the console gets the short form
 
+
+def test_bench_json_records_its_provenance(monkeypatch):
+    from moeflow.commands.common import run_meta
+
+    monkeypatch.setenv("MOEFLOW_CLUSTER_INTER_BPS", "1e9")
+    monkeypatch.setattr(sys, "argv", ["moeflow", "bench", "layer", "--tokens", "8"])
+    meta = run_meta()
+    assert meta["command"] == "moeflow bench layer --tokens 8"
+    assert meta["link"] == {"inter_bps": 1e9}
+    assert len(meta["load"].split()) == 3 and meta["cpus"] >= 1
+    # the commit of the checkout the package runs from (None for an installed copy)
+    import moeflow
+    from pathlib import Path
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=Path(moeflow.__file__).parent).stdout.strip()
+    assert meta["commit"] == (head or None)

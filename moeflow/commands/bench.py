@@ -8,7 +8,7 @@ import sys
 
 from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
 from moeflow.commands import bench_bigmac, bench_net, bench_parm
-from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
+from moeflow.commands.common import add_device_arg, add_launch_args, run_meta, run_on_ranks
 from moeflow.registry import did_you_mean
 
 
@@ -245,13 +245,14 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def _report(res: dict | None, args: argparse.Namespace, format_result) -> int:
-    """Print rank 0's result as a table and, with --out, write it as JSON with its command."""
+    """Print rank 0's result as a table and, with --out, write it as JSON with its command
+    and provenance (:func:`run_meta`)."""
     import json
 
     if res is not None:
         print(format_result(res))
         if args.out:
-            res["command"] = "moeflow " + shlex.join(sys.argv[1:])
+            res.update(run_meta())
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=2)
             print(f"wrote {args.out}")

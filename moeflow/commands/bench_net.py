@@ -7,16 +7,11 @@ Both run on the ranks of the job they are started in (torchrun, ``moeflow cluste
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import shlex
-import sys
 
 from moeflow.bench import a2a, links
 from moeflow.bench.linkmodel import save_fits
 from moeflow.cluster.shaping import parse_rate
-from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
+from moeflow.commands.common import add_device_arg, add_launch_args, run_meta, run_on_ranks
 from moeflow.config import ConfigError
 from moeflow.registry import did_you_mean
 
@@ -58,16 +53,6 @@ def register_bench(bsub) -> None:
     p.set_defaults(func=run_a2a)
 
 
-def _meta() -> dict:
-    link = {k[len("MOEFLOW_CLUSTER_"):].lower(): float(v) for k, v in os.environ.items()
-            if k.startswith("MOEFLOW_CLUSTER_") and k.endswith(("_BPS", "_S"))}
-    return {"command": "moeflow " + shlex.join(sys.argv[1:]),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "host": platform.node(), "cpus": os.cpu_count(),
-            "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "link": link or None}
-
-
 def _check(args, *names) -> list[int]:
     for name in names:
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -87,7 +72,7 @@ def run_links(args: argparse.Namespace) -> int:
     if res is not None:
         print(links.format_table(res["fits"]))
         if args.out:
-            save_fits(args.out, res["fits"], {**_meta(), "layout": res["layout"]})
+            save_fits(args.out, res["fits"], {**run_meta(), "layout": res["layout"]})
             print(f"wrote {args.out}")
     return 0
 
@@ -110,7 +95,7 @@ def run_a2a(args: argparse.Namespace) -> int:
     if res is not None:
         a2a.add_bounds(res, bws)
         a2a.add_pipe_summary(res, bws, args.links)
-        res.update(_meta())
+        res.update(run_meta())
         print(a2a.format_table(res))
         if args.out:
             a2a.write_json(res, args.out)

@@ -5,8 +5,14 @@ key=value`` overrides, ``--device``, running on ranks (gloo on CPU, ``cpu:gloo,c
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -59,6 +65,25 @@ def parse_overrides(items: list[str], target: type | None = None) -> dict[str, A
         key = key.strip()
         out[key] = parse_value(value.strip(), "None" in types.get(key, "None"))
     return out
+
+
+def run_meta() -> dict:
+    """Where and when a benchmark's JSON was made: its command, UTC date, host, CPUs, the load
+    average when it was written (the machine is shared: ratios within a run compare, absolute
+    times across runs do not), the emulated cluster's links, and the moeflow commit when run
+    from a git checkout (None otherwise)."""
+    link = {k[len("MOEFLOW_CLUSTER_"):].lower(): float(v) for k, v in os.environ.items()
+            if k.startswith("MOEFLOW_CLUSTER_") and k.endswith(("_BPS", "_S"))}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"command": "moeflow " + shlex.join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "host": platform.node(), "cpus": os.cpu_count(),
+            "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "link": link or None, "commit": commit or None}
 
 
 def add_launch_args(p: argparse.ArgumentParser, default_nproc: int) -> None:
