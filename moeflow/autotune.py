@@ -12,8 +12,10 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    the payload's dtype, most wire bytes (the gentlest) first, whose warm-up step measures
    its error against the lossless exchange (:mod:`moeflow.autotune_lossy`: relative L2 of
    the output and of the input gradient, worst rank) and which is not timed when over
-   ``lossy_error_budget``; then every other usable all-to-all algorithm (``check_topology``
-   passes), lossless. The best two (codec, algorithm) pairs are kept.
+   ``lossy_error_budget``; with a time budget, then the overlap trials on the best pair so
+   far (OptSche at each r > 1, :func:`screen_order`); then every other usable all-to-all
+   algorithm (``check_topology`` passes), lossless. The best two (codec, algorithm) pairs
+   are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
@@ -267,9 +269,41 @@ def _say(topo, msg: str) -> None:
         log.info(msg)
 
 
+def _entry(e: tuple) -> str:
+    """A screen entry as the cut note names it: ``codec/algorithm`` or ``schedule/r=R``."""
+    kind, a, b = e
+    return f"{a}/{b}" if kind == "screen" else f"{a}/r={b}"
+
+
 def _key(c) -> tuple:
     get = (c.get if isinstance(c, dict) else lambda k: getattr(c, k))
     return (get("codec"), get("a2a"), get("schedule"), get("pipeline_degree"))
+
+
+def overlap_trials(schedules: list[str], degrees: list[int]) -> list[tuple[str, int]]:
+    """(schedule, r) of the early overlap trials of a budgeted tuning: ScheMoE's OptSche
+    (Theorem 1: never slower than the pipelined order in the two-lane model) at every allowed
+    pipelining degree above 1, smallest first; the pipelined order where OptSche is not
+    allowed; none where neither is."""
+    s = next((s for s in ("optsche", "pipelined") if s in schedules), None)
+    return [(s, r) for r in sorted(degrees) if r > 1] if s is not None else []
+
+
+def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
+                 schedules: list[str], degrees: list[int], budgeted: bool) -> list[tuple]:
+    """The screen's entries, in order: ``("screen", codec, algorithm)`` at r = 1 sequential,
+    or ``("overlap", schedule, r)`` on the best pair screened so far. The first algorithm
+    lossless, then the lossy codecs on it (gentlest first), then the other algorithms,
+    lossless. With a time budget the overlap trials come before the other algorithms: the
+    budget often ends the screen there, and overlapping the exchange with the experts
+    (ScheMoE's r and OptSche) is the larger lever where the exchange is a large share of the
+    step (measured: docs/benchmarks/layer.md, "Issue 18's table at the final code").
+    Unbounded, every pair is screened and the profile predicts the overlapping candidates,
+    so the order is the plain one."""
+    order = [("screen", lossless, first)] + [("screen", c, first) for c in lossy]
+    if budgeted:
+        order += [("overlap", s, r) for s, r in overlap_trials(schedules, degrees)]
+    return order + [("screen", lossless, a) for a in others]
 
 
 def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[int]) -> list:
@@ -337,17 +371,26 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             probe = ErrorProbe(layer, x) if budget is not None else None
             lossy = (gentlest_first(lossy_candidates(x.dtype, x.device), x.shape[-1], x.dtype)
                      if budget is not None else [])
-            order = ([(lossless, first)] + [(c, first) for c in lossy]
-                     + [(lossless, a) for a in algos[1:]])
+            order = screen_order(lossless, first, lossy, algos[1:], schedules, degrees,
+                                 requested.autotune_budget_s is not None)
             screen: dict[tuple[str, str], float] = {}    # even one pair: the step estimate
-            for i, (c, a) in enumerate(order):
+            for i, (kind, c, a) in enumerate(order):
                 left = len(order) - i
                 if measured and not clock.fits(2):
                     clock.note_cut(f"screen: {left} of {len(order)} unscreened "
-                                   f"({', '.join(f'{c}/{a}' for c, a in order[i:])})")
+                                   f"({', '.join(_entry(e) for e in order[i:])})")
                     break
                 # the repetitions adapt: 1 when the budget cannot hold them all
                 n = reps if not measured or clock.fits((1 + reps) * left) else 1
+                if kind == "overlap":       # (schedule, r) on the best pair screened so far
+                    bc, ba = min(screen, key=screen.get)
+                    m = record(fixed.replace(codec=bc, a2a=ba, schedule=c, pipeline_degree=a),
+                               None, "overlap", n)
+                    if n < reps:
+                        clock.note_cut(f"overlap {bc}/{ba}/{c}/r={a}: 1 of {reps} reps")
+                    _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={bc} a2a={ba} "
+                               f"schedule={c} r={a}: {m['measured_ms']:.1f} ms {elapsed()}")
+                    continue
                 warm = None
                 if probe is not None and c == lossless and i == 0:
                     warm = lambda: (probe.reference(), True)[1]          # noqa: E731

@@ -1,7 +1,7 @@
 """Rank bodies of tests/test_autotune_lossy.py (``worker``) and tests/test_autotune_clock.py
 (``clock_worker``), importable by spawned ranks; float64 on 2 gloo ranks: codec="auto:lossy" at
-budget 0 and at a generous budget, its checkpoint round-trip, and a tuning cut short by a tiny
-time budget."""
+budget 0 and at a generous budget, its checkpoint round-trip, a tuning cut short by a tiny
+time budget, and one under a budget that holds everything."""
 
 from __future__ import annotations
 
@@ -89,4 +89,7 @@ def clock_worker() -> dict:
     out["some"] = {"choice": some["choice"]}
     free = _pair(topo, x, autotune_budget_s=None, **EXCHANGE_AUTO)
     out["free"] = {"choice": free["choice"]}
+    # a budget that holds everything: the overlap trials run early, nothing is cut
+    roomy = _pair(topo, x, autotune_budget_s=120.0, **EXCHANGE_AUTO)
+    out["roomy"] = {k: roomy[k] for k in ("choice", "got", "ref")}
     return out

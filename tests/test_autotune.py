@@ -79,3 +79,22 @@ def test_resume_does_not_retune_and_growth_does(two_ranks):
         assert res["resumed_choice"] == {k: res["choice"][k]
                                          for k in ("a2a", "schedule", "pipeline_degree")}
         assert res["calls_after_growth"] == 1
+
+
+def test_screen_order_puts_overlap_before_other_algorithms_only_under_a_budget():
+    from moeflow.autotune import overlap_trials, screen_order
+
+    args = ("none", "direct", ["fp16"], ["pairwise", "pipe"],
+            ["sequential", "pipelined", "optsche"], [1, 2, 4])
+    assert screen_order(*args, budgeted=True) == [
+        ("screen", "none", "direct"), ("screen", "fp16", "direct"),
+        ("overlap", "optsche", 2), ("overlap", "optsche", 4),
+        ("screen", "none", "pairwise"), ("screen", "none", "pipe")]
+    assert screen_order(*args, budgeted=False) == [
+        ("screen", "none", "direct"), ("screen", "fp16", "direct"),
+        ("screen", "none", "pairwise"), ("screen", "none", "pipe")]
+    # the allowed schedules and degrees bound the trials
+    assert overlap_trials(["sequential", "pipelined"], [4, 1, 2]) == [("pipelined", 2),
+                                                                      ("pipelined", 4)]
+    assert overlap_trials(["sequential"], [1, 2, 4]) == []
+    assert overlap_trials(["optsche"], [1]) == []

@@ -76,3 +76,20 @@ def test_a_budget_past_the_first_measurement_is_kept_within_one_step(two_ranks):
     keys = ("codec", "a2a", "schedule", "pipeline_degree")
     c0, c1 = two_ranks[0]["some"]["choice"], two_ranks[1]["some"]["choice"]
     assert {k: c0[k] for k in keys} == {k: c1[k] for k in keys}
+
+
+@pytest.mark.multirank
+def test_a_budgeted_tuning_measures_the_overlap_trials_before_the_other_algorithms(two_ranks):
+    stages = [[(c["stage"], c["a2a"], c["schedule"], c["pipeline_degree"])
+               for c in res["roomy"]["choice"]["candidates"]] for res in two_ranks.values()]
+    assert stages[0] == stages[1]
+    got = stages[0]
+    assert got[0] == ("screen", "direct", "sequential", 1)
+    assert got[1:3] == [("overlap", "direct", "optsche", 2), ("overlap", "direct", "optsche", 4)]
+    others = [g for g in got[3:] if g[0] == "screen"]    # the other algorithms, at r = 1
+    assert others and all(g[2:] == ("sequential", 1) for g in others)
+    assert not two_ranks[0]["roomy"]["choice"]["budget_cut"]
+    for res in two_ranks.values():       # tuning changed speed only: the choice's function
+        for k in res["roomy"]["ref"]:
+            torch.testing.assert_close(res["roomy"]["got"][k], res["roomy"]["ref"][k],
+                                       rtol=1e-10, atol=1e-12)
