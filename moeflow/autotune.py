@@ -19,7 +19,9 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
-   for those the screen measured already; the fastest *measured* median of all stages wins.
+   for those the screen measured already; the fastest *measured* median of all stages wins,
+   unless a simpler candidate (fewer chunks, sequential) is within ``SIMPLER_MARGIN`` of it
+   (:func:`pick`).
    Every timing is the maximum over ranks (a host all-reduce), so every rank computes the
    same numbers and fixes the same choice.
 
@@ -73,6 +75,7 @@ SCHEDULES = ("sequential", "pipelined", "optsche")
 DEGREES = (1, 2, 4)
 KEEP_ALGOS = 2          # algorithms kept after the screen
 MEASURE_TOP = 3         # predicted candidates measured before the final choice
+SIMPLER_MARGIN = 0.05   # a simpler candidate within this fraction of the fastest wins (pick)
 RETUNE_RATIO = 2.0      # re-tune when the rows per forward change by more than this factor
 RETUNE_CHECK_EVERY = 50  # training forwards between the collective re-tune checks
 
@@ -315,6 +318,21 @@ def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[
     return [((pair[0], pair[1], s, r), None) for s in order] if r is not None else []
 
 
+def pick(measured: list[dict], margin: float = SIMPLER_MARGIN) -> dict:
+    """The winner among the measured candidates: the simplest of those within ``margin`` of
+    the fastest median (fewest chunks, then the sequential schedule, then the fastest). The
+    candidates are timed with 1-2 steps each, and a pipelined one (r > 1, or an overlapping
+    schedule) that is faster by less than the step-to-step noise is as likely slower: on the
+    emulated 2x2 cluster at 100 Mbit/s OptSche at r = 4 was once measured 0.7 % faster than
+    r = 1 in one step (1778 vs 1791 ms) and then ran at a median of 1935 ms over 25 steps
+    (r = 1: 1692 and 1722 ms in two other runs), while where overlap pays it beat r = 1 by
+    12-18 % (docs/benchmarks/layer.md, "Issue 18's table at the final code")."""
+    fastest = min(m["measured_ms"] for m in measured)
+    near = [m for m in measured if m["measured_ms"] <= fastest * (1.0 + margin)]
+    return min(near, key=lambda m: (m["pipeline_degree"], m["schedule"] != "sequential",
+                                    m["measured_ms"]))
+
+
 def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
          name: str = "") -> TunedChoice:
     """Choose the auto fields of ``requested`` for ``layer`` on input ``x`` (collective over
@@ -456,7 +474,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                            f"{m['measured_ms']:.1f} ms {elapsed()}")
         finally:
             layer._tuning = False
-    win = min(measured, key=lambda m: (m["measured_ms"], m["pipeline_degree"]))
+    win = pick(measured)
     pred = win["predicted_ms"]
     if pred is None:      # measured in the screen: the chooser's prediction, where it made one
         pred = next((1e3 * c.predicted_s for c in cands if _key(c) == _key(win)), None)

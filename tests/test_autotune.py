@@ -98,3 +98,20 @@ def test_screen_order_puts_overlap_before_other_algorithms_only_under_a_budget()
                                                                       ("pipelined", 4)]
     assert overlap_trials(["sequential"], [1, 2, 4]) == []
     assert overlap_trials(["optsche"], [1]) == []
+
+
+def test_pick_prefers_the_simpler_candidate_within_the_noise_margin():
+    from moeflow.autotune import pick
+
+    def c(ms, schedule="sequential", r=1, a2a="direct"):
+        return {"measured_ms": ms, "schedule": schedule, "pipeline_degree": r, "a2a": a2a}
+
+    seq, r4 = c(1791.0), c(1778.0, "optsche", 4)
+    assert pick([seq, r4]) is seq                          # 0.7 % faster: within the noise
+    big = c(3004.0, "optsche", 4)
+    assert pick([c(3661.0), c(4195.0, "optsche", 2), big]) is big   # 18 % faster: chosen
+    # among the near-best: fewest chunks, then sequential, then the fastest
+    fast_pipe, seq_pairwise = c(100.0, "pipelined", 1), c(103.0, a2a="pairwise")
+    assert pick([fast_pipe, seq_pairwise, c(104.0)]) is seq_pairwise
+    assert pick([c(100.0, "optsche", 2), c(104.0, "optsche", 4)])["pipeline_degree"] == 2
+    assert pick([seq, r4], margin=0.0) is r4
