@@ -1,7 +1,7 @@
 """How many times one forward + backward of a MoELayer runs the layer's forward under
 activation checkpointing (counted by a hook on the router), per checkpointing mode.
 
-    python docs/examples/checkpoint_recomputes.py --json docs/results/checkpoint_recomputes.json
+    python docs/examples/checkpoint_recomputes.py --json docs/results/hf/checkpoint_recomputes.json
 
 Non-reentrant checkpointing recomputes the region once per backward graph task that unpacks
 one of its saved tensors; the layer's backward differentiates the experts' (and the shared

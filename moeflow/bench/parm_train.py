@@ -12,7 +12,7 @@ its per-step times (``elapsed_s`` differences of consecutive ``metrics.jsonl`` r
 every step) after ``--warmup`` steps; a variant's is the median over its jobs, and the ratio is
 against the first variant. Run as root::
 
-    python -m moeflow.bench.parm_train --out docs/results/parm-train-2x2-1gbit.json
+    python -m moeflow.bench.parm_train --out docs/results/parm/parm-train-2x2-1gbit.json
 """
 
 from __future__ import annotations
