@@ -533,9 +533,14 @@ class ModelConfig:
     num_shared_experts: int = 0
     shared_expert_hidden: int | None = None
     shared_expert_gate: bool = False
+    # Every other MoEConfig field (capacity_padding, gate_noise, renormalize, parm_saa,
+    # expert_module, activation_options, ...) as {field: value}, for every MoE block:
+    # `moeflow train --set moe.capacity_padding=pad`
+    moe: dict | None = None
 
     def __post_init__(self) -> None:
         o = "ModelConfig"
+        self._check_moe_fields()
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                      "moe_every"):
             _positive_int(o, name, getattr(self, name))
@@ -548,6 +553,24 @@ class ModelConfig:
         # Validates the MoE fields (names, ranges) at construction.
         if self.num_moe_layers:
             self.moe_config(self.moe_layer_ids()[0])
+
+    def _check_moe_fields(self) -> None:
+        if self.moe is None:
+            return
+        _require(isinstance(self.moe, dict), "ModelConfig", "moe", self.moe,
+                 "must be a dict of MoEConfig fields, e.g. {'capacity_padding': 'pad'}")
+        moe_fields = [f.name for f in dataclasses.fields(MoEConfig)]
+        for key in self.moe:
+            if key not in moe_fields:
+                raise config_error("ModelConfig", f"moe.{key}", self.moe[key],
+                                   f"not a MoEConfig field{did_you_mean(key, moe_fields)}")
+            if key == "layer_id":
+                raise config_error("ModelConfig", "moe.layer_id", self.moe[key],
+                                   "the model sets it (the block index); leave it out")
+            if any(f.name == key for f in dataclasses.fields(ModelConfig)):
+                raise config_error("ModelConfig", f"moe.{key}", self.moe[key],
+                                   f"the model mirrors this field: set ModelConfig.{key} "
+                                   f"(--set {key}=...) instead")
 
     def is_moe(self, block: int) -> bool:
         """Blocks moe_every-1, 2*moe_every-1, ... are MoE (GShard: every other block for 2)."""
@@ -565,7 +588,7 @@ class ModelConfig:
         # algorithm, schedule, seed); the rest keep MoEConfig's defaults
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEConfig)
                   if f.name != "layer_id" and hasattr(self, f.name)}
-        return MoEConfig(**shared, layer_id=block)
+        return MoEConfig(**shared, **(self.moe or {}), layer_id=block)
 
 
 PRESETS: dict[str, dict] = {

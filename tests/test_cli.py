@@ -25,7 +25,26 @@ def test_overrides_parse_types():
         "top_k": 1, "capacity_factor": None, "lr": 0.5, "router": "topk"}
 
 
+def test_overrides_reach_every_moe_config_field():
+    from moeflow.config import ModelConfig, model_preset
+    from moeflow.models.gpt import GPT
+
+    sets = ["moe.capacity_padding=pad", "moe.gate_noise=0.5", "moe.renormalize=none",
+            "moe.top_k=1"]
+    overrides = parse_overrides(sets, ModelConfig)
+    assert overrides == {"moe": {"capacity_padding": "pad", "gate_noise": 0.5,
+                                 "renormalize": None}, "top_k": 1}   # mirrored: top level
+    model = GPT(model_preset("tiny", n_layers=2, **overrides))
+    layers = [m for m in model.modules() if type(m).__name__ == "MoELayer"]
+    assert layers and all(
+        (m.cfg.capacity_padding, m.cfg.gate_noise, m.cfg.renormalize, m.cfg.top_k)
+        == ("pad", 0.5, None, 1) for m in layers)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["train", "--set", "moe.capacity_paddin=pad"], "did you mean 'capacity_padding'"),
+    (["train", "--set", "moe.capacity_padding=wide"], "MoEConfig.capacity_padding='wide'"),
+    (["train", "--set", "moe.layer_id=3"], "ModelConfig.moe.layer_id=3"),
     (["train", "--set", "oops"], "FIELD=VALUE"),
     (["train", "--set", "top_k=99"], "MoEConfig.top_k=99"),
     (["train", "--set", "colour=red"], "ModelConfig.colour"),

@@ -52,17 +52,33 @@ def parse_value(text: str, nullable: bool = True) -> Any:
 
 
 def parse_overrides(items: list[str], target: type | None = None) -> dict[str, Any]:
-    """``FIELD=VALUE`` strings -> a dict; ``target`` (a dataclass) tells which fields take None."""
+    """``FIELD=VALUE`` strings -> a dict; ``target`` (a dataclass) tells which fields take None.
+
+    ``moe.FIELD=VALUE`` sets a field of every MoE block's ``MoEConfig``: one the target mirrors
+    (``moe.top_k``) is the same as ``FIELD=VALUE``; any other goes into the target's ``moe``
+    dict (``moe.capacity_padding=pad``)."""
     import dataclasses
 
+    from moeflow.config import MoEConfig
+
     types = {f.name: str(f.type) for f in dataclasses.fields(target)} if target else {}
-    out = {}
+    moe_types = {f.name: str(f.type) for f in dataclasses.fields(MoEConfig)}
+    out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r} is invalid: write FIELD=VALUE, e.g. "
-                              "--set num_experts=16 or --set capacity_factor=none")
+                              "--set num_experts=16, --set capacity_factor=none or "
+                              "--set moe.capacity_padding=pad")
         key = key.strip()
+        if key.startswith("moe.") and "moe" in types:
+            field = key[len("moe."):]
+            if field in types and field != "moe":
+                out[field] = parse_value(value.strip(), "None" in types[field])
+            else:
+                out.setdefault("moe", {})[field] = parse_value(
+                    value.strip(), "None" in moe_types.get(field, "None"))
+            continue
         out[key] = parse_value(value.strip(), "None" in types.get(key, "None"))
     return out
 

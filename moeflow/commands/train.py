@@ -53,7 +53,8 @@ def register(sub) -> None:
                    help="model size (tiny trains on 2 CPU cores in minutes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field, e.g. --set top_k=1 --set "
-                        "capacity_factor=none (dropless); repeatable (default: none)")
+                        "capacity_factor=none (dropless), or any MoEConfig field of the MoE "
+                        "blocks: --set moe.capacity_padding=pad; repeatable (default: none)")
     p.add_argument("--data", default=None,
                    help="a text file or folder (default: CPython's embedded documentation)")
     p.add_argument("--out", default=None, help="run folder (default runs/<preset>-<time>)")
