@@ -286,6 +286,7 @@ class MoEConfig:
         _require(isinstance(self.parm_saa, bool), o, "parm_saa", self.parm_saa,
                  "must be True (SAA) or False (AAS)")
         if self.router == "bilevel":
+            self._bilevel_options_to_fields(o)
             self._check_bilevel(o)
         for name in ("d_model", "d_expert", "num_experts", "top_k"):
             _positive_int(o, name, getattr(self, name))
@@ -407,6 +408,34 @@ class MoEConfig:
     def shared_hidden(self) -> int:
         """The shared experts' total hidden width (0 without shared experts)."""
         return self.num_shared_experts * (self.shared_expert_hidden or self.d_expert)
+
+    def _bilevel_options_to_fields(self, o: str) -> None:
+        """SMILE's settings in the one form every router takes, ``router_options={"nodes": 2,
+        "node_top_k": 1, "local_top_k": 1, "local_loss_coef": None}``: moved into the fields
+        ``bilevel_nodes``, ``node_top_k``, ``local_top_k``, ``local_loss_coef`` (the older
+        spelling, still accepted), so that ``replace`` of either keeps one source of truth."""
+        if not isinstance(self.router_options, dict):
+            return
+        fields = {"nodes": "bilevel_nodes", "node_top_k": "node_top_k",
+                  "local_top_k": "local_top_k", "local_loss_coef": "local_loss_coef"}
+        defaults = {"bilevel_nodes": None, "node_top_k": 1, "local_top_k": 1,
+                    "local_loss_coef": None}
+        opts = dict(self.router_options)
+        for key in opts:
+            _require(key in fields, o, "router_options", self.router_options,
+                     f"router 'bilevel' does not take {key!r} (its options: "
+                     f"{', '.join(fields)}){did_you_mean(key, fields)}")
+        for key, name in fields.items():
+            if key not in opts:
+                continue
+            value = opts.pop(key)
+            current = getattr(self, name)
+            _require(current == defaults[name] or current == value, o,
+                     f"router_options['{key}']", value,
+                     f"it contradicts {name}={current!r}; give SMILE's setting once, as "
+                     f"router_options['{key}']")
+            setattr(self, name, value)
+        self.router_options = opts or None
 
     def _check_bilevel(self, o: str) -> None:
         n = self.bilevel_nodes

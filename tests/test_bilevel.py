@@ -101,3 +101,22 @@ def test_additive_loss_per_level_choices(choices):
     expect = 2 * (f_node * p.mean(0)).sum(), 4 * (f_local * q.mean(0)).sum()
     torch.testing.assert_close(out.balance_loss, expect[0] + expect[1])
     torch.testing.assert_close(out.aux_loss, 0.5 * expect[0] + 0.25 * expect[1])
+
+
+def test_smile_settings_in_router_options_equal_the_fields():
+    """One form for every router's settings: SMILE's go in router_options too."""
+    import moeflow as mf
+    from moeflow.config import ConfigError
+
+    base = dict(d_model=8, d_expert=16, num_experts=8, top_k=2, router="bilevel")
+    new = mf.MoEConfig(**base, router_options={"nodes": 2, "node_top_k": 2,
+                                               "local_loss_coef": 0.5})
+    old = mf.MoEConfig(**base, bilevel_nodes=2, node_top_k=2, local_loss_coef=0.5)
+    assert new == old and (new.bilevel_nodes, new.node_top_k) == (2, 2)
+    assert new.replace(local_top_k=2, top_k=4).local_top_k == 2
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(mf.MoELayer(new)(x), mf.MoELayer(old)(x))
+    with pytest.raises(ConfigError, match="did you mean 'node_top_k'"):
+        mf.MoEConfig(**base, router_options={"nodes": 2, "node_topk": 2})
+    with pytest.raises(ConfigError, match="contradicts bilevel_nodes=4"):
+        mf.MoEConfig(**base, bilevel_nodes=4, router_options={"nodes": 2})
