@@ -44,6 +44,7 @@ from moeflow.comm.sparse import (SparseAllGather, SparseReduceScatter, group_tim
 from moeflow.errors import ConfigError
 from moeflow.experts.activations import build_activation
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
+from moeflow.placement.optimizers import mark_slots
 from moeflow.placement.materialize import (LoadWindow, calibrate, link_bandwidth,
                                            overlap_degree, sparse_materialize)
 from moeflow.fssdp_options import FSSDPOptions
@@ -177,6 +178,7 @@ class FSSDPExperts(nn.Module):
         self.numel = sum(math.prod(s) for s in shapes.values())
         self.slots = nn.Parameter(torch.stack(rows))
         setattr(self.slots, EXPERT_PARAM_ATTR, True)
+        mark_slots(self.slots)          # refuse optimizers that are not elementwise
         self.slot_index = {e: i for i, e in enumerate(self.owners.owned(rank))}
         self.__dict__["held"] = HeldFFN(activation, bias, d_in, activation_options)
         self.holders: list | None = None           # P' for materialize="manual"

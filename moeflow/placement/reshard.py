@@ -64,6 +64,9 @@ def share_slots(layers: list[FSSDPExperts]) -> None:
     from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 
     setattr(shared, EXPERT_PARAM_ATTR, True)
+    from moeflow.placement.optimizers import mark_slots
+
+    mark_slots(shared)                  # refuse optimizers that are not elementwise
     for m, idx in zip(layers, index):
         m.set_owners(m.owners, shared, idx)
 
