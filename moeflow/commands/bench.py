@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
-from moeflow.commands import bench_bigmac, bench_net, bench_parm
+from moeflow.commands import bench_bigmac, bench_compute, bench_net, bench_parm
 from moeflow.commands.common import add_device_arg, add_launch_args, run_meta, run_on_ranks
 from moeflow.registry import did_you_mean
 
@@ -59,6 +59,7 @@ def register(sub) -> None:
     add_launch_args(layer, default_nproc=1)
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
+    bench_compute.register_bench(bsub)
     bench_net.register_bench(bsub)
     bench_parm.register_bench(bsub)
 
