@@ -238,7 +238,7 @@ class MoEConfig:
     # Parm (issue 16): schedule of MP+EP+ESP, and S2's SAA (True) or AAS (False)
     parallel_schedule: str = "baseline"
     parm_saa: bool = True
-    # issue 18 (moeflow/autotune.py, docs/autotune.md): codec="auto:lossy" lets the tuner pick
+    # issue 18 (moeflow/autotune/, docs/autotune.md): codec="auto:lossy" lets the tuner pick
     # a lossy codec whose relative L2 error (layer output and input gradient vs the lossless
     # exchange, tuning batch, worst rank) is <= lossy_error_budget (None: 1e-2); the tuning
     # of any "auto" field stops measuring after autotune_budget_s seconds (None: unbounded)
@@ -266,7 +266,7 @@ class MoEConfig:
         if self.placement == "fssdp":
             self.fssdp = FSSDPOptions.coerce(self.fssdp)
         # issue 18 (auto-tuning): a2a / schedule / pipeline_degree may be "auto", resolved
-        # collectively by the layer's first forward (moeflow/autotune.py)
+        # collectively by the layer's first forward (moeflow/autotune/tuner.py)
         if self.pipeline_degree != AUTO:
             _require(isinstance(self.pipeline_degree, int)
                      and not isinstance(self.pipeline_degree, bool) and self.pipeline_degree > 0,
@@ -343,7 +343,7 @@ class MoEConfig:
         self._check_tuning_budgets(o)
 
     def _check_tuning_budgets(self, o: str) -> None:
-        """lossy_error_budget and autotune_budget_s (issue 18, moeflow/autotune.py)."""
+        """lossy_error_budget and autotune_budget_s (issue 18, moeflow/autotune/)."""
         b = self.lossy_error_budget
         if b is not None:
             _require(self.codec == AUTO_LOSSY, o, "lossy_error_budget", b,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.bench.linkmodel import AlphaBeta
+from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.bench.parm_collectives import measure_baseline_fits, messages, time_case
 from moeflow.parallel.parm.fits import measure_parm_fits
 from moeflow.topology import Topology

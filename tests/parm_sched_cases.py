@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from moeflow import MoELayer, Topology
-from moeflow.bench.linkmodel import AlphaBeta
+from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.parallel.parm.fits import ParmFits, measure_parm_fits
 from moeflow.parallel.parm.s1 import token_rows

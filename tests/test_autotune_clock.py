@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeflow import ConfigError, MoEConfig
-from moeflow.autotune_clock import TuneClock
+from moeflow.autotune.clock import TuneClock
 from moeflow.config import DEFAULT_AUTOTUNE_BUDGET_S
 from moeflow.launch import launch_local
 from moeflow.topology import Topology

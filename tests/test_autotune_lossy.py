@@ -10,7 +10,7 @@ import torch
 
 from moeflow import ConfigError, MoEConfig, MoELayer
 from moeflow import autotune
-from moeflow.autotune_lossy import gentlest_first, codec_errors, lossy_candidates
+from moeflow.autotune.lossy import gentlest_first, codec_errors, lossy_candidates
 from moeflow.config import DEFAULT_LOSSY_ERROR_BUDGET
 from moeflow.launch import launch_local
 

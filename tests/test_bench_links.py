@@ -1,4 +1,4 @@
-"""Alpha-beta fits and their JSON (``moeflow.bench.linkmodel``), ``bench links`` and ``bench a2a``
+"""Alpha-beta fits and their JSON (``moeflow.measure.linkmodel``), ``bench links`` and ``bench a2a``
 on local ranks (the emulated-cluster runs are in test_cluster.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 
 from moeflow.bench import a2a, links
-from moeflow.bench.linkmodel import SCHEMA, AlphaBeta, fit_alpha_beta, fit_record, load_fits, \
+from moeflow.measure.linkmodel import SCHEMA, AlphaBeta, fit_alpha_beta, fit_record, load_fits, \
     save_fits
 from moeflow.launch import launch_local
 from tests import bench_helpers

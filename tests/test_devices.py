@@ -140,7 +140,7 @@ def _groups_and_host_collectives():
     world = dist.get_backend_config()
     configs = {name: dist.get_backend_config(getattr(topo, name))
                for name in ("ep_group", "intra_node_group", "lane_group")}
-    from moeflow.bench.timing import slowest
+    from moeflow.measure.timing import slowest
 
     return {"world": world, "groups": configs,
             "max": slowest(float(topo.rank + 1), topo),

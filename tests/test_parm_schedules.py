@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeflow import MoEConfig
-from moeflow.bench.linkmodel import AlphaBeta
+from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 from moeflow.parallel.parm.algorithm1 import algorithm1

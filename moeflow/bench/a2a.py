@@ -33,7 +33,7 @@ import statistics
 
 import torch
 
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.config import ConfigError
 from moeflow.devices import resolve_device
@@ -98,7 +98,7 @@ def bandwidths(inter_bw: float | None, intra_bw: float | None,
     out: dict[str, tuple[float | None, str]] = {}
     fits = None
     if links:
-        from moeflow.bench.linkmodel import load_fits
+        from moeflow.measure.linkmodel import load_fits
         fits = load_fits(links)
     for cls, given in (("inter", inter_bw), ("intra", intra_bw)):
         env = os.environ.get(f"MOEFLOW_CLUSTER_{cls.upper()}_BW_BPS")
@@ -150,7 +150,7 @@ def add_pipe_summary(data: dict, bws: dict[str, tuple[float | None, str]],
         return
     fits = {}
     if links:
-        from moeflow.bench.linkmodel import load_fits
+        from moeflow.measure.linkmodel import load_fits
         fits = load_fits(links)
 
     def one_block(cls: str, block: float) -> tuple[float | None, str]:

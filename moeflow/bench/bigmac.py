@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moeflow.bench import a2a_count  # noqa: F401  (registers "counting")
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import MoEConfig
 from moeflow.devices import host_all_reduce, resolve_device
 from moeflow.dispatch import capacity

@@ -28,7 +28,7 @@ import time
 import torch
 
 from moeflow.bench.peer import PEERS
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import DEFAULT_AUTOTUNE_BUDGET_S, MoEConfig
 from moeflow.devices import resolve_device, synchronize
 from moeflow.layer import MoELayer
@@ -64,7 +64,7 @@ def _agreement(layer: MoELayer, peer_fn, x: torch.Tensor, topo: Topology) -> dic
         a, b = got["moeflow"][i].float(), got["peer"][i].float()
         out[f"max_abs_diff_{what}"] = slowest(float((a - b).abs().max()), topo)
         ok &= bool(torch.allclose(b, a, rtol=RTOL, atol=ATOL))
-        # relative L2 (worst rank): what a lossy codec's error budget bounds (autotune_lossy)
+        # relative L2 (worst rank): what a lossy codec's error budget bounds (autotune.lossy)
         rel = float((a - b).double().norm() / b.double().norm().clamp_min(1e-30))
         out[f"rel_l2_diff_{what}"] = slowest(rel, topo)
     out["agree"] = slowest(0.0 if ok else 1.0, topo) == 0.0

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from moeflow.bench.hecate_memory import MaterializedProbe, state_bytes
 from moeflow.bench.shadow import current_loads, shadow_placement
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.comm.sparse import allreduce_volume
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer

@@ -26,7 +26,7 @@ from moeflow.layer import MoELayer
 from moeflow.phases import PhaseTimer
 from moeflow.schedule.overlap import measure_overlap
 from moeflow.bench.syncs import step_syncs
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 

@@ -4,13 +4,13 @@ Link classes (groups of :class:`~moeflow.topology.Topology`): ``intra`` (the ran
 ``inter`` (the ranks with the same local rank on every node), ``world``. For each class and op
 (``p2p``, ``all_to_all``, ``all_gather``, ``reduce_scatter``, ``all_reduce``) and size, the ranks
 align on a barrier, run the op, and a repetition's time is the slowest rank's; the median over
-repetitions is fitted with ``t = alpha + beta * bytes`` (:mod:`moeflow.bench.linkmodel`, the
+repetitions is fitted with ``t = alpha + beta * bytes`` (:mod:`moeflow.measure.linkmodel`, the
 model of Parm section 4 and of ScheMoE's profiler).
 
 Collectives run in every group of a class at once (as a hierarchical algorithm uses them: all
 local ranks cross the node link together). ``p2p`` is one pair only (ranks 0 and 1 for intra;
 rank 0 and the first rank of node 1 for inter), timed as half a ping-pong round trip, so it
-shows a single flow's bandwidth. Byte conventions: see :mod:`moeflow.bench.linkmodel`.
+shows a single flow's bandwidth. Byte conventions: see :mod:`moeflow.measure.linkmodel`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.linkmodel import fit_record
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.linkmodel import fit_record
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 

@@ -17,7 +17,7 @@ collectives each schedule runs, with the sizes this code actually moves (capacit
   all-to-all back, the MP-AllGather alone) too.
 
 :func:`time_case` times every piece alone on the layout's own groups (warm-up, repetitions,
-the slowest rank per repetition via :func:`moeflow.bench.timing.time_aligned`, median), and
+the slowest rank per repetition via :func:`moeflow.measure.timing.time_aligned`, median), and
 each schedule's whole forward chain of collectives back to back as the schedule issues them
 (no expert compute between them: "the schedule's communication"). Predictions: the piece's
 alpha-beta fit (``fits``: ``ag_mp`` / ``a2a`` / ``overlap`` as Algorithm 1 uses them,
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.linkmodel import AlphaBeta, fit_alpha_beta
-from moeflow.bench.timing import time_aligned
+from moeflow.measure.linkmodel import AlphaBeta, fit_alpha_beta
+from moeflow.measure.timing import time_aligned
 from moeflow.dispatch.capacity import capacity
 from moeflow.parallel.parm.collectives import _all_gather
 from moeflow.parallel.parm.s1 import token_rows

@@ -17,7 +17,7 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.schedule.executor import Timeline
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.devices import resolve_device
 from moeflow.topology import Topology
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.timing import slowest, start_aligned
+from moeflow.measure.timing import slowest, start_aligned
 from moeflow.comm.sparse import SparseAllGather, group_timeout
 from moeflow.placement.placement import Placement
 from moeflow.topology import Topology

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from moeflow.bench import a2a, links
-from moeflow.bench.linkmodel import save_fits
+from moeflow.measure.linkmodel import save_fits
 from moeflow.cluster.shaping import parse_rate
 from moeflow.commands.common import add_device_arg, add_launch_args, run_meta, run_on_ranks
 from moeflow.config import ConfigError

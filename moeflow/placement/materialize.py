@@ -87,7 +87,7 @@ def overlap_degree(non_moe_s: float, bandwidth_Bps: float, expert_bytes: int) ->
 def link_bandwidth(path: str, hierarchical: bool) -> float:
     """The bandwidth ``bw`` of Algorithm 1 from a ``moeflow bench links`` JSON: the inter-node
     point-to-point fit on a hierarchical cluster, else the world's (Section 4.2)."""
-    from moeflow.bench.linkmodel import load_fits
+    from moeflow.measure.linkmodel import load_fits
 
     try:
         fits = load_fits(path)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.linkmodel import AlphaBeta, fit_alpha_beta
-from moeflow.bench.timing import time_aligned
+from moeflow.measure.linkmodel import AlphaBeta, fit_alpha_beta
+from moeflow.measure.timing import time_aligned
 from moeflow.parallel.parm.collectives import _all_gather
 from moeflow.parallel.parm.saa import saa
 from moeflow.topology import Topology

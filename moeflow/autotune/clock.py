@@ -1,11 +1,11 @@
 """The auto-tuner's time budget (issue 18: ``MoEConfig.autotune_budget_s``).
 
-The tuner (moeflow/autotune.py) asks :meth:`TuneClock.fits` before each piece of timed work
+The tuner (moeflow/autotune/tuner.py) asks :meth:`TuneClock.fits` before each piece of timed work
 whether the rest of the budget still holds ``steps`` more layer steps. Every rank must take the
 same decision, or the ranks that go on would wait in collectives the others never enter; so
 the elapsed time is the slowest rank's (one host all-reduce of a float per question), and the
 step estimate is built only from step times that are themselves the slowest rank's
-(:func:`moeflow.bench.timing.time_aligned`). Both are the same number on every rank, hence so
+(:func:`moeflow.measure.timing.time_aligned`). Both are the same number on every rank, hence so
 is the answer. With ``budget_s=None`` every question is answered yes without communicating.
 """
 
@@ -43,7 +43,7 @@ class TuneClock:
         same answer on every rank (collective when a budget is set: all ranks must ask)."""
         if self.budget_s is None:
             return True
-        from moeflow.bench.timing import slowest
+        from moeflow.measure.timing import slowest
 
         return slowest(self.local_elapsed(), self.topo) + steps * self.step_s <= self.budget_s
 

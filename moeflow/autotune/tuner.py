@@ -10,7 +10,7 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    1 rep when the time budget cannot hold them all): the placeholder's algorithm (direct)
    lossless first; with ``codec="auto:lossy"`` then every registered lossy codec that takes
    the payload's dtype, most wire bytes (the gentlest) first, whose warm-up step measures
-   its error against the lossless exchange (:mod:`moeflow.autotune_lossy`: relative L2 of
+   its error against the lossless exchange (:mod:`moeflow.autotune.lossy`: relative L2 of
    the output and of the input gradient, worst rank) and which is not timed when over
    ``lossy_error_budget``; with a time budget, then the overlap trials on the best pair so
    far (OptSche at each r > 1, :func:`screen_order`); then every other usable all-to-all
@@ -34,7 +34,7 @@ tests/test_autotune.py and tests/test_autotune_lossy.py).
 
 Time budget (``MoEConfig.autotune_budget_s``, default 30 s; None: unbounded): before each
 measured candidate, each further repetition and the profile stage, the ranks ask
-:class:`moeflow.autotune_clock.TuneClock` whether the estimated work (steps x the last step
+:class:`moeflow.autotune.clock.TuneClock` whether the estimated work (steps x the last step
 time, both the slowest rank's) still ends within the budget; the answer is the same on every
 rank. When not, the rest of that stage is cut: fewer repetitions, fewer screened candidates,
 the profile on one pair or skipped (then the overlapping schedules of the best screened pair
@@ -64,8 +64,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from moeflow.autotune_clock import TuneClock
-from moeflow.autotune_lossy import ErrorProbe, gentlest_first, lossy_candidates
+from moeflow.autotune.clock import TuneClock
+from moeflow.autotune.lossy import ErrorProbe, gentlest_first, lossy_candidates
+from moeflow.autotune.settings import _Preserved, apply
 from moeflow.config import AUTO, AUTO_LOSSY, MoEConfig
 
 log = logging.getLogger("moeflow.autotune")
@@ -141,7 +142,7 @@ def retune_agreed(layer) -> bool:
     :func:`needs_retune` flag over the world. The rows are those of the rank's own EP group, so
     two EP groups can see different rows; agreeing first means no rank enters the (collective)
     tuning alone, and between checks there is no extra message."""
-    from moeflow.bench.timing import slowest
+    from moeflow.measure.timing import slowest
 
     layer._forwards += 1
     if layer._forwards % max(1, layer.retune_check_every):
@@ -177,53 +178,6 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
     return ok
 
 
-class _Preserved:
-    """Save and restore what a tuning run must not change: gradients, RNG states, the
-    layer's timer / timeline and its last forward's aux_loss and stats."""
-
-    def __init__(self, layer):
-        self.layer = layer
-
-    def __enter__(self):
-        L = self.layer
-        self.grads = {id(p): p.grad for p in L.parameters()}
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.state = (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer,
-                      L.timeline, L.aux_loss, dict(L._stats))
-        L.timer, L.timeline = None, None
-        return self
-
-    def __exit__(self, *exc):
-        L = self.layer
-        for p in L.parameters():
-            p.grad = self.grads.get(id(p))
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer, L.timeline,
-         L.aux_loss, stats) = self.state
-        L._stats = stats
-        return False
-
-
-def apply(layer, cfg: MoEConfig) -> None:
-    """Run ``layer`` with the concrete settings of ``cfg`` (algorithm, scheduler and codecs
-    rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them)."""
-    from moeflow.comm.alltoall import ALLTOALLS
-    from moeflow.comm.codecs import CODECS
-    from moeflow.schedule import SCHEDULERS
-
-    if (cfg.codec, cfg.codec_backward) != (layer.cfg.codec, layer.cfg.codec_backward):
-        layer.codec = CODECS[cfg.codec]()
-        layer.backward_codec = layer.codec if cfg.codec_backward else CODECS["none"]()
-    if cfg.a2a != layer.cfg.a2a:
-        layer.algo = ALLTOALLS[cfg.a2a](layer.topo)
-    if cfg.schedule != layer.cfg.schedule:
-        layer.scheduler = SCHEDULERS[cfg.schedule]()
-    layer.cfg = cfg
-
-
 def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock,
              warmup=None) -> float | None:
     """Median seconds of up to ``reps`` forward + backward steps (after one warm-up), each step
@@ -232,7 +186,7 @@ def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock
     rank), so the repetitions adapt to the step time. ``warmup`` (collective, returns whether
     to go on: the same answer on every rank) replaces the warm-up step, e.g. an error probe
     of ``codec="auto:lossy"``; None is returned when it says no."""
-    from moeflow.bench.timing import time_aligned
+    from moeflow.measure.timing import time_aligned
 
     def step():
         y = layer(x)

@@ -1,5 +1,5 @@
-"""Timing helpers shared by the benchmarks: ranks start a repetition together, the work is
-timed on its device (:class:`moeflow.devices.Stopwatch`: CUDA events on CUDA, the host clock on
+"""Aligned timing, shared by the auto-tuner, Parm's fits and the benchmarks: ranks start a
+repetition together, the work is timed on its device (:class:`moeflow.devices.Stopwatch`: CUDA events on CUDA, the host clock on
 CPU), and a repetition's time is the slowest rank's."""
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 
 from moeflow.devices import Stopwatch, host_all_reduce, synchronize
-from moeflow.topology import Topology
+
+# ``topo`` below is a moeflow.topology.Topology (only ``distributed`` and ``world_group`` are
+# read); it is not imported so that this core module stays below the topology and the layer.
 
 
-def slowest(seconds: float, topo: Topology) -> float:
+def slowest(seconds: float, topo: "Topology") -> float:
     """The maximum of ``seconds`` over all ranks (itself on a world of one); a host-side
     collective that works on any group (gloo, or ``cpu:gloo,cuda:nccl``)."""
     if not topo.distributed:
@@ -21,7 +23,7 @@ def slowest(seconds: float, topo: Topology) -> float:
     return host_all_reduce([seconds], "max", topo.world_group)[0]
 
 
-def start_aligned(topo: Topology, device: torch.device) -> Stopwatch:
+def start_aligned(topo: "Topology", device: torch.device) -> Stopwatch:
     """Wait for this rank's queued work, align the ranks on a barrier, start a stopwatch."""
     synchronize(device)
     if topo.distributed:
@@ -29,7 +31,7 @@ def start_aligned(topo: Topology, device: torch.device) -> Stopwatch:
     return Stopwatch(device).start()
 
 
-def time_aligned(fn: Callable[[], object], topo: Topology, device: torch.device) -> float:
+def time_aligned(fn: Callable[[], object], topo: "Topology", device: torch.device) -> float:
     """Run ``fn`` once with the ranks aligned; return the slowest rank's time of it."""
     watch = start_aligned(topo, device)
     fn()

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from moeflow.autotune.settings import apply
 from moeflow.config import MoEConfig
 
 
@@ -109,9 +110,7 @@ def codec_errors(layer, base: MoEConfig, x: torch.Tensor, codecs: list[str]) -> 
     """The error of each codec of ``codecs`` (see the module docstring), one probe step each
     after the lossless reference; collective over the layer's ranks. ``base`` is the concrete
     config to run with (its codec is replaced); the caller restores the layer's state
-    (moeflow.autotune._Preserved)."""
-    from moeflow.autotune import apply
-
+    (moeflow.autotune.settings._Preserved)."""
     probe = ErrorProbe(layer, x)
     apply(layer, base.replace(codec="none"))
     probe.reference()

@@ -1,0 +1,31 @@
+"""Auto-tuning of a layer's all-to-all algorithm, schedule, pipelining degree and (opt-in)
+lossy codec, measured on the running cluster (ScheMoE sections 3.2 and 4; docs/autotune.md).
+
+Modules, each importing only those listed before it (no import circle):
+
+- :mod:`moeflow.autotune.clock`: the time budget (``MoEConfig.autotune_budget_s``);
+- :mod:`moeflow.autotune.settings`: applying a candidate setting to a layer, and restoring what
+  tuning must not change;
+- :mod:`moeflow.autotune.lossy`: the measured error of each lossy codec
+  (``codec="auto:lossy"``);
+- :mod:`moeflow.autotune.tuner`: the tuner itself (:func:`tune`, :func:`pick`, re-tuning,
+  tuning state in checkpoints).
+
+Timings come from the measurement core (:mod:`moeflow.measure.timing`). The names below are
+the package's interface (``from moeflow import autotune; autotune.tune(...)``).
+"""
+
+from moeflow.autotune.clock import TuneClock
+from moeflow.autotune.lossy import ErrorProbe, codec_errors, gentlest_first, lossy_candidates
+from moeflow.autotune.settings import _Preserved, apply
+from moeflow.autotune.tuner import AUTO_FIELDS, DEGREES, KEEP_ALGOS, MEASURE_TOP, \
+    RETUNE_CHECK_EVERY, RETUNE_RATIO, SCHEDULES, SIMPLER_MARGIN, TunedChoice, auto_fields, \
+    candidate_algorithms, layout, log, log_to_stderr, needs_retune, overlap_trials, pick, \
+    placeholder, restore_tuning, retune_agreed, screen_order, tune, tuning_state
+
+__all__ = ["AUTO_FIELDS", "DEGREES", "ErrorProbe", "KEEP_ALGOS", "MEASURE_TOP",
+           "RETUNE_CHECK_EVERY", "RETUNE_RATIO", "SCHEDULES", "SIMPLER_MARGIN", "TuneClock",
+           "TunedChoice", "apply", "auto_fields", "candidate_algorithms", "codec_errors",
+           "gentlest_first", "layout", "log", "log_to_stderr", "lossy_candidates",
+           "needs_retune", "overlap_trials", "pick", "placeholder", "restore_tuning",
+           "retune_agreed", "screen_order", "tune", "tuning_state"]
