@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moeflow.bench.linkmodel import fit_alpha_beta
+from moeflow.measure.linkmodel import fit_alpha_beta
 from moeflow.comm.codecs import CODECS
 from moeflow.devices import Stopwatch, synchronize
 from moeflow.experts.ffn import ExpertFFN
