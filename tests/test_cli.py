@@ -230,3 +230,18 @@ def test_bench_json_records_its_provenance(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=Path(moeflow.__file__).parent).stdout.strip()
     assert meta["commit"] == (head or None)
+
+
+def test_every_bench_starts_from_the_cli():
+    """Benchmarks that own their options (parm-train, group-limited) start as `moeflow bench X`
+    with the options of their module."""
+    from moeflow.bench import group_limited, parm_train
+    from moeflow.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "parm-train", "--variants", "mp1-esp1",
+                                      "--out", "x.json"])
+    assert args.variants == "mp1-esp1" and args.out == "x.json" and callable(args.func)
+    args = build_parser().parse_args(["bench", "group-limited", "--top-k", "2"])
+    assert args.top_k == 2 and args.func is group_limited.run
+    assert parm_train.main.__module__ == group_limited.main.__module__.replace(
+        "group_limited", "parm_train")

@@ -19,6 +19,7 @@ robin, with the ``counting`` all-to-all (``direct`` + byte counts):
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import statistics
 import time
@@ -105,20 +106,25 @@ def bench(opts: dict) -> dict:
     return {"nodes": topo.num_nodes, "world": topo.world_size, "opts": opts, "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m moeflow.bench.group_limited",
-                                description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-expert", type=int, default=256)
-    p.add_argument("--experts-per-rank", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--d-model", type=int, default=256, help="model width")
+    p.add_argument("--d-expert", type=int, default=256,
+                   help="hidden width of each expert")
+    p.add_argument("--experts-per-rank", type=int, default=4,
+                   help="experts held by each rank")
+    p.add_argument("--top-k", type=int, default=4, help="experts per token")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--reps", type=int, default=5, help="timed steps (median kept)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Under torchrun or ``moeflow cluster run``: the variants side by side, rank 0 reports."""
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=300))
-    res = bench(vars(args))
+    res = bench({k: v for k, v in vars(args).items()
+                 if k in ("tokens", "d_model", "d_expert", "experts_per_rank", "top_k",
+                          "warmup", "reps", "out")})
     if Topology.from_env().rank == 0:
         for r in res["rows"]:
             print(f"{r['variant']}: inter-node a2a {r['inter_node_bytes_per_step'] / 1e6:.2f} "
@@ -129,7 +135,15 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
     torch.distributed.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moeflow.bench.group_limited",
+                                description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

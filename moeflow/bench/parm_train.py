@@ -73,25 +73,29 @@ def run_job(args: argparse.Namespace, variant: str, out: Path) -> dict:
             "job_wall_s": time.perf_counter() - start}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moeflow.bench.parm_train",
-                                description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="mp1-esp1,mp2-esp2:baseline",
                    help="comma-separated mp<N>-esp<N>[:schedule]; the first is the reference")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--inter-bw", default="1gbit")
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes")
+    p.add_argument("--ranks-per-node", type=int, default=2,
+                   help="ranks per emulated node")
+    p.add_argument("--inter-bw", default="1gbit",
+                   help="inter-node link rate (tc syntax)")
+    p.add_argument("--preset", default="tiny", help="moeflow train --preset")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=V",
                    help="model overrides passed to moeflow train")
     p.add_argument("--global-batch", type=int, default=32,
                    help="sequences per step over all data-parallel ranks")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=12, help="steps per job")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of each job's median")
     p.add_argument("--reps", type=int, default=3, help="interleaved rounds (one job each)")
-    p.add_argument("--job-timeout", type=float, default=600.0)
+    p.add_argument("--job-timeout", type=float, default=600.0,
+                   help="seconds one job may take")
     p.add_argument("--out", required=True, help="JSON results")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Run the variants interleaved and write ``args.out``; ``command`` is recorded."""
     variants = args.variants.split(",")
     for v in variants:
         parse_variant(v)
@@ -109,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = summary[variants[0]]["median_step_s"]
     for v in variants:
         summary[v]["ratio_to_first"] = summary[v]["median_step_s"] / ref
-    result = {"command": "python -m moeflow.bench.parm_train " + " ".join(
-                  argv if argv is not None else sys.argv[1:]),
+    result = {"command": command,
               "world": args.nodes * args.ranks_per_node, "inter_bw": args.inter_bw,
               "preset": args.preset, "overrides": args.set,
               "global_batch": args.global_batch,
@@ -123,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v:<24}{1e3 * s['median_step_s']:>10.1f}{s['ratio_to_first']:>8.2f}")
     return 0
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moeflow.bench.parm_train",
+                                description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv), "python -m moeflow.bench.parm_train " + " ".join(
+        argv if argv is not None else sys.argv[1:]))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,24 @@
+"""``moeflow bench parm-train`` and ``moeflow bench group-limited``: benchmarks whose options
+live beside their code (:mod:`moeflow.bench.parm_train`, :mod:`moeflow.bench.group_limited`),
+started the same way as every other bench."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+
+def register_bench(bsub) -> None:
+    from moeflow.bench import group_limited, parm_train
+
+    p = bsub.add_parser("parm-train", help="Parm's Table V analog: moeflow train step time per "
+                                           "MP / ESP layout on an emulated cluster (as root)",
+                        description=parm_train.__doc__.split("\n\n")[0])
+    parm_train.add_arguments(p)
+    p.set_defaults(func=lambda args: parm_train.run(args, "moeflow " + shlex.join(sys.argv[1:])))
+
+    p = bsub.add_parser("group-limited", help="inter-node bytes of DeepSeek-V3's group-limited "
+                                              "routing vs plain top-k (under moeflow cluster run)",
+                        description=group_limited.__doc__.splitlines()[0])
+    group_limited.add_arguments(p)
+    p.set_defaults(func=group_limited.run)
