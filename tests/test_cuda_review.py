@@ -94,3 +94,176 @@ def test_reshard_move_rows_waits_without_timeout_on_cuda(monkeypatch, device, ex
     reshard_mod._move_rows([rows], old=[[0, 0, 1]], new=[[1, 0, 0]], rank=0, world=2,
                            group=None)
     assert seen == ["cpu", "cpu"] and log == [expect] * 2
+
+
+# -- 2. fp8 kernels: hardware e4m3 only from compute capability 8.9 ----------------------------
+
+tq = pytest.importorskip("moeflow.comm.codecs.triton_quant")
+
+
+@pytest.mark.parametrize("capability, soft", [((8, 0), True), ((8, 6), True), ((8, 9), False),
+                                              ((9, 0), False), ((10, 0), False)])
+def test_fp8_kernels_choose_integer_casts_below_sm89(monkeypatch, capability, soft):
+    if not tq.available():
+        pytest.skip("triton not installed")
+    asked = []
+    monkeypatch.setattr(tq, "_FP8_HW", {})
+    monkeypatch.setattr(tq.torch.cuda, "get_device_capability",
+                        lambda i=None: asked.append(i) or capability)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert tq._soft(None, torch.device("cuda", 1)) is soft
+    assert tq._soft(None, "cuda:1") is soft                       # cached per device
+    assert asked == [1]
+    if soft:                                                     # the hardware path won't build
+        with pytest.raises(ValueError, match="soft_cast=False needs hardware float8"):
+            tq._soft(False, "cuda:1")
+    else:
+        assert tq._soft(False, "cuda:1") is False
+    assert tq._soft(True, "cuda:1") is True
+
+
+def test_fp8_kernels_interpreter_stays_soft(monkeypatch):
+    if not tq.available():
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tq.torch.cuda, "get_device_capability",
+                        lambda i=None: pytest.fail("the interpreter needs no device query"))
+    assert tq._soft(None, "cpu") is True and tq._soft(False, "cpu") is False
+
+
+_SM80_CHECK = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moeflow.comm.codecs import triton_quant as tq
+
+def build(fn, ptrs, const):
+    sig = {a: ("constexpr" if a in const else ptrs.get(a, "i32")) for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 80, 32),
+                       options={"num_warps": 4, "enable_fp_fusion": False})
+    return k.asm["ptx"]
+
+f32 = "*fp32"
+for fn, ptrs, const in [
+        (tq._fp8_block_encode_kernel, {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": f32},
+         {"BLOCK": 128, "GROUP": 8}),
+        (tq._fp8_decode_kernel, {"q_ptr": "*u8", "s_ptr": f32, "out_ptr": "*bf16"},
+         {"BLOCK": 128, "TILE": 1024})]:
+    ptx = build(fn, ptrs, dict(const, SOFT=True))
+    assert "e4m3" not in ptx, fn.__name__
+    try:
+        build(fn, ptrs, dict(const, SOFT=False))
+    except Exception:
+        print("hardware path rejected on sm_80:", fn.__name__)
+    else:
+        raise SystemExit(f"{fn.__name__}: tl.float8e4nv compiled for sm_80; the gate is moot")
+print("sm_80 integer path compiles")
+'''
+
+
+def test_fp8_kernels_compile_for_sm80_on_the_integer_path():
+    """What the gate is for, without a GPU: for an A100 (sm_80) the hardware-cast kernels do
+    not compile, the integer-cast ones (what :func:`_soft` picks there) do."""
+    if not tq.available():
+        pytest.skip("triton not installed")
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root
+    proc = subprocess.run([sys.executable, "-c", _SM80_CHECK], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("hardware path rejected on sm_80") == 2, proc.stdout
+    assert "sm_80 integer path compiles" in proc.stdout
+
+
+# -- 3./4. the communication lane: one high-priority stream per device, no set_device ----------
+
+from moeflow.schedule import streams as streams_mod          # noqa: E402
+
+
+class FakeCuda:
+    """Just enough of ``torch.cuda`` for the lane: streams that record their priority, and a
+    current device that ``set_device`` changes and ``device(...)`` changes and restores."""
+
+    def __init__(self):
+        self.current = 0
+        self.made = []
+        self.set_calls = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0):
+                self.device = torch.device("cuda", device)
+                self.priority = priority
+                fake.made.append(self)
+
+        class device:                                  # noqa: N801 (torch's name)
+            def __init__(self, d):
+                self.d = torch.device(d).index
+
+            def __enter__(self):
+                self.prev, fake.current = fake.current, self.d
+
+            def __exit__(self, *exc):
+                fake.current = self.prev
+
+        self.Stream, self.device = Stream, device
+
+    def set_device(self, d):
+        self.set_calls.append(d)
+        self.current = torch.device(d).index if not isinstance(d, int) else d
+
+    def current_device(self):
+        return self.current
+
+    def stream(self, s):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = FakeCuda()
+    for name in ("Stream", "device", "set_device", "current_device", "stream"):
+        monkeypatch.setattr(streams_mod.torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(streams_mod, "_COMM_STREAMS", {})
+    return fake
+
+
+def test_comm_streams_do_not_grow_with_layers(fake_cuda):
+    """One lane per layer (as MoELayer makes them): 100 layers on two devices share two
+    high-priority streams, not 200 from torch's pool of 32."""
+    lanes = [streams_mod.CommLane() for _ in range(100)]
+    s0 = {id(lane.stream(torch.device("cuda", 0))) for lane in lanes}
+    s1 = {id(lane.stream(torch.device("cuda", 1))) for lane in lanes}
+    assert len(s0) == len(s1) == 1 and s0 != s1
+    assert len(fake_cuda.made) == 2
+    assert [s.priority for s in fake_cuda.made] == [streams_mod.COMM_PRIORITY] * 2 == [-1, -1]
+    assert [s.device.index for s in fake_cuda.made] == [0, 1]
+    # "cuda" without an index is the current device's stream
+    assert lanes[0].stream(torch.device("cuda")) is lanes[5].stream(torch.device("cuda", 0))
+    assert streams_mod.CommLane().stream(torch.device("cpu")) is None
+    # Handoff of any layer's lane on the same device uses the same stream
+    assert len(fake_cuda.made) == 2
+
+
+def test_comm_lane_keeps_the_callers_current_device(fake_cuda):
+    fake_cuda.current = 0
+    lane = streams_mod.CommLane()
+    seen = []
+    out = lane.run(lambda: seen.append(fake_cuda.current) or "done", torch.device("cuda", 1))
+    assert out == "done" and seen == [1]            # the task ran on the stream's device
+    assert fake_cuda.current == 0                   # ... and the caller's device is back
+    assert fake_cuda.set_calls == []
+
+
+def test_comm_lane_thread_keeps_its_device_too(fake_cuda):
+    lane = streams_mod.CommLane()
+    try:
+        seen = lane.submit(lambda: fake_cuda.current, torch.device("cuda", 1)).result(timeout=30)
+    finally:
+        lane.close()
+    assert seen == 1 and fake_cuda.current == 0 and fake_cuda.set_calls == []
