@@ -267,3 +267,71 @@ def test_comm_lane_thread_keeps_its_device_too(fake_cuda):
     finally:
         lane.close()
     assert seen == 1 and fake_cuda.current == 0 and fake_cuda.set_calls == []
+
+
+# -- 5. HECATE's host integers reach the device through pinned memory --------------------------
+
+def test_kept_choices_sends_extras_through_the_pinned_helper(monkeypatch):
+    from moeflow.placement import token_plan as tp
+    calls = []
+    real = tp.to_device_async
+
+    def spy(values, device, dtype=torch.int64):
+        calls.append((list(values), torch.device(device), dtype))
+        return real(values, device, dtype)
+    monkeypatch.setattr(tp, "to_device_async", spy)
+    monkeypatch.setattr(tp, "gather_device_counts",
+                        lambda mine, group, world: mine.view(1, -1).cpu().numpy())
+    experts = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    kept = tp.KeptChoices(experts, num_experts=4, capacity=None, group=None, world=1,
+                          extras=[7, 9])
+    assert calls == [([7, 9], torch.device("cpu"), kept.counts.dtype)]
+    assert kept.extras.tolist() == [[7, 9]] and kept.every.tolist() == [[2, 2, 1, 1]]
+
+
+def test_to_device_async_pins_and_does_not_block_on_cuda(monkeypatch):
+    """The helper itself: on a CUDA device the host tensor is pinned and copied with
+    non_blocking=True (recorded on a fake), on CPU it is a plain tensor."""
+    from moeflow import devices
+    log = []
+
+    class Host(torch.Tensor):
+        def pin_memory(self):
+            log.append("pin")
+            return self
+
+        def to(self, *args, **kwargs):
+            if args and torch.device(args[0]).type == "cuda":
+                log.append(("to", str(args[0]), kwargs.get("non_blocking")))
+                return torch.Tensor(self)
+            return super().to(*args, **kwargs)
+    real = torch.as_tensor
+    monkeypatch.setattr(devices.torch, "as_tensor",
+                        lambda v, dtype=None: real(v, dtype=dtype).as_subclass(Host))
+    devices.to_device_async([1, 2], torch.device("cuda", 0))
+    assert log == ["pin", ("to", "cuda:0", True)]
+    assert devices.to_device_async([1, 2], "cpu").tolist() == [1, 2]
+
+
+# -- 8. CUDA graphs: a clear error instead of a failed capture ----------------------------------
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (only ``is_cuda`` is read before the check)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_moe_layer_refuses_cuda_graph_capture(monkeypatch):
+    import moeflow as mf
+    layer = mf.MoELayer(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, top_k=2))
+    x = torch.randn(6, 8)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert layer(x).shape == x.shape               # CPU input: never asks (no CUDA build needed)
+    with pytest.raises(RuntimeError, match=r"MoELayer.forward .* CUDA graph .*"
+                                           r"make_graphed_callables.*reduce-overhead"):
+        layer(x.as_subclass(_CudaLooking))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    from moeflow import devices
+    devices.check_not_capturing("anything")       # not capturing: no error
