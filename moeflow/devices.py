@@ -191,6 +191,24 @@ def to_device_async(values, device: torch.device, dtype=torch.int64) -> torch.Te
     return t.to(device)
 
 
+#: Why the MoE layer refuses CUDA-graph capture (docs/gpu.md, "CUDA graphs").
+CUDA_GRAPH_ERROR = (
+    "{where} was called while a CUDA graph is being captured "
+    "(torch.cuda.is_current_stream_capturing()): the MoE layer cannot be captured, because its "
+    "all-to-all split sizes depend on the routing and are read on the host, its collectives "
+    "run on a communication thread and stream, and some bookkeeping travels over gloo. Capture "
+    "only the dense parts (torch.cuda.make_graphed_callables on the attention/FFN blocks), or "
+    "compile without CUDA graphs (torch.compile mode='default' or "
+    "'max-autotune-no-cudagraphs', not 'reduce-overhead')")
+
+
+def check_not_capturing(where: str) -> None:
+    """Raise a RuntimeError naming ``where``, why and the fix when the current CUDA stream is
+    capturing a graph (call it only for CUDA inputs: the query needs a CUDA build)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(CUDA_GRAPH_ERROR.format(where=where))
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the work queued on ``device`` (a no-op on CPU)."""
     device = torch.device(device)

@@ -15,6 +15,7 @@ from torch import nn
 from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
+from moeflow.devices import check_not_capturing
 from moeflow.dispatch import capacity, combine, make_plan, permute
 from moeflow.experts.ffn import EXPERTS
 from moeflow.experts.shared import SharedExperts
@@ -212,6 +213,8 @@ class MoELayer(nn.Module):
         this call only (no rebuild; ``capacity_factor=None`` is dropless, ``"auto"`` the
         structure's default), as Tutel's ``moe(x, top_k=..., capacity_factor=...)``."""
         cfg, t = self.cfg, self.timer or NULL_TIMER
+        if x.is_cuda:                      # a CUDA graph cannot hold this layer (docs/gpu.md)
+            check_not_capturing("MoELayer.forward")
         if not x.is_floating_point():
             raise TypeError(f"MoELayer input has dtype {x.dtype}; it must be floating point "
                             "(token embeddings, e.g. float32 or bfloat16): convert token ids "

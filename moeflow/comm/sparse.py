@@ -23,7 +23,11 @@ each group's members, :func:`allreduce_volume`), each rank *receives* at most ``
 replicas is a hot spot on the other side.
 
 Every wait is bounded by the process group's timeout (:func:`group_timeout`): a rank that never
-joins makes its peers raise instead of hanging. With ``verify=True`` (default) the ranks first
+joins makes its peers raise instead of hanging. On CUDA tensors :func:`wait_work` calls
+``work.wait()`` without a timeout: ProcessGroupNCCL then only makes the current stream wait for
+the collective's stream, while a timeout argument would block the host thread until the GPU
+finishes (and so serialise the CPU with every sparse collective); the NCCL watchdog still
+aborts a collective that outlives the group's timeout. On CPU (gloo) the timeout is passed. With ``verify=True`` (default) the ranks first
 all-gather a digest of the placements, shape and dtype plus a flag saying their inputs met the
 pre-condition, so a disagreement or a bad input raises the same error on every rank.
 """
@@ -132,6 +136,19 @@ def group_timeout(group=None) -> datetime.timedelta:
     return default_pg_timeout
 
 
+def wait_work(work, timeout: datetime.timedelta, device: torch.device | str) -> None:
+    """Wait for an asynchronous collective on tensors living on ``device``.
+
+    CUDA: ``work.wait()``, a stream wait; the host is not blocked, and ProcessGroupNCCL's
+    watchdog enforces the group's timeout. Elsewhere (gloo): ``work.wait(timeout)`` bounds the
+    host's wait directly.
+    """
+    if torch.device(device).type == "cuda":
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 class _Sparse:
     kind = ""
 
@@ -173,7 +190,7 @@ class _Sparse:
         mine = torch.tensor([digest, problem is not None], dtype=torch.int64, device=self.device)
         every = mine.new_empty(self.world * 2)
         work = _all_gather(every, mine, group=self.group, async_op=True)
-        work.wait(self.timeout)
+        wait_work(work, self.timeout, self.device)
         every = every.view(self.world, 2).tolist()
         if problem is not None:
             raise SparseCollectiveError(f"{self.kind} pre-condition: {problem}")
@@ -196,7 +213,7 @@ class _Sparse:
         if not ops:
             return
         for work in dist.batch_isend_irecv(ops):
-            work.wait(self.timeout)
+            wait_work(work, self.timeout, self.device)
 
     def __call__(self, chunks: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         problem = self._check_inputs(chunks)
@@ -273,5 +290,5 @@ class SparseReduceScatter(_Sparse):
 
 
 __all__ = ["SparseAllGather", "SparseReduceScatter", "SparseCollectiveError",
-           "allreduce_volume", "group_timeout", "sparsity_bound", "spag_send_bytes",
+           "allreduce_volume", "group_timeout", "wait_work", "sparsity_bound", "spag_send_bytes",
            "sprs_send_bytes"]

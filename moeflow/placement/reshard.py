@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.comm.sparse import group_timeout
+from moeflow.comm.sparse import group_timeout, wait_work
 from moeflow.errors import ConfigError
 from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.placement.placement import Placement
@@ -159,8 +159,9 @@ def _move_rows(tensors: list[torch.Tensor], old: list[list[int]], new: list[list
         ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer, tag=tag(l, e, k))
                 for (peer, _, l, e, k), (buf, _) in zip(recvs, bufs)]
         timeout = group_timeout(group)
+        device = tensors[0].device      # a stream wait on CUDA, a bounded host wait on gloo
         for work in dist.batch_isend_irecv(ops):
-            work.wait(timeout)
+            wait_work(work, timeout, device)
         for buf, view in bufs:
             view.copy_(buf)
     return outs

@@ -74,8 +74,9 @@ class KeptChoices:
             self.keep = base.slot < base.send_rows
             self.kept = torch.where(self.keep, self.flat, num_experts)   # dropped: sentinel
         self.counts = expert_counts(self.kept, num_experts + 1)[:num_experts]
-        mine = torch.cat([self.counts, torch.as_tensor(list(extras), dtype=self.counts.dtype,
-                                                       device=self.counts.device)])
+        # pinned, non-blocking: a pageable host-to-device copy would synchronise the stream
+        mine = torch.cat([self.counts, to_device_async(list(extras), self.counts.device,
+                                                       dtype=self.counts.dtype)])
         every = gather_device_counts(mine, group, world)
         self.every = every[:, :num_experts]                 # (world, E) on the host
         self.extras = every[:, num_experts:]

@@ -5,8 +5,13 @@ ScheMoE section 3.2 runs computing tasks (compress, decompress, experts) and com
 
 * The computing lane is the caller's thread and, on CUDA, its current stream.
 * The communication lane is one worker thread (collectives are issued in the same order on every
-  rank, so they stay matched) and, on CUDA, a dedicated communication stream per device. The
-  thread sets the device before it runs anything and makes the stream current, so collectives
+  rank, so they stay matched) and, on CUDA, one communication stream per device shared by every
+  layer's lane (:func:`comm_stream`): a high-priority stream, so the all-to-alls' kernels are
+  scheduled ahead of the experts' GEMMs that they overlap with, and one per device rather than
+  one per layer, because torch hands streams out round-robin from a pool of 32 per priority and
+  a 33rd layer would silently share (and serialise with) another's. The task runs under
+  ``torch.cuda.device(...)`` (entered and left, so the calling thread's current device is what
+  it was) and with the stream current, so collectives
   (NCCL enqueues on its own stream after waiting for the current one) and the algorithms'
   layout copies run there, and every ``work.wait()`` inside an algorithm is a stream
   dependency, not a host block.
@@ -40,21 +45,33 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+#: The communication streams, one per CUDA device index, shared by every lane of the process.
+_COMM_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+#: Stream priority of the communication lane (lower is higher; -1 is CUDA's high priority).
+COMM_PRIORITY = -1
+
+
+def comm_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """The process's high-priority communication stream of a CUDA ``device`` (created on first
+    use, then cached); ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _COMM_STREAMS.get(idx)
+    if stream is None:
+        stream = _COMM_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=COMM_PRIORITY)
+    return stream
+
+
 class CommLane:
     """One communication lane: a single background thread (created on first use) and, per CUDA
-    device, one communication stream."""
+    device, the shared communication stream (:func:`comm_stream`)."""
 
     def __init__(self):
         self._pool: ThreadPoolExecutor | None = None
-        self._streams: dict[int, torch.cuda.Stream] = {}
 
     def stream(self, device: torch.device) -> "torch.cuda.Stream | None":
-        if device.type != "cuda":
-            return None
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._streams:
-            self._streams[idx] = torch.cuda.Stream(device=idx)
-        return self._streams[idx]
+        return comm_stream(device)
 
     def run(self, fn: Callable[[], Any], device: torch.device) -> Any:
         """Run ``fn`` as a communication task of ``device`` on the calling thread. Autocast is
@@ -64,8 +81,9 @@ class CommLane:
         with torch.autocast(device.type, enabled=False):
             if stream is None:
                 return fn()
-            torch.cuda.set_device(stream.device)
-            with torch.cuda.stream(stream):
+            # entered and left: an inline task on a compute or autograd thread must not change
+            # that thread's current device
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
                 return fn()
 
     def submit(self, fn: Callable[[], Any], device: torch.device) -> Future:
@@ -84,7 +102,7 @@ class CommLane:
         return CommLane()
 
     def __getstate__(self) -> dict:
-        return {"_pool": None, "_streams": {}}
+        return {"_pool": None}
 
 
 class Handoff:

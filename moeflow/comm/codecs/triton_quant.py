@@ -15,7 +15,9 @@ bit shift. The float8 e4m3 and bfloat16 roundings are the hardware's ``cvt.rn`` 
 torch's c10), because the interpreter's own float8 / bfloat16 down-casts do not round to nearest
 even. One exception to bit equality: where a row's min (or max) is a zero present with both
 signs, int8's ``lo`` (or ``scale``) may be the other zero than torch's, whose ``amin``/``amax``
-pick one by position. Tested under the interpreter and compiled for sm_90 without a GPU
+pick one by position. The hardware e4m3 conversion (``tl.float8e4nv``) exists from compute
+capability 8.9 (Ada, Hopper) on; on older GPUs (sm_80 A100, sm_86) the kernels compile the
+integer path instead (:func:`hardware_fp8`), same bits. Tested under the interpreter and compiled for sm_90 without a GPU
 (``tests/test_triton_quant.py``); not yet timed on a GPU.
 """
 
@@ -235,8 +237,36 @@ if triton is not None:
         _store_out(out_ptr + row * cols + c, q.to(tl.float32) * s + lo, m, SOFT)
 
 
-def _soft(soft_cast: bool | None) -> bool:
-    return _interpreting() if soft_cast is None else soft_cast
+#: First compute capability with hardware float8 e4m3 conversions (``cvt.rn.satfinite.e4m3x2``).
+FP8_MIN_CAPABILITY = (8, 9)
+_FP8_HW: dict[int, bool] = {}
+
+
+def hardware_fp8(device: torch.device | str) -> bool:
+    """Whether ``device`` converts to float8 e4m3 in hardware (CUDA compute capability >= 8.9),
+    cached per device index. Below it ``tl.float8e4nv`` does not compile, so the kernels take
+    the integer path (``SOFT``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FP8_HW:
+        _FP8_HW[index] = tuple(torch.cuda.get_device_capability(index)) >= FP8_MIN_CAPABILITY
+    return _FP8_HW[index]
+
+
+def _soft(soft_cast: bool | None, device: torch.device | str) -> bool:
+    """Whether to round in integer arithmetic: under the interpreter, and on a GPU without
+    hardware fp8 (unless ``soft_cast`` says otherwise; ``False`` there is an error)."""
+    if soft_cast is None:
+        return _interpreting() or not hardware_fp8(device)
+    if not soft_cast and not _interpreting() and torch.device(device).type == "cuda" \
+            and not hardware_fp8(device):
+        raise ValueError(f"soft_cast=False needs hardware float8 (compute capability >= "
+                         f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}); {device} has "
+                         f"{torch.cuda.get_device_capability(device)}: pass soft_cast=None "
+                         "(the integer path, same bits)")
+    return soft_cast
 
 
 def _tile(cols: int) -> int:
@@ -264,7 +294,8 @@ def fp8_encode(x: torch.Tensor, block: int | None = FP8_BLOCK,
     if block is None:
         tile = _tile(cols)
         _fp8_row_encode_kernel[(rows,)](x, q, scale, cols, x.stride(0), TILE=tile,
-                                        SOFT=_soft(soft_cast), num_warps=8 if tile > 1024 else 4,
+                                        SOFT=_soft(soft_cast, x.device),
+                                        num_warps=8 if tile > 1024 else 4,
                                         enable_fp_fusion=False)
     else:
         if block != FP8_BLOCK:
@@ -273,7 +304,8 @@ def fp8_encode(x: torch.Tensor, block: int | None = FP8_BLOCK,
         ngroups = -(-nb // group)
         _fp8_block_encode_kernel[(rows * ngroups,)](x, q, scale, cols, nb, x.stride(0), ngroups,
                                                     BLOCK=block, GROUP=group,
-                                                    SOFT=_soft(soft_cast), num_warps=4,
+                                                    SOFT=_soft(soft_cast, x.device),
+                                                    num_warps=4,
                                                     enable_fp_fusion=False)
     return [q, scale]
 
@@ -292,7 +324,8 @@ def fp8_decode(q: torch.Tensor, scale: torch.Tensor, block: int | None, dtype: t
     tile = _tile(cols)
     ntiles = -(-cols // tile)
     _fp8_decode_kernel[(rows * ntiles,)](q, scale, out, cols, scale.shape[1], ntiles,
-                                         BLOCK=block or 0, TILE=tile, SOFT=_soft(soft_cast),
+                                         BLOCK=block or 0, TILE=tile,
+                                         SOFT=_soft(soft_cast, q.device),
                                          num_warps=8 if tile > 1024 else 4,
                                          enable_fp_fusion=False)
     return out
@@ -327,7 +360,9 @@ def int8_decode(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: t
     tile = _tile(cols)
     ntiles = -(-cols // tile)
     _int8_decode_kernel[(rows * ntiles,)](q, scale, lo, out, cols, ntiles, TILE=tile,
-                                          SOFT=_soft(soft_cast),
+                                          # bf16 stores only: hardware on every CUDA GPU
+                                          SOFT=_interpreting() if soft_cast is None
+                                          else soft_cast,
                                           num_warps=8 if tile > 1024 else 4,
                                           enable_fp_fusion=False)
     return out
