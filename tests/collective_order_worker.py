@@ -158,7 +158,9 @@ def topology(layout) -> Topology:
                              esp_in_node=in_node)
 
 
-def run_case(key: str) -> list[tuple]:
+def run_case(key: str) -> tuple[list[tuple], tuple]:
+    """This rank's events of two forward + backward steps, and its ESP group's global ranks
+    (empty without ESP)."""
     layout, name, overrides, holders = CASES[key]
     topo = topology(layout)
     layer = parity.make_layer(name, topo, **overrides)
@@ -178,8 +180,12 @@ def run_case(key: str) -> list[tuple]:
         rec.on = False
     layer.lane.close()
     dist.barrier()
-    return rec.events
+    esp = (tuple(dist.get_process_group_ranks(topo.esp_group)) if topo.esp_size > 1 else ())
+    return rec.events, esp
 
 
 def worker(keys: list[str]) -> dict:
-    return {key: run_case(key) for key in keys}
+    out: dict = {"esp_group": {}}
+    for key in keys:
+        out[key], out["esp_group"][key] = run_case(key)
+    return out

@@ -51,14 +51,8 @@ def test_every_group_sees_one_order(events, case):
                 f"{members[0]}:\n{seqs[r].get(group)}\nvs\n{first}")
 
 
-# today the ESP-AllReduce runs inside task E on the computing thread (fixed in the next commit)
-LANE_CASES = [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="ESP-AllReduce on "
-                                                       "the computing thread"))
-              if c == "parm_baseline_esp2_r2_optsche" else c for c in worker.CASES]
-
-
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", LANE_CASES)
+@pytest.mark.parametrize("case", list(worker.CASES))
 def test_only_the_lane_issues_while_it_has_work(events, case):
     lane_used = False
     for rank in range(WORLD):
@@ -69,3 +63,27 @@ def test_only_the_lane_issues_while_it_has_work(events, case):
                          f"while it had work in flight: {bad}")
         lane_used |= any(t.startswith(worker.LANE_THREAD) for *_x, t, _b in evs)
     assert lane_used or case == "parm_s2_saa", f"{case}: the lane issued nothing"
+
+
+@pytest.mark.multirank
+def test_the_esp_all_reduce_is_a_lane_task(events):
+    """Parm's ESP-AllReduce (Fig. 3a, inside task E) is issued by the lane, once per chunk of
+    each forward (2 chunks x 2 steps), queued behind the all-to-alls issued before it."""
+    case = "parm_baseline_esp2_r2_optsche"
+    for rank in range(WORLD):
+        group = events[rank]["esp_group"][case]
+        assert len(group) == 2 and rank in group
+        threads = [t for ranks, op, _c, t, _b in events[rank][case]
+                   if ranks == group and op == "all_reduce"]
+        assert len(threads) == 4 and all(t.startswith(worker.LANE_THREAD) for t in threads), \
+            f"rank {rank}: ESP-AllReduce issued by {threads}"
+
+
+@pytest.mark.multirank
+def test_the_early_spag_runs_on_the_lane(events):
+    """HECATE's early spAG (Fig. 1c) is issued by the lane (its point-to-point batch), and
+    the computing thread issues nothing while it is in flight (checked above)."""
+    for rank in range(WORLD):
+        p2p = [t for _r, op, _c, t, _b in events[rank]["fssdp_prefetch_rm_r2"]
+               if op == "batch_isend_irecv"]
+        assert any(t.startswith(worker.LANE_THREAD) for t in p2p), (rank, p2p)
