@@ -244,7 +244,11 @@ class FSSDPExperts(nn.Module):
     def prefetch(self, lane: CommLane) -> None:
         """Launch this iteration's ``spAG(P, P')`` on the layer's communication lane (Fig. 1c:
         before the block's attention). The forward waits for it, bounded by the group's
-        timeout. A second call before that forward does nothing."""
+        timeout. A second call before that forward does nothing.
+
+        Until :meth:`begin` has waited for it, this rank must issue no other collective from
+        another thread (NCCL's one order per rank, docs/design.md): the GPT block runs only
+        its attention in between, which has none (FSSDP refuses tensor parallelism)."""
         if self._pending is not None or self.world == 1:
             return
         self.non_moe.start(self.slots.device)
@@ -363,9 +367,9 @@ class FSSDPExperts(nn.Module):
         return out
 
     def stats(self) -> dict[str, float]:
-        """Metrics of the last forward (issue 17's CLI metrics): tokens each rank computed,
-        the max/mean load ratio, and this rank's spAG / spRS bytes sent (spRS: the last
-        backward's)."""
+        """Metrics of the last forward (in ``MoELayer.stats``; ``moeflow bench hecate`` reads
+        them): tokens each rank computed, the max/mean load ratio, and this rank's spAG / spRS
+        bytes sent (spRS: the last backward's)."""
         out: dict[str, float] = {}
         if self.last_loads is not None:
             loads = self.last_loads

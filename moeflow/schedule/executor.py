@@ -16,12 +16,23 @@ the first task that consumes a communication result, i.e. where the computing la
 otherwise wait for the first all-to-all (with the sequential scheduler, which overlaps
 nothing, that point comes after the all-to-all has run inline). It adds no host wait.
 
+A collective that a computing task needs inside itself (Parm's ESP-AllReduce of the expert
+shards' partial outputs, inside task E: Parm Section II-B, Fig. 3a) is issued through
+:func:`on_lane`: while a schedule runs, it becomes a communication task queued on the lane
+behind the all-to-alls already issued, and the computing lane waits for it as a consumer of
+its result (the same hand-off as A1 / A2). So every collective issued while the lane has work
+in flight is issued by the lane, in the schedule's order, which is the same on every rank:
+NCCL's rule that every rank issues one communicator's operations in the same order, and that
+two threads must not issue into different communicators in a rank-dependent order
+(docs/design.md, "One collective order per rank").
+
 Every task's start and end are recorded for the timeline and the profiler (CUDA events on GPUs,
 resolved when the timeline is read).
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,7 +43,7 @@ from moeflow.schedule.schedulers import Scheduler
 from moeflow.schedule.streams import Clock, CommLane, Handoff
 from moeflow.schedule.tasks import SIDE, Task
 
-__all__ = ["CommLane", "Stage", "TaskRecord", "Timeline", "run_schedule"]
+__all__ = ["CommLane", "Stage", "TaskRecord", "Timeline", "on_lane", "run_schedule"]
 
 
 @dataclass
@@ -103,6 +114,19 @@ class Stage:
     fns: dict[str, Callable[[int, Any], tuple[Any, int]]]
 
 
+_ISSUER = threading.local()      # .issue: the running schedule's way onto its lane, or None
+
+
+def on_lane(collective: Callable[[], Any], tensors: Any = ()) -> Any:
+    """Run ``collective`` (a function issuing collectives on ``tensors``, made or read by the
+    computing lane, and returning what the computing lane needs) where the current thread's
+    collectives belong: inside a task of :func:`run_schedule`, as a communication task of
+    that schedule's lane (queued behind its pending all-to-alls, waited for here); elsewhere
+    (no schedule running on this thread), right here."""
+    issue = getattr(_ISSUER, "issue", None)
+    return collective() if issue is None else issue(collective, tensors)
+
+
 def _done(value: Any) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -144,7 +168,21 @@ def run_schedule(stage: Stage, r: int, scheduler: Scheduler, lane: CommLane,
         out = timed(task, "comm", payload)
         return out, handoff.leave()
 
+    def issue(collective: Callable[[], Any], tensors: Any) -> Any:
+        """:func:`on_lane` inside a task: the collective as a lane task, consumed at once."""
+        ready = handoff.ready()
+
+        def task():
+            handoff.enter(ready, tensors)
+            return collective(), handoff.leave()
+
+        out, done = (lane.submit(task, device).result() if scheduler.overlap
+                     else lane.run(task, device))
+        handoff.consume(done, tensors)
+        return out
+
     side_pending = side is not None
+    outer, _ISSUER.issue = getattr(_ISSUER, "issue", None), issue
     try:
         for task in scheduler.order(r):
             pred = task.predecessor()
@@ -169,4 +207,6 @@ def run_schedule(stage: Stage, r: int, scheduler: Scheduler, lane: CommLane,
     except BaseException:
         _drain(pending)
         raise
+    finally:
+        _ISSUER.issue = outer
     return [results[Task("D2", i)] for i in range(r)]

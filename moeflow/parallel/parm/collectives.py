@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moeflow.schedule.executor import on_lane
+
 # torch >= 2.10 names them *_single (the *_tensor names warn there)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -72,7 +74,9 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         y = x.clone()
-        dist.all_reduce(y, group=group)
+        # inside task E of a running schedule: a task of its communication lane, queued behind
+        # the all-to-alls already issued (one collective order per rank, executor.on_lane)
+        on_lane(lambda: dist.all_reduce(y, group=group), y)
         return y
 
     @staticmethod
@@ -93,7 +97,9 @@ def esp_split(y: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor
 
 
 def esp_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """ESP-AllReduce (sum) of partial outputs. Backward: identity (the sum is replicated)."""
+    """ESP-AllReduce (sum) of partial outputs. Backward: identity (the sum is replicated).
+    Called inside a scheduled task (task E), it is issued by the schedule's communication lane
+    (:func:`moeflow.schedule.executor.on_lane`), never beside the lane's all-to-alls."""
     return _AllReduce.apply(x, group)
 
 
