@@ -238,6 +238,9 @@ class MoEConfig:
     # Parm (issue 16): schedule of MP+EP+ESP, and S2's SAA (True) or AAS (False)
     parallel_schedule: str = "baseline"
     parm_saa: bool = True
+    # S2: compare a digest of the dispatch plan over the MP group each call (a debug check:
+    # one host sync and a small all-reduce; moeflow/parallel/parm/plan_agreement.py)
+    parm_check_plan: bool = False
     # issue 18 (moeflow/autotune/, docs/autotune.md): codec="auto:lossy" lets the tuner pick
     # a lossy codec whose relative L2 error (layer output and input gradient vs the lossless
     # exchange, tuning batch, worst rank) is <= lossy_error_budget (None: 1e-2); the tuning
@@ -283,6 +286,9 @@ class MoEConfig:
         _require(self.parallel_schedule in PARM_SCHEDULES, o, "parallel_schedule",
                  self.parallel_schedule, "unknown schedule; use one of "
                  f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1)")
+        _require(isinstance(self.parm_check_plan, bool), o, "parm_check_plan",
+                 self.parm_check_plan, "must be True (compare the MP ranks' plans in S2) or "
+                 "False")
         _require(isinstance(self.parm_saa, bool), o, "parm_saa", self.parm_saa,
                  "must be True (SAA) or False (AAS)")
         if self.router == "bilevel":

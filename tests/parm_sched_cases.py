@@ -24,8 +24,8 @@ from tests.parm_cases import CASES, batch_index, run_rank, topology
 
 SCHEDULES = {
     "s1": dict(parallel_schedule="s1"),
-    "s2_saa": dict(parallel_schedule="s2"),
-    "s2_aas": dict(parallel_schedule="s2", parm_saa=False),
+    "s2_saa": dict(parallel_schedule="s2", parm_check_plan=True),
+    "s2_aas": dict(parallel_schedule="s2", parm_saa=False, parm_check_plan=True),
 }
 #: 8 ranks as 2 nodes x 4: (N_MP, N_EP, N_ESP) = (2, 2, 2), both placements (Section IV-A)
 LAYOUTS_8 = {"mp2_ep2_esp2_esp_in_node": (2, 2, 2, True),

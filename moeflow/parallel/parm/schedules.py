@@ -18,6 +18,7 @@ from moeflow.config import MoEConfig
 from moeflow.dispatch.plan import DispatchPlan
 from moeflow.parallel.parm.algorithm1 import AutoSchedule
 from moeflow.parallel.parm.checks import check_saa, uses_parm
+from moeflow.parallel.parm.plan_agreement import check_plan_agrees
 from moeflow.parallel.parm.ep_esp import ShardPartials, ep_esp_experts, ep_esp_view
 from moeflow.parallel.parm.s1 import mp_gather_tokens, mp_mean_loss, mp_split_tokens
 from moeflow.parallel.parm.s2 import s2_experts
@@ -61,4 +62,6 @@ class ParmParts:
         if sched == "s1":
             return ep_esp_experts(send, plan, ep_esp, self.topo)
         check_saa(cfg, runner.r)         # the degree may have changed since construction
+        if cfg.parm_check_plan:          # S2 splits one plan over the MP group
+            check_plan_agrees(plan, self.topo)
         return s2_experts(send, plan, ep_esp, self.topo, saa=cfg.parm_saa)
