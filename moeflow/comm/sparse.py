@@ -29,7 +29,8 @@ the collective's stream, while a timeout argument would block the host thread un
 finishes (and so serialise the CPU with every sparse collective); the NCCL watchdog still
 aborts a collective that outlives the group's timeout. On CPU (gloo) the timeout is passed.
 With ``verify=True`` (default) the ranks first all-gather a digest of the placements, shape and
-dtype plus a flag saying their inputs met the pre-condition, so a disagreement or a bad input raises the same error on every rank.
+dtype plus a flag saying their inputs met the pre-condition, so a disagreement or a bad input
+raises the same error on every rank.
 """
 
 from __future__ import annotations
