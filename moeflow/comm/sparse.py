@@ -27,9 +27,10 @@ joins makes its peers raise instead of hanging. On CUDA tensors :func:`wait_work
 ``work.wait()`` without a timeout: ProcessGroupNCCL then only makes the current stream wait for
 the collective's stream, while a timeout argument would block the host thread until the GPU
 finishes (and so serialise the CPU with every sparse collective); the NCCL watchdog still
-aborts a collective that outlives the group's timeout. On CPU (gloo) the timeout is passed. With ``verify=True`` (default) the ranks first
-all-gather a digest of the placements, shape and dtype plus a flag saying their inputs met the
-pre-condition, so a disagreement or a bad input raises the same error on every rank.
+aborts a collective that outlives the group's timeout. On CPU (gloo) the timeout is passed.
+With ``verify=True`` (default) the ranks first all-gather a digest of the placements, shape and
+dtype plus a flag saying their inputs met the pre-condition, so a disagreement or a bad input
+raises the same error on every rank.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ re-shards (a layer may then own any number of experts on a rank).
 3. With ``rematerialize=True`` (HECATE-RM, Section 3.2: "SparseAllGather is launched twice for
    an MoE layer in each iteration") the stacked tensor's storage is freed after the forward and
    refilled by a second spAG when the backward reaches the layer (:class:`_Regather`), as FSDP
-   frees and re-gathers its flat parameters.
+   frees and re-gathers its flat parameters. Under autocast the stacked tensor is in the
+   autocast dtype (:meth:`FSSDPExperts._held_dtype`): what the backward reads is then that
+   tensor, which the free releases, not autocast's own copies of fp32 weights.
 
 Token routing over ``P'`` is :mod:`moeflow.placement.token_plan`.
 """
@@ -88,6 +90,13 @@ class HeldFFN(ExpertFFN):
         if H == 0:
             return x.new_zeros((x.shape[0], self.d_out))
         counts = list(counts[:H])
+        w = self._weights[0].dtype
+        if x.dtype != w and torch.is_autocast_enabled(x.device.type) \
+                and torch.get_autocast_dtype(x.device.type) == w:
+            # held experts materialized in the autocast dtype (HECATE-RM, FSSDPExperts.
+            # _held_dtype): the rows go to it too, as autocast would cast them for every matmul,
+            # so ExpertFFN's x-dtype cast of the weights does not make fp32 copies of them
+            x = x.to(w)
         return super().forward(x, counts, None if offsets is None else offsets[:H])
 
 
@@ -104,9 +113,9 @@ class _Gather(torch.autograd.Function):
     """``slots (S, numel)`` -> held experts ``(H, numel)``; backward = ``spRS(P', P)``."""
 
     @staticmethod
-    def forward(ctx, slots, store, placement, received):
+    def forward(ctx, slots, store, placement, received, dtype=None):
         held = placement.held(store.rank)
-        out = slots.new_empty((len(held), slots.shape[1]))
+        out = slots.new_empty((len(held), slots.shape[1]), dtype=dtype or slots.dtype)
         for i, e in enumerate(held):
             out[i].copy_(slots[store.slot_index[e]] if e in store.slot_index else received[e])
         ctx.store, ctx.placement, ctx.held = store, placement, held
@@ -115,7 +124,9 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         store, placement = ctx.store, ctx.placement
-        grad = grad.contiguous()
+        # held experts materialized in the autocast dtype: their gradients are summed over the
+        # replicas in the parameters' dtype, as autocast's cast-backward would have given them
+        grad = grad.to(store.slots.dtype).contiguous()
         chunks = {e: grad[i] for i, e in enumerate(ctx.held)}
         if store.world > 1:
             op = SparseReduceScatter(placement.holder_chunks(), store.owners.owner_chunks(),
@@ -126,7 +137,7 @@ class _Gather(torch.autograd.Function):
         out = grad.new_zeros(store.slots.shape)     # the slot tensor may hold other layers
         for e, i in store.slot_index.items():
             out[i] = chunks[e]
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 class _Regather(torch.autograd.Function):
@@ -320,7 +331,7 @@ class FSSDPExperts(nn.Module):
                 self.calibrated += 1
         if torch.is_grad_enabled():      # training forwards only: evaluation batches are not
             self.window.add(loads)       # the load Algorithm 1 plans for (w = 5, Section 4.2)
-        flat = _Gather.apply(self.slots, self, placement, got)
+        flat = _Gather.apply(self.slots, self, placement, got, self._held_dtype())
         self._current = (placement, flat)
         self.held.bind(self._views(flat))
         plan, routes = fssdp_plan(kept, placement, self.rank, self.local_size)
@@ -328,6 +339,21 @@ class FSSDPExperts(nn.Module):
         self.last_placement = placement
         self.expert_phase.start(self.slots.device)
         return plan
+
+    def _held_dtype(self) -> torch.dtype:
+        """The dtype of the materialized held experts. HECATE-RM under autocast (e.g. bf16):
+        the autocast dtype, since autograd would otherwise save autocast's bf16 copies of the
+        fp32 views for the backward, and freeing the fp32 storage (:meth:`end`) would free only
+        part of the held experts' memory while the refill re-gathers data no backward reads.
+        Materialized in bf16, autocast's casts are no-ops, the saved tensors are views of the
+        freed storage, and the refill restores what the backward reads. Without biases only:
+        an fp32 bias added to a bf16 product promotes the sum to fp32, a bf16 one would not."""
+        device = self.slots.device.type
+        if not (self.options.rematerialize and torch.is_grad_enabled() and self.world > 1
+                and torch.is_autocast_enabled(device)) or self.held.has_bias:
+            return self.slots.dtype
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if dtype.itemsize < self.slots.dtype.itemsize else self.slots.dtype
 
     def _my_load(self) -> int:
         return int(self.last_loads[self.rank]) if self.last_loads is not None else 0
