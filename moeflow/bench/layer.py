@@ -10,7 +10,7 @@ Two more figures per config, from extra untimed steps so they do not disturb the
 counted by :mod:`moeflow.bench.syncs`; the budget is 0 in padded capacity mode, 1 with trimmed
 capacity, ``capacity_padding="auto"``'s choice on CPU, and 1 dropless) and, for
 the pipelined schedules (``--schedules``), ``overlap``: the fraction of communication time
-during which a computing task ran (:mod:`moeflow.schedule.overlap`).
+during which a computing task ran (:mod:`moeflow.bench.overlap`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseTimer
-from moeflow.schedule.overlap import measure_overlap
+from moeflow.bench.overlap import measure_overlap
 from moeflow.bench.syncs import step_syncs
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.devices import resolve_device

@@ -36,9 +36,9 @@ def available() -> bool:
 
 
 if triton is not None:
-    # the 4-point lifting steps, the float -> int cast and negabinary are the 1-D kernels'
-    from moeflow.comm.codecs.zfp.triton_backend import (_fwd_lift, _get64, _inv_lift,
-                                                        _negabinary, _put64, _to_int)
+    # the 4-point lifting steps, the float -> int cast, negabinary and the stream words
+    from moeflow.comm.codecs.zfp.triton_common import (_fwd_lift, _get64, _inv_lift,
+                                                       _negabinary, _put64, _to_int)
 
     # ------------------------------------------------------------- 64-bit word helpers
     # Bit patterns live in int64; no shift is ever by 64 or more (undefined on the GPU).
