@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from moeflow.devices import DEVICES, DTYPES
 from moeflow.errors import ConfigError
-from moeflow.fssdp_options import PLACEMENTS, FSSDPOptions
+from moeflow.placement.options import PLACEMENTS, FSSDPOptions
 from moeflow.registry import did_you_mean, registry
 
 
@@ -247,7 +247,7 @@ class MoEConfig:
 
     # HECATE FSSDP (issue 17, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
     # experts fully sharded (one owner each), materialized per iteration by spAG; its options
-    # (a dict or moeflow.fssdp_options.FSSDPOptions) are checked there.
+    # (a dict or moeflow.placement.options.FSSDPOptions) are checked there.
     placement: str = "ep"
     fssdp: dict | FSSDPOptions | None = None
     # Capacity mode's empty slots (issue 18, moeflow/dispatch/plan.py): "pad" sends and
@@ -394,14 +394,6 @@ class MoEConfig:
         _require(self.expert_module in reg, o, "expert_module", self.expert_module,
                  f"unknown name; registered: {', '.join(sorted(reg))} (register your own "
                  f"with moeflow.register_experts){did_you_mean(self.expert_module, reg)}")
-
-    @classmethod
-    def from_hf(cls, config, layer_id: int = 0, **overrides) -> "MoEConfig":
-        """The recipe for one MoE layer of a transformers model's ``config`` (issue 20;
-        :func:`moeflow.integrations.hf_recipes.moe_config_from_hf`, docs/hf.md)."""
-        from moeflow.integrations.hf_recipes import moe_config_from_hf
-
-        return moe_config_from_hf(config, layer_id, **overrides)
 
     @property
     def shared_hidden(self) -> int:

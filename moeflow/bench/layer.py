@@ -3,7 +3,7 @@
 For each config: warm-up steps, then timed repetitions (ranks aligned by a barrier before each;
 timed with CUDA events on GPUs); a repetition's time is the slowest rank's. Reports medians:
 tokens/s over all ranks and milliseconds per phase (route / permute / all_to_all / experts /
-combine, forward + backward, as charged by :class:`~moeflow.phases.PhaseTimer`).
+combine, forward + backward, as charged by :class:`~moeflow.schedule.phases.PhaseTimer`).
 
 Two more figures per config, from extra untimed steps so they do not disturb the timing:
 ``host_syncs`` (operations that would make the host wait for a GPU, per forward + backward,
@@ -23,7 +23,7 @@ import torch
 
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
-from moeflow.phases import PhaseTimer
+from moeflow.schedule.phases import PhaseTimer
 from moeflow.bench.overlap import measure_overlap
 from moeflow.bench.syncs import step_syncs
 from moeflow.measure.timing import slowest, start_aligned
