@@ -1,6 +1,6 @@
 """Triton kernels for ZFP fixed-rate coding on CUDA of 2-D and 3-D blocks, and of 1-D blocks
 above 64 bits (Lindstrom 2014, sections 3.1-3.4; the compressor of ScheMoE section 3.1),
-bit-exact with zfpy and the reference coder :mod:`.bitplane`.
+bit-exact with zfpy and the reference coder (``tests/reference/zfp_bitplane.py``).
 
 One lane owns one block of ``S = 4^d`` values (zfp order, z slowest): it gathers the block with
 zfp's padding, casts, lifts, reorders and maps to negabinary, then runs the embedded coder as
