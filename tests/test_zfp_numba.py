@@ -1,5 +1,5 @@
-"""The compiled CPU coder (zfp.numba_backend) against the slow reference coder (tests/reference/zfp_bitplane.py),
-which test_zfp.py holds to zfpy, and the dispatch of zfp.compress/decompress."""
+"""The compiled CPU coder (zfp.numba_backend) against the slow reference coder
+(tests/reference/zfp_bitplane.py), which test_zfp.py holds to zfpy, and the dispatch of zfp.compress/decompress."""
 
 from __future__ import annotations
 

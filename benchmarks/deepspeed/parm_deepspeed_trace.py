@@ -1,6 +1,6 @@
 """Which collectives DeepSpeed-MoE's layer runs, in order: the MP order of Parm's baseline.
 
-Issue 16 asks which DeepSpeed version's MP-collective order the Parm paper's baseline (Fig. 3a,
+The question is which DeepSpeed version's MP-collective order the Parm paper's baseline (Fig. 3a,
 Section IV-A, Eq. 1) matches. This records it by running, not by reading: on 4 gloo ranks in
 Parm's Fig. 2 layout (N_MP = N_EP = N_ESP = 2, the MP group is the ESP group), one forward and
 one backward of the installed ``deepspeed.moe.layer.MoE`` (built by

@@ -29,7 +29,7 @@ def register(sub) -> None:
     add_device_arg(layer)
     layer.add_argument("--out", default=None,
                        help="write the results as JSON here (default: print only)")
-    # issue 18: one layer side by side with a peer implementation (moeflow/bench/compare.py)
+    # one layer side by side with a peer implementation (moeflow/bench/compare.py)
     cmp = layer.add_argument_group("--compare (one GShard-style layer against a peer)")
     cmp.add_argument("--compare", default=None, metavar="PEER",
                      help="time this peer's layer with the same weights, interleaved, check the "
@@ -111,7 +111,7 @@ def register(sub) -> None:
 
 
 def register_hecate_bench(bsub) -> None:
-    """HECATE (issue 17): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
+    """HECATE (Sections 3-4): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
     p = bsub.add_parser("hecate", help="HECATE: EP, shadowing, FSSDP (Algorithms 1, 2, RM) "
                                        "under skewed loads: step/a2a time, loads, bytes, memory")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
