@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from moeflow.devices import DEVICES, DTYPES
 from moeflow.errors import ConfigError
-from moeflow.fssdp_options import PLACEMENTS, FSSDPOptions
+from moeflow.placement.options import PLACEMENTS, FSSDPOptions
 from moeflow.registry import did_you_mean, registry
 
 
@@ -20,8 +20,8 @@ def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
     return ConfigError(f"{owner}.{name}={value!r} is invalid: {fix}")
 
 
-AUTO = "auto"      # issue 18: a2a / schedule / pipeline_degree chosen by measurement
-AUTO_LOSSY = "auto:lossy"   # issue 18: codec chosen by measurement among lossy ones too
+AUTO = "auto"      # a2a / schedule / pipeline_degree measured on the cluster (ScheMoE 3.2, 4)
+AUTO_LOSSY = "auto:lossy"   # the codec measured too, lossy ones within their error budget
 DEFAULT_LOSSY_ERROR_BUDGET = 1e-2   # what lossy_error_budget=None means with codec auto:lossy
 DEFAULT_AUTOTUNE_BUDGET_S = 30.0    # MoEConfig.autotune_budget_s's default
 PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
@@ -218,8 +218,8 @@ class MoEConfig:
     # settings only one router knows (e.g. router="deepseek_v3": n_group, topk_group, ...),
     # checked by that router class (Router.OPTIONS)
     router_options: dict | None = None
-    # Today's architectures (issue 20): shared experts (DeepSeek-V3, Qwen2-MoE) computed on
-    # every rank beside the routed ones, of hidden width num_shared_experts *
+    # Today's architectures (DeepSeek-V3 section 2.1): shared experts (DeepSeek-V3, Qwen2-MoE)
+    # computed on every rank beside the routed ones, of hidden width num_shared_experts *
     # shared_expert_hidden (default d_expert), optionally scaled by Qwen2-MoE's gate
     # sigmoid(x W_g); the activation's own settings (e.g. clamped_swiglu's alpha / limit,
     # checked by the Activation class); the expert module by name (the "experts" registry).
@@ -235,25 +235,25 @@ class MoEConfig:
     pipeline_degree: int = 1
     seed: int = 0
     layer_id: int = 0
-    # Parm (issue 16): schedule of MP+EP+ESP, and S2's SAA (True) or AAS (False)
+    # Parm (Section III): schedule of MP+EP+ESP, and S2's SAA (True) or AAS (False, III-D)
     parallel_schedule: str = "baseline"
     parm_saa: bool = True
     # S2: compare a digest of the dispatch plan over the MP group each call (a debug check:
     # one host sync and a small all-reduce; moeflow/parallel/parm/plan_agreement.py)
     parm_check_plan: bool = False
-    # issue 18 (moeflow/autotune/, docs/autotune.md): codec="auto:lossy" lets the tuner pick
+    # Auto-tuning (moeflow/autotune/, docs/autotune.md): codec="auto:lossy" lets the tuner pick
     # a lossy codec whose relative L2 error (layer output and input gradient vs the lossless
     # exchange, tuning batch, worst rank) is <= lossy_error_budget (None: 1e-2); the tuning
     # of any "auto" field stops measuring after autotune_budget_s seconds (None: unbounded)
     lossy_error_budget: float | None = None
     autotune_budget_s: float | None = DEFAULT_AUTOTUNE_BUDGET_S
 
-    # HECATE FSSDP (issue 17, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
+    # HECATE FSSDP (Section 3.2, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
     # experts fully sharded (one owner each), materialized per iteration by spAG; its options
-    # (a dict or moeflow.fssdp_options.FSSDPOptions) are checked there.
+    # (a dict or moeflow.placement.options.FSSDPOptions) are checked there.
     placement: str = "ep"
     fssdp: dict | FSSDPOptions | None = None
-    # Capacity mode's empty slots (issue 18, moeflow/dispatch/plan.py): "pad" sends and
+    # Capacity mode's empty slots (moeflow/dispatch/plan.py): "pad" sends and
     # computes all E*C rows (fixed shapes, no host synchronisation: Tutel's way); "trim" only
     # each expert's kept rows (same function, fewer bytes and FLOPs, one host sync per call);
     # "auto": trim on CPU (where the sync costs nothing), pad on other devices.
@@ -268,7 +268,7 @@ class MoEConfig:
                  "FSSDP options need placement='fssdp'; set it or drop the options")
         if self.placement == "fssdp":
             self.fssdp = FSSDPOptions.coerce(self.fssdp)
-        # issue 18 (auto-tuning): a2a / schedule / pipeline_degree may be "auto", resolved
+        # auto-tuning: a2a / schedule / pipeline_degree may be "auto", resolved
         # collectively by the layer's first forward (moeflow/autotune/tuner.py)
         if self.pipeline_degree != AUTO:
             _require(isinstance(self.pipeline_degree, int)
@@ -327,9 +327,9 @@ class MoEConfig:
         for name, kind in (("router", "router"), ("codec", "codec"), ("a2a", "alltoall"),
                            ("schedule", "scheduler")):
             v = getattr(self, name)
-            if v == AUTO and name in ("a2a", "schedule"):      # issue 18: tuned at run time
+            if v == AUTO and name in ("a2a", "schedule"):      # tuned at run time
                 continue
-            if name == "codec" and v == AUTO_LOSSY:              # issue 18: tuned, lossy too
+            if name == "codec" and v == AUTO_LOSSY:              # tuned, lossy codecs too
                 continue
             _require(not (name == "codec" and v == AUTO), o, "codec", v,
                      "the only lossless codec is 'none' (the default), so there is nothing "
@@ -349,7 +349,7 @@ class MoEConfig:
         self._check_tuning_budgets(o)
 
     def _check_tuning_budgets(self, o: str) -> None:
-        """lossy_error_budget and autotune_budget_s (issue 18, moeflow/autotune/)."""
+        """lossy_error_budget and autotune_budget_s (the auto-tuner's, moeflow/autotune/)."""
         b = self.lossy_error_budget
         if b is not None:
             _require(self.codec == AUTO_LOSSY, o, "lossy_error_budget", b,
@@ -374,7 +374,7 @@ class MoEConfig:
         return DEFAULT_LOSSY_ERROR_BUDGET if b is None else float(b)
 
     def _check_architecture_pieces(self, o: str) -> None:
-        """Shared experts, activation options, expert module (issue 20)."""
+        """Shared experts (DeepSeek-V3, Qwen2-MoE), activation options, expert module."""
         n = self.num_shared_experts
         _require(isinstance(n, int) and not isinstance(n, bool) and n >= 0, o,
                  "num_shared_experts", n, "must be an integer >= 0 (0: no shared experts)")
@@ -401,14 +401,6 @@ class MoEConfig:
         _require(self.expert_module in reg, o, "expert_module", self.expert_module,
                  f"unknown name; registered: {', '.join(sorted(reg))} (register your own "
                  f"with moeflow.register_experts){did_you_mean(self.expert_module, reg)}")
-
-    @classmethod
-    def from_hf(cls, config, layer_id: int = 0, **overrides) -> "MoEConfig":
-        """The recipe for one MoE layer of a transformers model's ``config`` (issue 20;
-        :func:`moeflow.integrations.hf_recipes.moe_config_from_hf`, docs/hf.md)."""
-        from moeflow.integrations.hf_recipes import moe_config_from_hf
-
-        return moe_config_from_hf(config, layer_id, **overrides)
 
     @property
     def shared_hidden(self) -> int:
@@ -512,6 +504,13 @@ class MoEConfig:
                  "structure's default, or left out for MoEConfig.capacity_factor")
         return k, f
 
+    @classmethod
+    def from_hf(cls, *args, **kwargs) -> "MoEConfig":
+        """Moved: the configuration does not import the integrations above it."""
+        raise ConfigError("MoEConfig.from_hf(config, ...) moved to "
+                          "moeflow.integrations.hf.moe_config_from_hf(config, layer_id=0, "
+                          "**overrides); call that instead (same arguments, same result)")
+
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)
 
@@ -553,17 +552,17 @@ class ModelConfig:
     a2a: str = "direct"
     schedule: str = "sequential"
     pipeline_degree: int = 1
-    # issue 18: see MoEConfig.lossy_error_budget / MoEConfig.autotune_budget_s
+    # auto-tuning: see MoEConfig.lossy_error_budget / MoEConfig.autotune_budget_s
     lossy_error_budget: float | None = None
     autotune_budget_s: float | None = DEFAULT_AUTOTUNE_BUDGET_S
-    # HECATE FSSDP (issue 17): see MoEConfig.placement / MoEConfig.fssdp
+    # HECATE FSSDP (Section 3.2): see MoEConfig.placement / MoEConfig.fssdp
     placement: str = "ep"
     fssdp: dict | None = None
     dropout: float = 0.0
     seed: int = 0
-    # Parm (issue 16): the MoE layers' MP+EP+ESP schedule (MoEConfig.parallel_schedule)
+    # Parm (Section III): the MoE layers' MP+EP+ESP schedule (MoEConfig.parallel_schedule)
     parallel_schedule: str = "baseline"
-    # Shared experts (issue 20): MoEConfig.num_shared_experts / shared_expert_hidden /
+    # Shared experts (DeepSeek-V3, Qwen2-MoE): MoEConfig.num_shared_experts / shared_expert_hidden /
     # shared_expert_gate, e.g. `moeflow train --set num_shared_experts=1`
     num_shared_experts: int = 0
     shared_expert_hidden: int | None = None
@@ -676,7 +675,7 @@ class TrainConfig:
     ep_size: int | None = None    # None = all ranks (pure expert parallelism)
     device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
     dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
-    # Parm (issue 16): tensor parallelism of the dense layers over mp_size ranks, each expert
+    # Parm (Section IV-A): tensor parallelism of the dense layers over mp_size ranks, each expert
     # sharded over esp_size ranks; ESP groups inside a node (Section IV-A case 2) or EP groups
     mp_size: int = 1
     esp_size: int = 1

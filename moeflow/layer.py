@@ -24,7 +24,7 @@ from moeflow.parallel.parm import schedules as parm
 from moeflow.parallel.parm.baseline import baseline_experts
 from moeflow.parallel.parm.checks import check_parm_layer
 from moeflow.parallel.parm.collectives import esp_all_reduce
-from moeflow.phases import NULL_TIMER, PhaseTimer
+from moeflow.schedule.phases import NULL_TIMER, PhaseTimer
 from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
 from moeflow.routing.aux_grad import attach_aux_loss

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.bench import parm_deepspeed as pd
+from benchmarks.deepspeed import parm_deepspeed as pd
 from moeflow.cli import main
 from moeflow.commands import bench_parm
 

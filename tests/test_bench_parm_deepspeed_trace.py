@@ -1,4 +1,4 @@
-"""The collective tracer of ``python -m moeflow.bench.parm_deepspeed_trace``: what it wraps,
+"""The collective tracer of ``python -m benchmarks.deepspeed.parm_deepspeed_trace``: what it wraps,
 what it logs, that it restores everything. The trace of DeepSpeed's layer itself needs
 deepspeed and 4 ranks; it is run by hand (docs/benchmarks/parm.md, "DeepSpeed 0.8.1 itself")."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moeflow.bench import parm_deepspeed_trace as tr
+from benchmarks.deepspeed import parm_deepspeed_trace as tr
 
 
 @pytest.fixture

@@ -126,3 +126,10 @@ def test_train_config_errors_name_the_flag(change, flag):
     with pytest.raises(ConfigError) as err:
         TrainConfig(**change)
     assert str(err.value).startswith(flag)
+
+
+def test_from_hf_names_its_new_place():
+    from moeflow.config import MoEConfig
+
+    with pytest.raises(ConfigError, match="moeflow.integrations.hf.moe_config_from_hf"):
+        MoEConfig.from_hf(object())

@@ -203,7 +203,7 @@ def test_cli_overrides_and_metrics():
     from moeflow.commands.common import parse_overrides
     from moeflow.config import ModelConfig
     from moeflow.placement.metrics import fssdp_metrics
-    from moeflow.fssdp_options import FSSDPOptions
+    from moeflow.placement.options import FSSDPOptions
 
     over = parse_overrides(["placement=fssdp",
                             'fssdp={"materialize": "sparse", "overlap_degree": 2}'],

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import moeflow as mf  # noqa: E402
 from moeflow.integrations import hf  # noqa: E402
-from moeflow.integrations.hf_architectures import hf_from_moeflow  # noqa: E402
+from moeflow.integrations.hf.architectures import hf_from_moeflow  # noqa: E402
 from tests import hf_cases  # noqa: E402
 from tests.hf_cases import float64_routers, make_model, tokens  # noqa: E402
 
@@ -142,7 +142,7 @@ def test_expert_parallel_run_saves_a_transformers_checkpoint(tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe(name):
     config = hf_cases.CONFIGS[name]()
-    cfg = mf.MoEConfig.from_hf(config, codec="fp16")
+    cfg = hf.moe_config_from_hf(config, codec="fp16")
     assert cfg.capacity_factor is None and cfg.codec == "fp16" and cfg.d_model == 16
     assert cfg.activation == ("clamped_swiglu" if name == "gpt_oss" else "swiglu")
     block = _first_block(make_model(name))
@@ -180,7 +180,7 @@ def test_clear_errors():
     config = hf_cases.CONFIGS["mixtral"]()
     config.hidden_act = "gelu"
     with pytest.raises(mf.ConfigError, match="hidden_act='gelu'"):
-        mf.MoEConfig.from_hf(config)
+        hf.moe_config_from_hf(config)
     with pytest.raises(mf.ConfigError, match="not a supported transformers MoE block"):
         hf.from_hf(torch.nn.Linear(2, 2))
     with pytest.raises(mf.ConfigError, match="no supported MoE block"):

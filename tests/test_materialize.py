@@ -13,7 +13,7 @@ from moeflow.placement import Placement
 from moeflow.placement.materialize import (LoadWindow, _apportion, calibrate, link_bandwidth,
                                            overlap_degree, replicas_per_device,
                                            sparse_materialize)
-from moeflow.fssdp_options import FSSDPOptions
+from moeflow.placement.options import FSSDPOptions
 
 P = Placement.even(8, 4)                    # rank r owns 2r, 2r + 1; nodes {0, 1}, {2, 3}
 LOADS = np.array([100, 50, 10, 10, 5, 5, 30, 5], dtype=float)

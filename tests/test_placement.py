@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moeflow.errors import ConfigError
-from moeflow.placement import Placement, candidates, dispatch_plan, rank_loads, token_destinations
+from moeflow.placement import Placement, candidates, dispatch_plan, rank_loads
+from tests.reference.destinations import token_destinations
 
 
 def test_static_is_owners_and_heterogeneous_sharding():

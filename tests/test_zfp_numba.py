@@ -1,5 +1,5 @@
-"""The compiled CPU coder (zfp.numba_backend) against the slow reference coder (zfp.bitplane),
-which test_zfp.py holds to zfpy, and the dispatch of zfp.compress/decompress."""
+"""The compiled CPU coder (zfp.numba_backend) against the slow reference coder
+(tests/reference/zfp_bitplane.py), which test_zfp.py holds to zfpy, and the dispatch of zfp.compress/decompress."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from moeflow.comm.codecs import zfp
-from moeflow.comm.codecs.zfp import bitplane, numba_backend
+from moeflow.comm.codecs.zfp import numba_backend
+from tests.reference import zfp_bitplane as bitplane
 from moeflow.comm.codecs.zfp import transform as T
 from tests.test_zfp import _kinds
 

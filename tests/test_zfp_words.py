@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moeflow.comm.codecs import zfp
-from moeflow.comm.codecs.zfp import bitplane, numba_backend
+from moeflow.comm.codecs.zfp import numba_backend
+from tests.reference import zfp_bitplane as bitplane
 
 # every size up to 72 bits (rate 18), then sizes around word and budget boundaries
 MAXBITS = list(range(9, 73)) + [79, 96, 100, 119, 127, 128, 129, 143, 192, 255, 256, 300]

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from moeflow.comm.codecs.zfp import bitplane as tb
+from tests.reference import zfp_bitplane as tb
 from moeflow.comm.codecs.zfp import triton_nd as tn
 from moeflow.comm.codecs.zfp.transform import maxbits_for
 

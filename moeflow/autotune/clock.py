@@ -1,4 +1,5 @@
-"""The auto-tuner's time budget (issue 18: ``MoEConfig.autotune_budget_s``).
+"""The auto-tuner's time budget (``MoEConfig.autotune_budget_s``; ScheMoE section 3.2 profiles
+on the running cluster, this bounds what that costs).
 
 The tuner (moeflow/autotune/tuner.py) asks :meth:`TuneClock.fits` before each piece of timed work
 whether the rest of the budget still holds ``steps`` more layer steps. Every rank must take the

@@ -1,4 +1,4 @@
-"""The error of each lossy codec, for ``MoEConfig(codec="auto:lossy")`` (issue 18).
+"""The error of each lossy codec, for ``MoEConfig(codec="auto:lossy")`` (ScheMoE section 3.1).
 
 ScheMoE (section 3.1) lets the compressor trade accuracy for bytes on the wire; moeflow only
 lets the tuner make that trade when asked to, within ``lossy_error_budget``. The error of a

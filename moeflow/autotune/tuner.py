@@ -1,4 +1,5 @@
-"""Auto-tuning of a layer's all-to-all algorithm, schedule and pipelining degree (issue 18).
+"""Auto-tuning of a layer's all-to-all algorithm, schedule and pipelining degree (ScheMoE
+sections 3.2 and 4).
 
 ``MoEConfig(a2a="auto", schedule="auto", pipeline_degree="auto")`` (any subset) leaves the
 choice to the running cluster, as ScheMoE's profiler + scheduler do (ScheMoE section 3.2 and
@@ -254,7 +255,7 @@ def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
     lossless. With a time budget the overlap trials come before the other algorithms: the
     budget often ends the screen there, and overlapping the exchange with the experts
     (ScheMoE's r and OptSche) is the larger lever where the exchange is a large share of the
-    step (measured: docs/benchmarks/layer.md, "Issue 18's table at the final code").
+    step (measured: docs/benchmarks/layer.md, the auto-tuning table at the final code).
     Unbounded, every pair is screened and the profile predicts the overlapping candidates,
     so the order is the plain one."""
     order = [("screen", lossless, first)] + [("screen", c, first) for c in lossy]
@@ -280,7 +281,7 @@ def pick(measured: list[dict], margin: float = SIMPLER_MARGIN) -> dict:
     emulated 2x2 cluster at 100 Mbit/s OptSche at r = 4 was once measured 0.7 % faster than
     r = 1 in one step (1778 vs 1791 ms) and then ran at a median of 1935 ms over 25 steps
     (r = 1: 1692 and 1722 ms in two other runs), while where overlap pays it beat r = 1 by
-    12-18 % (docs/benchmarks/layer.md, "Issue 18's table at the final code")."""
+    12-18 % (docs/benchmarks/layer.md, the auto-tuning table at the final code)."""
     fastest = min(m["measured_ms"] for m in measured)
     near = [m for m in measured if m["measured_ms"] <= fastest * (1.0 + margin)]
     return min(near, key=lambda m: (m["pipeline_degree"], m["schedule"] != "sequential",

@@ -29,7 +29,7 @@ from moeflow.devices import host_all_reduce, resolve_device
 from moeflow.dispatch import capacity
 from moeflow.experts.structure import comm_width
 from moeflow.layer import MoELayer
-from moeflow.phases import PhaseTimer
+from moeflow.schedule.phases import PhaseTimer
 from moeflow.topology import Topology
 
 PHASES = ("route", "project", "permute", "all_to_all", "experts", "combine")

@@ -12,7 +12,7 @@ by a barrier, a step's time the slowest rank's. Reported: medians, and ``speedup
 median / moeflow's median (> 1: moeflow is faster).
 
 After that, ``reps`` more moeflow steps with the phase timer give the phase breakdown, and the
-CPU compute efficiency (issue 18): the layer's executed FLOPs (experts: 12 S M H for S
+CPU compute efficiency: the layer's executed FLOPs (experts: 12 S M H for S
 computed rows, padded capacity slots included, 18 S M H with SwiGLU; router: 6 T M E) per
 second, as a fraction of ``torch.matmul``'s FLOP/s on one ``(S, M) x (M, H)`` product (the
 FLOPs of the experts' first GEMM as one large matmul) measured in the same run (once before
@@ -32,7 +32,7 @@ from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import DEFAULT_AUTOTUNE_BUDGET_S, MoEConfig
 from moeflow.devices import resolve_device, synchronize
 from moeflow.layer import MoELayer
-from moeflow.phases import PhaseTimer
+from moeflow.schedule.phases import PhaseTimer
 from moeflow.topology import Topology
 
 PHASES = ("route", "permute", "all_to_all", "experts", "combine")

@@ -24,7 +24,7 @@ With ``reshard_every = k > 0`` the Algorithm 2 variants also re-shard every ``k`
 (inside the timed step; a Fig. 15b analog needs loads that move: ``drift`` rotates the
 popularity ranks every ``drift`` steps).
 
-Per variant: the step time, the all-to-all time (:class:`~moeflow.phases.PhaseTimer`'s
+Per variant: the step time, the all-to-all time (:class:`~moeflow.schedule.phases.PhaseTimer`'s
 ``all_to_all`` phase, forward + backward, slowest rank), the measured tokens per rank, the
 spAG / spRS bytes of all ranks for the last ``P'`` next to Eq. 2's all-reduce volume for the
 same placement (``comm.sparse.allreduce_volume``, per group member), and per rank the bytes of
@@ -48,7 +48,7 @@ from moeflow.comm.sparse import allreduce_volume
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.parallel.grad_sync import sync_gradients
-from moeflow.phases import PhaseTimer
+from moeflow.schedule.phases import PhaseTimer
 from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.placement.reshard import reshard
 from moeflow.topology import Topology

@@ -1,4 +1,5 @@
-"""Peers: other MoE layer implementations run side by side with moeflow's (issue 18).
+"""Peers: other MoE layer implementations run side by side with moeflow's (a check of
+moeflow's speed against an established implementation of the same GShard-style layer).
 
 A peer builds its own layer from a :class:`~moeflow.layer.MoELayer` (same config, weights
 copied, so both compute the same function) and runs a step on it. ``moeflow bench layer

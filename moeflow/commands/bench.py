@@ -8,7 +8,7 @@ import sys
 
 from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
 from moeflow.commands import bench_bigmac, bench_compute, bench_jobs, bench_net, bench_parm
-from moeflow.commands.common import add_device_arg, add_launch_args, run_meta, run_on_ranks
+from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
 from moeflow.registry import did_you_mean
 
 
@@ -29,7 +29,7 @@ def register(sub) -> None:
     add_device_arg(layer)
     layer.add_argument("--out", default=None,
                        help="write the results as JSON here (default: print only)")
-    # issue 18: one layer side by side with a peer implementation (moeflow/bench/compare.py)
+    # one layer side by side with a peer implementation (moeflow/bench/compare.py)
     cmp = layer.add_argument_group("--compare (one GShard-style layer against a peer)")
     cmp.add_argument("--compare", default=None, metavar="PEER",
                      help="time this peer's layer with the same weights, interleaved, check the "
@@ -113,7 +113,7 @@ def register(sub) -> None:
 
 
 def register_hecate_bench(bsub) -> None:
-    """HECATE (issue 17): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
+    """HECATE (Sections 3-4): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
     p = bsub.add_parser("hecate", help="HECATE: EP, shadowing, FSSDP (Algorithms 1, 2, RM) "
                                        "under skewed loads: step/a2a time, loads, bytes, memory")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
@@ -158,7 +158,7 @@ def run_spag(args: argparse.Namespace) -> int:
 
     opts = {k: getattr(args, k) for k in ("chunk_bytes", "experts_per_rank", "replicas",
                                           "warmup", "reps")}
-    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
+    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
 def run_hecate(args: argparse.Namespace) -> int:
@@ -188,7 +188,7 @@ def run_hecate(args: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError, IndexError) as err:
             raise SystemExit(f"moeflow bench hecate: --router-loads {args.router_loads!r}: "
                              f"{err} (give PATH:RUN:LAYER of a moeflow.bench.router_load JSON)")
-    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
+    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
 def run_layer(args: argparse.Namespace) -> int:
@@ -242,23 +242,8 @@ def run_compare(args: argparse.Namespace) -> int:
             "lossy_error_budget": args.lossy_error_budget,
             "autotune_budget_s": (None if args.autotune_budget.lower() == "none"
                                   else float(args.autotune_budget))}
-    return _report(run_on_ranks(compare_worker, args, args.compare, opts), args,
+    return report(run_on_ranks(compare_worker, args, args.compare, opts), args,
                    format_compare)
-
-
-def _report(res: dict | None, args: argparse.Namespace, format_result) -> int:
-    """Print rank 0's result as a table and, with --out, write it as JSON with its command
-    and provenance (:func:`run_meta`)."""
-    import json
-
-    if res is not None:
-        print(format_result(res))
-        if args.out:
-            res.update(run_meta())
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=2)
-            print(f"wrote {args.out}")
-    return 0
 
 
 def run_schedule(args: argparse.Namespace) -> int:
@@ -272,7 +257,7 @@ def run_schedule(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "top_k", "capacity_factor", "codec", "r", "warmup",
                                           "reps", "choose", "trace", "gantt", "device")}
-    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
+    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
 def run_smile(args: argparse.Namespace) -> int:
@@ -286,7 +271,7 @@ def run_smile(args: argparse.Namespace) -> int:
                           "moeflow.cli bench smile`, or torchrun on several nodes")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "capacity_factor", "warmup", "reps", "device")}
-    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
+    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
 def register_codecs_bench(bsub) -> None:
     p = bsub.add_parser("codecs", help="codec throughput vs copy bandwidth, bits/value, error")
     p.add_argument("--codecs", default=None,

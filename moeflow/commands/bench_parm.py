@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
+from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
 
 
 def _list(kind):
@@ -46,7 +46,6 @@ def register_bench(bsub) -> None:
 
 def run_parm(args: argparse.Namespace) -> int:
     from moeflow.bench.parm import bench_worker, format_result
-    from moeflow.commands.bench import _report
 
     for name in ("d_model", "experts_per_ep", "top_k", "reps"):
         if getattr(args, name) < 1:
@@ -57,15 +56,32 @@ def run_parm(args: argparse.Namespace) -> int:
                                           "collectives", "fit_sizes")}
     if args.compare == "deepspeed":
         return run_compare_deepspeed(args, opts)
-    return _report(run_on_ranks(bench_worker, args, opts), args, format_result)
+    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
+
+
+def deepspeed_harness():
+    """The DeepSpeed harness, ``benchmarks/deepspeed/parm_deepspeed.py`` of the source checkout
+    this moeflow runs from: a peer harness outside the package (the library never imports it),
+    loaded here, in the command layer, by its path. The checkout's root goes on ``sys.path`` so
+    that the spawned ranks import the same module."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "deepspeed" / "parm_deepspeed.py").is_file():
+        raise SystemExit("moeflow bench parm --compare deepspeed: the harness "
+                         f"benchmarks/deepspeed/parm_deepspeed.py is not under {root}; run it "
+                         "from a source checkout of moeflow (it is not part of the package)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("benchmarks.deepspeed.parm_deepspeed")
 
 
 def run_compare_deepspeed(args: argparse.Namespace, opts: dict) -> int:
     """``--compare deepspeed``: skip with a message when deepspeed is absent, else run
-    :func:`moeflow.bench.parm_deepspeed.compare_worker` on the ranks."""
-    from moeflow.bench import parm_deepspeed as pd
-    from moeflow.commands.bench import _report
-
+    ``compare_worker`` of :func:`deepspeed_harness` on the ranks."""
+    pd = deepspeed_harness()
     if args.top_k not in (1, 2):
         raise SystemExit(f"moeflow bench parm --compare deepspeed: --top-k {args.top_k} must be "
                          "1 or 2 (DeepSpeed's top-k > 2 gate drops by score, not GShard's order)")
@@ -82,4 +98,4 @@ def run_compare_deepspeed(args: argparse.Namespace, opts: dict) -> int:
     if not pd.deepspeed_available():
         print(pd.SKIP_MESSAGE)
         return 0
-    return _report(run_on_ranks(pd.compare_worker, args, opts), args, pd.format_compare)
+    return report(run_on_ranks(pd.compare_worker, args, opts), args, pd.format_compare)

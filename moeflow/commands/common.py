@@ -238,3 +238,16 @@ def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
                                    for _, rank, text, trace in errors))
             where = str(log)
         raise RanksFailed(describe_failure(errors, where)) from None
+
+
+def report(res: dict | None, args: argparse.Namespace, format_result) -> int:
+    """Print rank 0's result as a table and, with --out, write it as JSON with its command
+    and provenance (:func:`run_meta`)."""
+    if res is not None:
+        print(format_result(res))
+        if args.out:
+            res.update(run_meta())
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+            print(f"wrote {args.out}")
+    return 0

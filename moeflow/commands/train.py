@@ -84,7 +84,7 @@ TRAIN_AUTO = {"a2a": "auto", "schedule": "auto", "pipeline_degree": "auto"}
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
     """The model and train configs that ``moeflow train ARGS`` runs (validated)."""
-    # issue 18: the exchange settings are measured on the cluster unless --set fixes them
+    # the exchange settings are measured on the cluster (auto-tuning) unless --set fixes them
     # (not with FSSDP or Parm's S1/S2/auto, whose exchanges the tuner does not time)
     overrides = parse_overrides(args.overrides, ModelConfig)
     tunable = (overrides.get("placement", "ep") != "fssdp"

@@ -1,7 +1,8 @@
 """Apply a :class:`DispatchPlan`: permute tokens into the send buffer and combine returned rows
 into token outputs weighted by the gates.
 
-Both directions are row gathers (``index_select``) only, forward and backward (issue 18):
+Both directions are row gathers (``index_select``) only, forward and backward (no scatter-add,
+no atomics):
 ``permute`` gathers each send row's token (its backward gathers each choice's row and sums the
 k choices of a token); ``combine`` gathers each choice's row and sums the k gate-weighted rows
 (its backward gathers each send row's token gradient, times that row's gate). On CPU a

@@ -1,6 +1,6 @@
 """Aligned timing, shared by the auto-tuner, Parm's fits and the benchmarks: ranks start a
-repetition together, the work is timed on its device (:class:`moeflow.devices.Stopwatch`: CUDA events on CUDA, the host clock on
-CPU), and a repetition's time is the slowest rank's."""
+repetition together, the work is timed on its device (:class:`moeflow.devices.Stopwatch`: CUDA
+events on CUDA, the host clock on CPU), and a repetition's time is the slowest rank's."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Expert placements (HECATE's FSSDP): owner shard maps, materialized placements, dispatch,
-and the sharded expert storage (Sections 3.2, 4.4)."""
+"""Expert placements (HECATE's FSSDP): owner shard maps, materialized placements, dispatch
+(Sections 3.2, 4.4); FSSDP in the layer is :mod:`.layer_experts`."""
 
-from moeflow.placement.dispatch import candidates, dispatch_plan, rank_loads, token_destinations
-from moeflow.placement.fssdp import ShardedExperts
+from moeflow.placement.dispatch import candidates, dispatch_plan, rank_loads
 from moeflow.placement.placement import Placement
 
-__all__ = ["Placement", "ShardedExperts", "candidates", "dispatch_plan", "rank_loads",
-           "token_destinations"]
+__all__ = ["Placement", "candidates", "dispatch_plan", "rank_loads"]

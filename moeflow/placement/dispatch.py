@@ -18,9 +18,7 @@ same plan on the host without messages.
 
 from __future__ import annotations
 
-
 import numpy as np
-import torch
 
 from moeflow.errors import ConfigError
 from moeflow.placement.placement import Placement
@@ -70,34 +68,9 @@ def dispatch_plan(placement: Placement, counts, local_size: int) -> np.ndarray:
     return plan
 
 
-def token_destinations(experts: torch.Tensor, placement: Placement, rank: int,
-                       local_size: int) -> torch.Tensor:
-    """The destination rank of each of this rank's choices ``experts`` (any shape, int ids).
-
-    Tokens of one expert, in their order in ``experts.flatten()``, fill the candidates of
-    :func:`dispatch_plan`'s row for ``rank`` in ascending rank order (contiguous blocks).
-    """
-    if experts.dtype.is_floating_point or experts.dtype == torch.bool:
-        raise ConfigError(f"token_destinations experts of dtype {experts.dtype} are invalid: "
-                          "give integer expert ids")
-    flat = experts.reshape(-1).to(torch.int64).cpu()
-    if flat.numel() and (flat.min() < 0 or flat.max() >= placement.num_experts):
-        raise ConfigError(f"token_destinations expert ids span [{int(flat.min())}, "
-                          f"{int(flat.max())}]: they must lie in [0, {placement.num_experts})")
-    counts = np.zeros((placement.world_size, placement.num_experts), dtype=np.int64)
-    counts[rank] = np.bincount(flat.numpy(), minlength=placement.num_experts)
-    row = dispatch_plan(placement, counts, local_size)[rank]       # (E, world)
-    out = torch.empty_like(flat)
-    for e in range(placement.num_experts):
-        idx = (flat == e).nonzero().view(-1)
-        dests = np.repeat(np.arange(placement.world_size), row[e])
-        out[idx] = torch.from_numpy(dests)
-    return out.view(experts.shape).to(experts.device)
-
-
 def rank_loads(plan: np.ndarray) -> np.ndarray:
     """Tokens each rank computes under ``plan`` (``plan.sum((0, 1))``)."""
     return np.asarray(plan).sum(axis=(0, 1))
 
 
-__all__ = ["candidates", "dispatch_plan", "token_destinations", "rank_loads"]
+__all__ = ["candidates", "dispatch_plan", "rank_loads"]

@@ -49,7 +49,7 @@ from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
 from moeflow.placement.optimizers import mark_slots
 from moeflow.placement.materialize import (LoadWindow, calibrate, link_bandwidth,
                                            overlap_degree, sparse_materialize)
-from moeflow.fssdp_options import FSSDPOptions
+from moeflow.placement.options import FSSDPOptions
 from moeflow.placement.placement import Placement
 from moeflow.placement.timing import LazyInterval
 from moeflow.placement.token_plan import KeptChoices, fssdp_plan

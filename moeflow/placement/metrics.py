@@ -1,4 +1,4 @@
-"""Training metrics of HECATE FSSDP (issue 17): per-rank token loads, the max/mean load ratio
+"""Training metrics of HECATE FSSDP (Section 3): per-rank token loads, the max/mean load ratio
 (the straggler effect HECATE removes, Section 2) and the sparse collectives' bytes, summed over
 the model's FSSDP layers after a step. Every rank computes the same values (the loads and
 ``P'`` are known everywhere), so rank 0 can log them without a collective."""

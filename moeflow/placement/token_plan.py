@@ -17,7 +17,7 @@ the same ``plan[s, e, d]`` on the host.
 
 Within a source rank the choices of one expert, in priority order (choice-major), fill its
 destinations in ascending rank order, the blocks ``plan[s, e, :]`` says (the same rule as
-:func:`~moeflow.placement.dispatch.token_destinations`, vectorised on the device).
+``tests/reference/destinations.py``, vectorised on the device).
 """
 
 from __future__ import annotations

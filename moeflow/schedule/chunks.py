@@ -54,7 +54,7 @@ class Grouping:
     ``counts[j]``: rows of local expert j. With equal counts per (source, expert) the regroup
     is a transpose done by reshapes (``shape`` set); otherwise a permutation: ``group`` gathers
     rows by ``perm`` and ``ungroup`` gathers them back by its inverse ``inverse`` (a row gather
-    both ways; a scatter, ``index_copy`` by ``perm``, is slower on CPU, issue 18).
+    both ways; a scatter, ``index_copy`` by ``perm``, is slower on CPU).
     """
 
     counts: list[int]

@@ -34,10 +34,6 @@ class Task(NamedTuple):
         return Task(KINDS[k - 1], self.chunk) if k else None
 
 
-def all_tasks(r: int) -> list[Task]:
-    return [Task(k, i) for i in range(r) for k in KINDS]
-
-
 def check_order(order: list[Task], r: int) -> None:
     """Raise ValueError unless ``order`` lists each computing task of r chunks once, and every
     task after its same-chunk computing predecessors."""

@@ -8,15 +8,15 @@
   original class's key names and layouts (experts gathered by global expert id over the
   expert-parallel ranks), so ``save_pretrained`` / ``from_pretrained`` of the original class
   read and write moeflow-trained weights.
-* :func:`moe_config_from_hf` (also ``MoEConfig.from_hf``): the recipe from a transformers
-  config.
+* :func:`moe_config_from_hf`: the MoEConfig recipe from a transformers config (here, not on
+  ``MoEConfig``: the config module stays below the integrations).
 """
 
-from moeflow.integrations.hf_architectures import ARCHITECTURES, architecture_of
+from moeflow.integrations.hf.architectures import ARCHITECTURES, architecture_of
 from moeflow.integrations.hf.convert import (AuxLosses, HFMoEBlock, from_hf, hf_state_dict,
                                              load_hf_state_dict, replace_moe_blocks,
                                              save_pretrained, to_hf)
-from moeflow.integrations.hf_recipes import moe_config_from_hf
+from moeflow.integrations.hf.recipes import moe_config_from_hf
 
 __all__ = ["ARCHITECTURES", "AuxLosses", "HFMoEBlock", "architecture_of", "from_hf",
            "hf_state_dict", "load_hf_state_dict", "moe_config_from_hf", "replace_moe_blocks",

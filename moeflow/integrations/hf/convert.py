@@ -14,17 +14,17 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.errors import ConfigError
-from moeflow.integrations.hf_architectures import (Architecture, architecture_of,
+from moeflow.integrations.hf.architectures import (Architecture, architecture_of,
                                                    block_config, hf_from_moeflow,
                                                    moeflow_from_hf)
-from moeflow.integrations.hf_recipes import moe_config_from_hf
+from moeflow.integrations.hf.recipes import moe_config_from_hf
 from moeflow.routing.aux_grad import missing_aux_grad
 
 
 def _arch(block) -> Architecture:
     arch = architecture_of(block)
     if arch is None:
-        from moeflow.integrations.hf_architectures import ARCHITECTURES
+        from moeflow.integrations.hf.architectures import ARCHITECTURES
 
         raise ConfigError(f"from_hf: {type(block).__name__} is not a supported transformers "
                           f"MoE block; supported: {', '.join(sorted(ARCHITECTURES))}")

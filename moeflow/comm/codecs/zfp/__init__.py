@@ -10,8 +10,9 @@ exactly what zfpy decodes from them. Two coders run: :mod:`.numba_backend` (with
 (:mod:`.triton_backend` for 1-D, :mod:`.triton_nd` for 2-D/3-D; CUDA tensors when triton is
 installed). Tensors on any other device (or CUDA without triton) are copied to the CPU, coded
 there and copied back. :mod:`.transform` (block-floating-point, lifting, reordering,
-negabinary) and :mod:`.fast1d` (the 1-D plane tables) are shared; :mod:`.bitplane` is the slow
-torch reference the tests hold both coders to. :func:`backend` says which coder runs.
+negabinary) and :mod:`.fast1d` (the 1-D plane tables) are shared; the slow torch reference
+the tests hold both coders to is ``tests/reference/zfp_bitplane.py``. :func:`backend` says
+which coder runs.
 """
 
 from __future__ import annotations

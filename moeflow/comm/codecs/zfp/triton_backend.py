@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from moeflow.comm.codecs.zfp import fast1d
+from moeflow.comm.codecs.zfp import fast1d, triton_nd
 from moeflow.comm.codecs.zfp.transform import maxbits_for, stream_bytes
 
 try:                                                     # optional dependency (extra "gpu")
@@ -33,64 +33,8 @@ def available() -> bool:
 
 if triton is not None:
 
-    @triton.jit
-    def _fwd_lift(x, y, z, w):
-        # zfp's fwd_lift (section 3.2), wrapping 32-bit arithmetic
-        x += w; x = x >> 1; w -= x
-        z += y; z = z >> 1; y -= z
-        x += z; x = x >> 1; z -= x
-        w += y; w = w >> 1; y -= w
-        w += y >> 1; y -= w >> 1
-        return x, y, z, w
-
-    @triton.jit
-    def _inv_lift(x, y, z, w):
-        # zfp's inv_lift: the inverse of _fwd_lift
-        y += w >> 1; w -= y >> 1
-        y += w; w = w << 1; w -= y
-        z += x; x = x << 1; x -= z
-        y += z; z = z << 1; z -= y
-        w += x; x = x << 1; x -= w
-        return x, y, z, w
-
-    @triton.jit
-    def _to_int(y):
-        # trunc(y), or INT_MIN where y is not finite or not below 2^31 (x86 cvttss2si, as zfp)
-        ok = tl.abs(y) < 2147483648.0
-        return tl.where(ok, tl.where(ok, y, 0.0).to(tl.int32), -2147483648)
-
-    @triton.jit
-    def _negabinary(v):
-        return ((v.to(tl.int64) + 0xAAAAAAAA) & 0xFFFFFFFF) ^ 0xAAAAAAAA
-
-    @triton.jit
-    def _get64(ptr, off, nwords, mask):
-        # the 64 stream bits starting at bit `off` (int32 words, LSB first; 0 past the end)
-        w = off >> 5
-        sh = off & 31
-        w0 = tl.load(ptr + w, mask=mask & (w < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
-        w1 = tl.load(ptr + w + 1, mask=mask & (w + 1 < nwords), other=0).to(tl.int64)
-        w2 = tl.load(ptr + w + 2, mask=mask & (w + 2 < nwords), other=0).to(tl.int64)
-        w1 = w1 & 0xFFFFFFFF
-        w2 = w2 & 0xFFFFFFFF
-        lo = ((w0 >> sh) | (w1 << (32 - sh))) & 0xFFFFFFFF
-        hi = ((w1 >> sh) | (w2 << (32 - sh))) & 0xFFFFFFFF
-        return lo | (hi << 32)
-
-    @triton.jit
-    def _put64(ptr, off, v, mask):
-        # or the 64-bit pattern v into the stream at bit `off` (three 32-bit atomics; blocks
-        # that share a word write disjoint bits, so the result does not depend on the order)
-        w = off >> 5
-        sh = off & 31
-        lo = v & 0xFFFFFFFF
-        hi = (v >> 32) & 0xFFFFFFFF
-        p0 = (lo << sh) & 0xFFFFFFFF
-        p1 = ((lo << sh) >> 32) | ((hi << sh) & 0xFFFFFFFF)
-        p2 = (hi << sh) >> 32
-        tl.atomic_or(ptr + w, p0.to(tl.int32), mask=mask & (p0 != 0))
-        tl.atomic_or(ptr + w + 1, p1.to(tl.int32), mask=mask & (p1 != 0))
-        tl.atomic_or(ptr + w + 2, p2.to(tl.int32), mask=mask & (p2 != 0))
+    from moeflow.comm.codecs.zfp.triton_common import (_fwd_lift, _get64, _inv_lift,
+                                                       _negabinary, _put64, _to_int)
 
     @triton.jit
     def _encode_kernel(x_ptr, out_ptr, table_ptr, rows, cols, nblk, row_words,
@@ -232,8 +176,7 @@ def compress_rows(x: torch.Tensor, rate: float) -> torch.Tensor:
     mb = maxbits_for(rate, 1)
     nblk = -(-cols // 4)
     nbytes = stream_bytes(nblk, mb)
-    if mb > 64:                                          # (triton_nd imports this module)
-        from moeflow.comm.codecs.zfp import triton_nd
+    if mb > 64:
         return triton_nd.compress(x, 1, mb)
     out = torch.zeros(rows * nbytes // 4, dtype=torch.int32, device=x.device)
     enc, _ = _tables(str(x.device))
@@ -247,7 +190,6 @@ def decompress_rows(data: torch.Tensor, cols: int, rate: float) -> torch.Tensor:
     rows, nbytes = data.shape
     mb = maxbits_for(rate, 1)
     if mb > 64:
-        from moeflow.comm.codecs.zfp import triton_nd
         return triton_nd.decompress(data, (rows, cols), 1, mb)
     nblk = -(-cols // 4)
     out = torch.empty(rows, cols, dtype=torch.float32, device=data.device)

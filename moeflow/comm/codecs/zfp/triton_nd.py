@@ -1,6 +1,6 @@
 """Triton kernels for ZFP fixed-rate coding on CUDA of 2-D and 3-D blocks, and of 1-D blocks
 above 64 bits (Lindstrom 2014, sections 3.1-3.4; the compressor of ScheMoE section 3.1),
-bit-exact with zfpy and the reference coder :mod:`.bitplane`.
+bit-exact with zfpy and the reference coder (``tests/reference/zfp_bitplane.py``).
 
 One lane owns one block of ``S = 4^d`` values (zfp order, z slowest): it gathers the block with
 zfp's padding, casts, lifts, reorders and maps to negabinary, then runs the embedded coder as
@@ -36,9 +36,9 @@ def available() -> bool:
 
 
 if triton is not None:
-    # the 4-point lifting steps, the float -> int cast and negabinary are the 1-D kernels'
-    from moeflow.comm.codecs.zfp.triton_backend import (_fwd_lift, _get64, _inv_lift,
-                                                        _negabinary, _put64, _to_int)
+    # the 4-point lifting steps, the float -> int cast, negabinary and the stream words
+    from moeflow.comm.codecs.zfp.triton_common import (_fwd_lift, _get64, _inv_lift,
+                                                       _negabinary, _put64, _to_int)
 
     # ------------------------------------------------------------- 64-bit word helpers
     # Bit patterns live in int64; no shift is ever by 64 or more (undefined on the GPU).

@@ -1,4 +1,4 @@
-"""``MoEConfig`` recipes from transformers configs (``MoEConfig.from_hf(config)``).
+"""``MoEConfig`` recipes from transformers configs (``moe_config_from_hf(config)``).
 
 What the recipe sets, per model type (see :mod:`.architectures` for the blocks):
 
@@ -27,7 +27,7 @@ What the recipe sets, per model type (see :mod:`.architectures` for the blocks):
 from __future__ import annotations
 
 from moeflow.errors import ConfigError
-from moeflow.integrations.hf_architectures import BY_MODEL_TYPE
+from moeflow.integrations.hf.architectures import BY_MODEL_TYPE
 
 
 def num_moe_layers(config) -> int:
@@ -50,7 +50,7 @@ def moe_config_from_hf(config, layer_id: int = 0, **overrides):
 
     t = getattr(config, "model_type", None)
     if t not in BY_MODEL_TYPE:
-        raise ConfigError(f"MoEConfig.from_hf: model_type={t!r} is not supported; supported: "
+        raise ConfigError(f"moe_config_from_hf: model_type={t!r} is not supported; supported: "
                           f"{', '.join(sorted(BY_MODEL_TYPE))}")
     arch = BY_MODEL_TYPE[t]
     k = config.num_experts_per_tok
@@ -65,13 +65,13 @@ def moe_config_from_hf(config, layer_id: int = 0, **overrides):
                   router_options=dict(bias=True), aux_loss_coef=coef)
     else:
         if config.hidden_act != "silu":
-            raise ConfigError(f"MoEConfig.from_hf: hidden_act={config.hidden_act!r} is not "
+            raise ConfigError(f"moe_config_from_hf: hidden_act={config.hidden_act!r} is not "
                               "supported; moeflow converts SwiGLU experts (hidden_act='silu')")
         kw.update(activation="swiglu",
                   renormalize=True if t == "mixtral" else bool(config.norm_topk_prob),
                   aux_loss_coef=coef)
     if t == "mixtral" and getattr(config, "router_jitter_noise", 0):
-        raise ConfigError(f"MoEConfig.from_hf: router_jitter_noise={config.router_jitter_noise}"
+        raise ConfigError(f"moe_config_from_hf: router_jitter_noise={config.router_jitter_noise}"
                           " (input jitter) has no moeflow equivalent; set it to 0")
     if t == "qwen2_moe":
         kw.update(num_shared_experts=1, shared_expert_gate=True,

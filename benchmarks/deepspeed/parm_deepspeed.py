@@ -1,6 +1,6 @@
 """``moeflow bench parm --compare deepspeed``: Parm's schedules against DeepSpeed-MoE's own layer.
 
-Issue 16, "Measure against DeepSpeed-MoE itself". The Parm paper's baseline is DeepSpeed-MoE
+The Parm paper's baseline is DeepSpeed-MoE
 (Section V, footnote 1: v0.8.1). When ``deepspeed`` is importable (an optional peer for this
 benchmark only, never a dependency of moeflow), every rank builds ``deepspeed.moe.layer.MoE``
 with tensor-parallel experts (``enable_expert_tensor_parallelism=True``) over a small

@@ -2,9 +2,10 @@
 embedded bit-plane coder with group tests (Lindstrom 2014, section 3.4; LLNL zfp's
 ``encode_ints`` / ``decode_ints`` in fixed-rate mode; the ZFP of ScheMoE section 3.1) run in
 lockstep over all blocks (a Python loop over planes and, inside, over group tests), and the
-whole pipeline around it (:func:`compress` / :func:`decompress`, with :mod:`.transform`): per
-block a "nonzero" bit, ``emax + 127`` in 8 bits, then the plane code, ``maxbits`` bits in all;
-each array's stream is 64-bit little-endian words, LSB first, zero padded (zfpy's bytes).
+whole pipeline around it (:func:`compress` / :func:`decompress`, with
+:mod:`moeflow.comm.codecs.zfp.transform`): per block a "nonzero" bit, ``emax + 127`` in 8 bits,
+then the plane code, ``maxbits`` bits in all; each array's stream is 64-bit little-endian words,
+LSB first, zero padded (zfpy's bytes).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Which collectives DeepSpeed-MoE's layer runs, in order: the MP order of Parm's baseline.
 
-Issue 16 asks which DeepSpeed version's MP-collective order the Parm paper's baseline (Fig. 3a,
+The question is which DeepSpeed version's MP-collective order the Parm paper's baseline (Fig. 3a,
 Section IV-A, Eq. 1) matches. This records it by running, not by reading: on 4 gloo ranks in
 Parm's Fig. 2 layout (N_MP = N_EP = N_ESP = 2, the MP group is the ESP group), one forward and
 one backward of the installed ``deepspeed.moe.layer.MoE`` (built by
-:func:`moeflow.bench.parm_deepspeed.build_deepspeed_layer`) and of moeflow's ``baseline``
+:func:`benchmarks.deepspeed.parm_deepspeed.build_deepspeed_layer`) and of moeflow's ``baseline``
 layer on the same weights, with every ``torch.distributed`` collective wrapped to log its name,
 its group's ranks and the number of elements this rank sends. Run it once per DeepSpeed
-install, e.g. ``python -m moeflow.bench.parm_deepspeed_trace`` (0.19.8, system) and
-``/opt/ds081/bin/python -m moeflow.bench.parm_deepspeed_trace`` (0.8.1,
+install, e.g. ``python -m benchmarks.deepspeed.parm_deepspeed_trace`` (0.19.8, system) and
+``/opt/ds081/bin/python -m benchmarks.deepspeed.parm_deepspeed_trace`` (0.8.1,
 docs/benchmarks/install_deepspeed_081.sh). Results: docs/benchmarks/parm.md, "DeepSpeed 0.8.1
 itself".
 """
@@ -87,7 +87,7 @@ def traced(log: list, phase: list):
 
 
 def trace_worker(opts: dict) -> dict:
-    from moeflow.bench import parm_deepspeed as pd
+    from benchmarks.deepspeed import parm_deepspeed as pd
     import deepspeed
 
     topo = Topology.from_env(ep_size=2, mp_size=2, esp_size=2, esp_in_node=True)
@@ -115,7 +115,7 @@ def trace_worker(opts: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moeflow.bench.parm_deepspeed_trace",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.deepspeed.parm_deepspeed_trace",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16, help="tokens per rank (even)")
     p.add_argument("--d-model", type=int, default=8)
