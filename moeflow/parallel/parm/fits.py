@@ -1,7 +1,7 @@
 """Alpha-beta fits of Parm's collectives on the running cluster (Section V-A, Eq. 12).
 
 Algorithm 1 needs three models, each ``alpha + beta * elements`` fitted by least squares
-(:func:`moeflow.bench.linkmodel.fit_alpha_beta`) to the median time of the collective over a
+(:func:`moeflow.measure.linkmodel.fit_alpha_beta`) to the median time of the collective over a
 few sizes, measured on the layout's own process groups (so the emulated or real links, the
 placement and the concurrent groups are those the layer will see):
 
