@@ -10,11 +10,11 @@ in token order, then all second choices, ...), which is GShard's priority order.
   Every choice keeps an entry: a dropped one points at row ``E*C``, a scratch row that
   :func:`~moeflow.dispatch.permute.permute` cuts off, and carries no gate. So the plan is
   built with no data-dependent shapes and no host synchronisation.
-* Capacity with trimmed padding (``trim=True``, ``MoEConfig.capacity_padding``): the same
-  kept choices and the same function, but each expert's block holds only its
-  ``min(n_e, C)`` kept rows, so the exchange and the experts skip the empty slots (with balanced routing at f = 1.25 they are
-  a fifth of the ``E*C`` rows; Tutel sends and computes them). The kept counts come to the
-  host once (one synchronisation on a GPU, none on CPU) and travel as host integers.
+* Capacity with trimmed padding (``trim=True``, ``MoEConfig.capacity_padding``): the same kept
+  choices and the same function, but each expert's block holds only its ``min(n_e, C)`` kept
+  rows, so the exchange and the experts skip the empty slots (with balanced routing at f = 1.25
+  they are a fifth of the ``E*C`` rows; Tutel sends and computes them). The kept counts come to
+  the host once (one synchronisation on a GPU, none on CPU) and travel as host integers.
 * Dropless: every choice gets a row, sorted stably by expert; the only host synchronisation
   of the layer is learning the counts (:func:`moeflow.comm.exchange.gather_device_counts`).
 
