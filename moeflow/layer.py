@@ -1,8 +1,11 @@
-"""MoELayer: route -> plan -> permute -> encode/all-to-all/decode -> experts -> back -> combine.
+"""MoELayer: route -> strategy (plan, permute, exchange with the experts) -> combine.
 
 The steps of docs/design.md, "The path of a token through MoELayer"; each part is chosen by
 name in ``MoEConfig`` from its registry (router, codec, all-to-all algorithm), so later parts
-plug in without changing this file.
+plug in without changing this file. How experts are placed and reached (plain EP with the
+ScheMoE exchange, Parm's schedules, HECATE's FSSDP) is an ``ExpertStrategy``
+(``moeflow/strategies/``, docs/design.md "Strategies: how experts are placed"); BigMac's
+projections and the shared experts wrap it here.
 """
 
 from __future__ import annotations
@@ -16,12 +19,11 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.devices import check_not_capturing
-from moeflow.dispatch import capacity, combine, make_plan, permute
+from moeflow.dispatch import capacity, combine, permute
 from moeflow.experts.ffn import EXPERTS
 from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
 from moeflow.parallel.parm import schedules as parm
-from moeflow.parallel.parm.baseline import baseline_experts
 from moeflow.parallel.parm.checks import check_parm_layer
 from moeflow.parallel.parm.collectives import esp_all_reduce
 from moeflow.schedule.phases import NULL_TIMER, PhaseTimer
@@ -31,8 +33,9 @@ from moeflow.routing.aux_grad import attach_aux_loss
 from moeflow import autotune
 from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
-from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
+from moeflow.schedule.pipeline import ScheduledExperts
 from moeflow.schedule.tasks import check_order
+from moeflow.strategies import ExpertStrategy, select as select_strategy
 from moeflow.topology import Topology
 
 
@@ -56,7 +59,7 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, topo: Topology | None = None, *,
                  attach_aux_loss: bool = False):
         super().__init__()
-        # issue 20: attach_aux_loss=True delivers aux_loss through the output's backward
+        # attach_aux_loss=True delivers aux_loss through the output's backward
         # (moeflow/routing/aux_grad.py; works under any activation checkpointing); the
         # caller then must not add it (aux_loss keeps only the detached value)
         if not isinstance(attach_aux_loss, bool):
@@ -66,7 +69,7 @@ class MoELayer(nn.Module):
         self.attach_aux_loss = attach_aux_loss
         self.aux_loss_backward_scale = 1.0     # d(your loss)/d(aux_loss) when attached
         topo = topo or Topology.single()
-        # issue 18: "auto" a2a / schedule / pipeline_degree run as direct / sequential / 1
+        # "auto" a2a / schedule / pipeline_degree run as direct / sequential / 1
         # until the first forward tunes them (moeflow/autotune.py)
         self.requested_cfg = cfg
         self.auto_fields = autotune.auto_fields(cfg)
@@ -100,7 +103,7 @@ class MoELayer(nn.Module):
         # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
         reduce = (functools.partial(esp_all_reduce, group=topo.esp_group)
                   if topo.esp_size > 1 else None)
-        if cfg.placement == "fssdp":     # HECATE FSSDP (issue 17): owner-only expert storage
+        if cfg.placement == "fssdp":     # HECATE FSSDP (Section 3): owner-only expert storage
             _check_fssdp(cfg, topo)
             self.experts = FSSDPExperts(comm_width(cfg), expert_hidden(cfg), cfg.num_experts,
                                         cfg.activation, cfg.seed, cfg.layer_id,
@@ -118,6 +121,8 @@ class MoELayer(nn.Module):
         self.shared = SharedExperts(cfg) if cfg.num_shared_experts else None
         self.algo = ALLTOALLS[cfg.a2a](topo)
         self.parm = parm.ParmParts.build(self, cfg, topo)  # S1 / S2 / auto; None otherwise
+        # how experts are placed and reached (moeflow/strategies/): EP, Parm or FSSDP
+        self.strategy: ExpertStrategy = select_strategy(self)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
         self.scheduler = SCHEDULERS[cfg.schedule]()
@@ -151,12 +156,12 @@ class MoELayer(nn.Module):
 
     def _trims(self, sched, device: torch.device) -> bool:
         """Whether capacity mode sends only the kept rows (``MoEConfig.capacity_padding``):
-        on the expert-parallel path (not FSSDP, Parm's schedules or ESP shards, which lay out
-        capacity themselves); "auto" where a host synchronisation is free: on CPU, in eager
+        where the strategy allows it (plain EP, not FSSDP, Parm's schedules or ESP shards,
+        which lay out capacity themselves: ``ExpertStrategy.trims_padding``); "auto" where a host synchronisation is free: on CPU, in eager
         mode (under ``torch.compile`` the kept counts' host read would break the graph at the
         plan, so "auto" pads there)."""
         mode = self.cfg.capacity_padding
-        if mode == "pad" or sched is not None or self.topo.esp_size > 1:
+        if mode == "pad" or sched is not None or not self.strategy.trims_padding:
             return False
         return mode == "trim" or (device.type == "cpu" and not torch.compiler.is_compiling())
 
@@ -204,45 +209,30 @@ class MoELayer(nn.Module):
         """HECATE FSSDP: start this iteration's spAG on the layer's communication lane, so
         that it overlaps what runs before the layer (the GPT block calls it before its
         attention, Fig. 1c). A no-op for other placements or with ``early_gather=False``."""
-        if isinstance(self.experts, FSSDPExperts) and self.cfg.fssdp.early_gather:
-            self.experts.prefetch(self.lane)
+        self.strategy.prefetch(self.lane)
+
+    def _note_rows(self, plan) -> None:
+        """The tuner's row count: training forwards only (evaluation batches of another size
+        must not re-tune)."""
+        if (self.auto_fields and not self._tuning and plan.counts is not None
+                and torch.is_grad_enabled()):
+            self._rows = int(plan.counts.sum())          # the same number on every EP rank
+            if self.tuned.rows is None:
+                self.tuned.rows = self._rows
 
     def forward(self, x: torch.Tensor, *, top_k: int | None = None,
                 capacity_factor: float | None | str = FROM_CONFIG) -> torch.Tensor:
         """``x: (..., d_model)``. ``top_k`` and ``capacity_factor`` override the config's for
         this call only (no rebuild; ``capacity_factor=None`` is dropless, ``"auto"`` the
         structure's default), as Tutel's ``moe(x, top_k=..., capacity_factor=...)``."""
-        cfg, t = self.cfg, self.timer or NULL_TIMER
-        if x.is_cuda:                      # a CUDA graph cannot hold this layer (docs/gpu.md)
-            check_not_capturing("MoELayer.forward")
-        if not x.is_floating_point():
-            raise TypeError(f"MoELayer input has dtype {x.dtype}; it must be floating point "
-                            "(token embeddings, e.g. float32 or bfloat16): convert token ids "
-                            "with an nn.Embedding first, or cast with x.float()")
-        if x.shape[-1] != cfg.d_model:
-            raise ValueError(f"MoELayer input has last dimension {x.shape[-1]} but "
-                             f"MoEConfig.d_model={cfg.d_model}; reshape the input or build the "
-                             f"layer with d_model={x.shape[-1]}")
-        if self.auto_fields and not self._tuning and (self.tuned is None or (
-                torch.is_grad_enabled() and autotune.retune_agreed(self))):
-            self.tune(x)                   # collective; every rank decides alike (see autotune)
-            cfg = self.cfg
-        self._check_schedule()
-        k, factor = cfg.per_call(top_k, capacity_factor)
-        if k != cfg.top_k:
-            self.router.check_top_k(cfg, k)
+        k, factor = self._begin_call(x, top_k, capacity_factor)
+        cfg, t, s, shape = self.cfg, self.timer or NULL_TIMER, self.strategy, x.shape
         route_k = {} if k == cfg.top_k else {"top_k": k}
-        shape = x.shape
-        h = x.reshape(-1, cfg.d_model)
-        sched = None if self.parm is None else self.parm.choose(self, h.shape[0], k, factor)
-        n_mp = h.shape[0]
-        if sched == "s1":                 # Parm S1 (Fig. 3b): MP-Split before the gate
-            h = parm.mp_split_tokens(h, self.topo)
+        h, call = s.prepare(x.reshape(-1, cfg.d_model), k, factor)
         tokens = h                        # the shared experts' input (this rank's tokens)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
-        fssdp = self.experts if isinstance(self.experts, FSSDPExperts) else None
-        experts = fssdp.begin() if fssdp is not None else self.experts   # spAG(P, P') done
+        experts = s.experts()
         # routers compute in float32 at least: outside autocast, which would run their matmul
         # (and, on CPU, their softmax) in bf16 and take routing decisions at bf16 precision
         with t.phase("route", h), torch.autocast(h.device.type, enabled=False):
@@ -252,9 +242,7 @@ class MoELayer(nn.Module):
                 h = self.dcca.down(t.mark(h, "project"))
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
-            plan = (fssdp.plan(routing.experts, cap) if fssdp is not None   # HECATE 4.4
-                    else make_plan(routing.experts, cfg.num_experts, cap,
-                                   trim=cap is not None and self._trims(sched, h.device)))
+            plan = s.plan(routing.experts, cap, h.device, call)
             send = permute(t.mark(h, "permute"), plan)
         nonfinite = (None if self.codec.represents_nonfinite
                      and self.backward_codec.represents_nonfinite
@@ -262,25 +250,11 @@ class MoELayer(nn.Module):
         runner = ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite, self.shared)
-        shared_y = None
-        if sched is not None:            # Parm S1 / S2: EP&ESP-AlltoAll (Section III-C)
-            back = self.parm.experts(cfg, sched, t.mark(send, None), plan, runner)
-        elif self.topo.esp_size > 1:     # Parm's baseline schedule (Fig. 3a) with shards
-            back = baseline_experts(t.mark(send, None), plan, runner, self.topo)
-        elif self.shared is not None:    # task S, beside the all-to-all
-            back, shared_y = scheduled_experts(t.mark(send, None), plan, runner, tokens)
-        else:
-            back = scheduled_experts(t.mark(send, None), plan, runner)
-        if self.shared is not None and shared_y is None:   # Parm's paths: not overlapped
+        back, shared_y = s.exchange(t.mark(send, None), plan, runner, tokens, call)
+        if self.shared is not None and shared_y is None:   # not overlapped by the strategy
             shared_y = self.shared(tokens)
-        if fssdp is not None:            # HECATE-RM frees the held experts here
-            back = fssdp.end(back)
-        # training forwards only (evaluation batches of another size must not re-tune)
-        if (self.auto_fields and not self._tuning and plan.counts is not None
-                and torch.is_grad_enabled()):
-            self._rows = int(plan.counts.sum())          # the same number on every EP rank
-            if self.tuned.rows is None:
-                self.tuned.rows = self._rows
+        back = s.end(back)
+        self._note_rows(plan)
         with t.phase("combine", h):
             y = combine(t.mark(back, "combine"), plan, routing.weights)
         if self.dcca is not None:                          # BigMac: ascend after combine
@@ -288,10 +262,37 @@ class MoELayer(nn.Module):
                 y = self.dcca.up(t.mark(y, "project"))
         if shared_y is not None:                           # DeepSeek-V3 Eq. 12: + sum FFN^(s)
             y = y + shared_y.to(y.dtype)
-        self.aux_loss = routing.aux_loss
-        if sched == "s1":                 # MP-AllGather after the layer; MP parts' mean loss
-            y = parm.mp_gather_tokens(y, n_mp, self.topo)
-            self.aux_loss = parm.mp_mean_loss(routing.aux_loss, self.topo)
+        y, self.aux_loss = s.finish(y, routing.aux_loss, call)
+        self._record_stats(routing, plan, nonfinite)
+        y = t.mark(y, None).reshape(shape)
+        if self.attach_aux_loss:        # the aux loss rides on y's backward
+            y = attach_aux_loss(y, self.aux_loss, self.aux_loss_backward_scale)
+            self.aux_loss = self.aux_loss.detach()
+        return y
+
+    def _begin_call(self, x: torch.Tensor, top_k, capacity_factor) -> tuple[int, float | None]:
+        """Input checks, the tuner's first (or re-) tuning, and this call's (top_k, factor)."""
+        if x.is_cuda:                      # a CUDA graph cannot hold this layer (docs/gpu.md)
+            check_not_capturing("MoELayer.forward")
+        if not x.is_floating_point():
+            raise TypeError(f"MoELayer input has dtype {x.dtype}; it must be floating point "
+                            "(token embeddings, e.g. float32 or bfloat16): convert token ids "
+                            "with an nn.Embedding first, or cast with x.float()")
+        if x.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"MoELayer input has last dimension {x.shape[-1]} but "
+                             f"MoEConfig.d_model={self.cfg.d_model}; reshape the input or "
+                             f"build the layer with d_model={x.shape[-1]}")
+        if self.auto_fields and not self._tuning and (self.tuned is None or (
+                torch.is_grad_enabled() and autotune.retune_agreed(self))):
+            self.tune(x)                   # collective; every rank decides alike (see autotune)
+        self._check_schedule()
+        k, factor = self.cfg.per_call(top_k, capacity_factor)
+        if k != self.cfg.top_k:
+            self.router.check_top_k(self.cfg, k)
+        return k, factor
+
+    def _record_stats(self, routing, plan, nonfinite) -> None:
+        """``stats`` / ``stat_tensors`` of this forward (no device sync)."""
         n_choices = max(1, routing.experts.numel())
         self._stats = {"balance_loss": routing.balance_loss.detach(),
                        "z_loss": routing.z_loss.detach(),
@@ -302,15 +303,9 @@ class MoELayer(nn.Module):
                 if getattr(self.tuned, key) is not None:
                     self._stats[f"autotune_{key}"] = getattr(self.tuned, key)
             self._stats["autotune_budget_cut"] = float(bool(self.tuned.budget_cut))
-        if fssdp is not None:
-            self._stats.update(fssdp.stats())
+        self._stats.update(self.strategy.stats())
         if nonfinite is not None:       # forward's count; backward adds its own in place
             self._stats["nonfinite_payload"] = nonfinite
-        y = t.mark(y, None).reshape(shape)
-        if self.attach_aux_loss:        # issue 20: the aux loss rides on y's backward
-            y = attach_aux_loss(y, self.aux_loss, self.aux_loss_backward_scale)
-            self.aux_loss = self.aux_loss.detach()
-        return y
 
 
 def _check_fssdp(cfg: MoEConfig, topo: Topology) -> None:

@@ -1,0 +1,21 @@
+"""Expert placement strategies for ``MoELayer`` (docs/design.md, "Strategies: how experts are
+placed"): the interface in ``base.py`` and one file per placement."""
+
+from __future__ import annotations
+
+from moeflow.strategies.base import Call, ExpertStrategy
+from moeflow.strategies.expert_parallel import ExpertParallel
+from moeflow.strategies.fssdp import FSSDP
+from moeflow.strategies.parm import Parm
+
+__all__ = ["Call", "ExpertStrategy", "ExpertParallel", "FSSDP", "Parm", "select"]
+
+
+def select(layer) -> ExpertStrategy:
+    """The layer's strategy from its config and topology: FSSDP for ``placement="fssdp"``,
+    Parm where ESP shards or a paused-MP schedule are in use, plain EP otherwise."""
+    if layer.cfg.placement == "fssdp":
+        return FSSDP(layer)
+    if layer.parm is not None or layer.topo.esp_size > 1:
+        return Parm(layer)
+    return ExpertParallel(layer)

@@ -1,0 +1,83 @@
+"""ExpertStrategy: how a MoE layer places its experts and exchanges tokens with them.
+
+``MoELayer.forward`` reads route -> strategy -> combine (docs/design.md, "Strategies: how
+experts are placed"). Everything that differs between placements sits behind this interface:
+plain expert parallelism with the ScheMoE exchange (ScheMoE Section 3), Parm's schedules with
+expert-sharding parallelism (Parm Section III, Fig. 3), and HECATE's fully sharded sparse data
+parallelism (HECATE Sections 3-4). Routing, BigMac's projections, the shared experts and the
+combine stay in the layer, orthogonal to the strategy.
+
+A strategy is a plain object bound to its layer; it reads the layer's current ``cfg``,
+``algo``, ``codec`` and ``scheduler`` at call time (the tuner replaces them). Every hook runs
+on every rank in the same order, so a strategy must not raise on data-dependent conditions
+after :meth:`prepare` (its peers would wait in a collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.dispatch import DispatchPlan, make_plan
+from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
+
+
+@dataclass
+class Call:
+    """One forward's state, returned by :meth:`ExpertStrategy.prepare`: the schedule chosen
+    for this call (Parm's "s1" / "s2"; None for the others) and the rows the layer was given
+    (S1 gathers back to them)."""
+    sched: str | None
+    rows: int
+
+
+class ExpertStrategy:
+    """The placement hooks, in the order ``MoELayer.forward`` calls them:
+
+    ``prepare(h, k, factor) -> (h, call)``: per-call choice and any token split before the
+    gate; ``experts()``: the expert module the exchange runs (FSSDP: its gathered copy);
+    ``plan(expert_ids, cap, device, call)``: the dispatch plan; ``exchange(send, plan, runner,
+    tokens, call) -> (back, shared_y)``: rows out to the experts and back (``shared_y`` None
+    when the shared experts did not run inside it); ``end(back)``: release what
+    ``experts()`` held; ``finish(y, aux_loss, call) -> (y, aux_loss)``: after the combine;
+    ``prefetch(lane)``: optional early communication; ``stats()``: extra statistics.
+
+    The defaults are plain expert parallelism; a strategy overrides only what differs.
+    """
+
+    name = "ep"
+    trims_padding = True    # capacity mode may send only the kept rows (capacity_padding)
+
+    def __init__(self, layer) -> None:
+        self.layer = layer
+
+    def prepare(self, h: torch.Tensor, k: int, factor: float | None) -> tuple[torch.Tensor, Call]:
+        return h, Call(None, h.shape[0])
+
+    def experts(self):
+        return self.layer.experts
+
+    def plan(self, expert_ids: torch.Tensor, cap: int | None, device: torch.device,
+             call: Call) -> DispatchPlan:
+        layer = self.layer
+        return make_plan(expert_ids, layer.cfg.num_experts, cap,
+                         trim=cap is not None and layer._trims(call.sched, device))
+
+    def exchange(self, send: torch.Tensor, plan: DispatchPlan, runner: ScheduledExperts,
+                 tokens: torch.Tensor, call: Call):
+        if runner.shared is not None:       # task S, beside the all-to-all
+            return scheduled_experts(send, plan, runner, tokens)
+        return scheduled_experts(send, plan, runner), None
+
+    def end(self, back: torch.Tensor) -> torch.Tensor:
+        return back
+
+    def finish(self, y: torch.Tensor, aux_loss: torch.Tensor, call: Call):
+        return y, aux_loss
+
+    def prefetch(self, lane) -> None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {}

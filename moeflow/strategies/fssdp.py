@@ -1,0 +1,35 @@
+"""HECATE's fully sharded sparse data parallelism (HECATE Sections 3-4).
+
+Experts are stored sharded over all ranks (``moeflow/placement/layer_experts.FSSDPExperts``):
+``experts()`` finishes the sparse AllGather of this iteration's experts (Section 3.2; started
+early by ``prefetch``, Fig. 1c), ``plan`` dispatches to the ranks holding a copy (Section 4.4),
+and ``end`` frees the held copies (HECATE-RM, Section 4.3) where the backward re-gathers them.
+"""
+
+from __future__ import annotations
+
+from moeflow.strategies.base import ExpertStrategy
+
+
+class FSSDP(ExpertStrategy):
+    """Owner-only expert storage, gathered per iteration; ``layer.experts`` is an
+    ``FSSDPExperts``. Capacity padding is laid out by its plan, never trimmed."""
+
+    name = "fssdp"
+    trims_padding = False
+
+    def experts(self):
+        return self.layer.experts.begin()     # spAG(P, P') done
+
+    def plan(self, expert_ids, cap, device, call):
+        return self.layer.experts.plan(expert_ids, cap)
+
+    def end(self, back):
+        return self.layer.experts.end(back)
+
+    def prefetch(self, lane) -> None:
+        if self.layer.cfg.fssdp.early_gather:
+            self.layer.experts.prefetch(lane)
+
+    def stats(self) -> dict[str, float]:
+        return self.layer.experts.stats()
