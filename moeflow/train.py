@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -98,14 +99,15 @@ def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology,
 
 
 def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
-    """The latest checkpoint of a run folder and its step (``FileNotFoundError`` if none)."""
+    """The latest complete checkpoint of a run folder and its step (``FileNotFoundError`` if
+    none). One cut short by a crash is skipped with a warning (:func:`checkpoint.find_latest`)."""
     root = Path(out_dir) / "checkpoint"
-    latest = root / "latest"
-    if not latest.exists():
-        raise FileNotFoundError(f"--resume: no checkpoint under {root} (expected "
-                                "a 'latest' file written by an earlier run with this --out)")
-    name = latest.read_text().strip()
-    return root / name, int(name.rpartition("-")[2])
+    found = checkpoint.find_latest(root)
+    if found is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {root} (expected a complete "
+                                "step-N folder and a 'latest' file written by an earlier run "
+                                "with this --out)")
+    return found
 
 
 def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
@@ -120,10 +122,35 @@ def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
                           f"(field: (saved, now)) {diff}; resume with the same model options")
 
 
+@dataclasses.dataclass
+class FaultConfig:
+    """How ``moeflow train`` survives failures (docs/training.md, "Failures").
+
+    keep_checkpoints: keep the newest K published checkpoints (None: all).
+    max_restarts: restarts of all ranks that torch's elastic agent makes after a rank fails;
+    each restarted rank resumes from the latest complete checkpoint.
+    """
+
+    keep_checkpoints: int | None = None
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        k = self.keep_checkpoints
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"--keep-checkpoints: FaultConfig.keep_checkpoints={k!r} is "
+                              "invalid: keep at least 1 checkpoint (leave it unset to keep all)")
+        r = self.max_restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"--max-restarts: FaultConfig.max_restarts={r!r} is invalid: "
+                              "must be an integer >= 0 (0: a failed rank ends the run)")
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | Path,
-                 topo: Topology, data: str | None = None, progress: bool = True):
+                 topo: Topology, data: str | None = None, progress: bool = True,
+                 fault: FaultConfig | None = None):
         self.mcfg, self.cfg, self.topo = model_cfg, train_cfg, topo
+        self.ft = fault or FaultConfig()
         self.out = Path(out_dir)
         self.progress = progress and topo.rank == 0
         self.corpus = Corpus.load(data)
@@ -159,12 +186,29 @@ class Trainer:
              **({"resumed_from_step": self.start_step} if self.start_step else {})}, indent=2))
 
     def save(self) -> None:
-        path = self.ckpt_root / f"step-{self.step}"
-        checkpoint.save(str(path), self.model, self.opt, self.step)
-        if self.topo.rank == 0:                      # written after every rank finished
-            (path / "progress.json").write_text(json.dumps(
+        """Write this step's checkpoint under a temporary name, then publish it (rename, then
+        ``latest`` replaced atomically) once every rank's part is on disk."""
+        staged = checkpoint.staging_path(self.ckpt_root, self.step)
+        if self.topo.rank == 0 and staged.exists():      # left by a run that crashed here
+            shutil.rmtree(staged)
+        self._barrier()
+        checkpoint.save(str(staged), self.model, self.opt, self.step)
+        self._barrier()                                  # every rank's part is on disk
+        if self.topo.rank == 0:
+            (staged / "progress.json").write_text(json.dumps(
                 {"step": self.step, "elapsed_s": time.perf_counter() - self.start_time}))
-            (self.ckpt_root / "latest").write_text(path.name)
+            self._publish(staged)
+        self._barrier()
+
+    def _publish(self, staged: Path) -> None:
+        """Rank 0: publish the complete folder ``staged`` and apply the retention."""
+        checkpoint.publish(staged, self.ckpt_root, self.step)
+        if self.ft.keep_checkpoints is not None:
+            checkpoint.prune(self.ckpt_root, self.ft.keep_checkpoints)
+
+    def _barrier(self) -> None:
+        if self.topo.distributed:
+            dist.barrier()
 
     def resume(self) -> None:
         path, _ = latest_checkpoint(self.out)

@@ -67,3 +67,37 @@ def recover_worker(capacity_factor) -> dict:
     got = _step(layer, x)
     ref = _step(MoELayer(cfg, topo).double(), x)
     return {"raised": raised, "got": got, "ref": ref}
+
+
+# ---- checkpoint publishing: a process killed between the write and the publish ----------------
+
+def kill_before_publish(out_dir: str, kill_at: int) -> None:
+    """Train the micro model in one process (checkpoints every 2 steps) and SIGKILL the
+    process when the checkpoint of step ``kill_at`` is on disk but not yet published."""
+    import os
+    import signal
+
+    from moeflow.topology import Topology
+    from moeflow.train import Trainer
+
+    real = Trainer._publish
+
+    def publish_or_die(self, staged):
+        if self.step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(self, staged)
+
+    Trainer._publish = publish_or_die
+    Trainer(MICRO_MODEL, MICRO_TRAIN, out_dir, Topology.from_env(), progress=False).run()
+
+
+def _micro():
+    from moeflow.config import ModelConfig, TrainConfig
+
+    return (ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_every=1,
+                        num_experts=2, d_expert=16, top_k=1),
+            TrainConfig(steps=6, batch_size=2, lr=1e-2, warmup_steps=1, eval_every=3,
+                        eval_batches=1, log_every=1, checkpoint_every=2))
+
+
+MICRO_MODEL, MICRO_TRAIN = _micro()

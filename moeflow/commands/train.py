@@ -166,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
         check_layout(mcfg, tcfg, world, local)
     check_data(args, mcfg, tcfg)
     if args.resume:
+        if (Path(out) / "config.json").exists():
+            check_same_model(out, mcfg)
         _, step = latest_checkpoint(out)
-        check_same_model(out, mcfg)
         if step >= tcfg.steps:
             if os.environ.get("RANK", "0") == "0":
                 print(f"nothing to do: the checkpoint in {out} is at step {step} and --steps is "
