@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from moeflow.placement.reshard import maybe_reshard
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
 from moeflow.devices import autocast, resolve_device, resolve_dtype
+from moeflow.launch import restart_count
 from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.grad_sync import sync_gradients
@@ -164,6 +166,8 @@ class Trainer:
         self.elapsed_before = 0.0     # training seconds before start_step (from the checkpoint)
         self.start_time = time.perf_counter()    # of the training clock (elapsed_s)
         self.history: list[dict] = []
+        # under an agent that restarts ranks, rank 0 records the step reached (a tiny file)
+        self._track_reached = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
 
     # ---- bookkeeping ----------------------------------------------------------------------
     @property
@@ -206,6 +210,39 @@ class Trainer:
         if self.ft.keep_checkpoints is not None:
             checkpoint.prune(self.ckpt_root, self.ft.keep_checkpoints)
 
+    REACHED = ".reached"          # rank 0: the last finished step (for restarts' steps redone)
+
+    def _mark_reached(self) -> None:
+        """Under an elastic agent that may restart the ranks: record the step reached, so a
+        restart can report the steps it redoes."""
+        if self.topo.rank == 0 and self._track_reached:
+            tmp = self.out / f".reached.tmp-{os.getpid()}"
+            tmp.write_text(str(self.step))
+            os.replace(tmp, self.out / self.REACHED)
+
+    def _log_restart(self, restart: int) -> dict:
+        """The restart record (in metrics.jsonl on rank 0): the attempt number, the step
+        resumed from and the steps of the failed attempt that are redone."""
+        reached_file = self.out / self.REACHED
+        reached = int(reached_file.read_text()) if reached_file.exists() else self.start_step
+        rec = {"event": "restart", "restart": restart,
+               "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+               "resumed_from_step": self.start_step,
+               "steps_redone": max(0, reached - self.start_step)}
+        if self.topo.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return rec
+
+    def restarts(self) -> list[dict]:
+        """The restart records of this launch (this elastic run id) in metrics.jsonl."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        path = self.out / "metrics.jsonl"
+        if run_id is None or not path.exists():
+            return []
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in recs if r.get("event") == "restart" and r.get("run_id") == run_id]
+
     def _barrier(self) -> None:
         if self.topo.distributed:
             dist.barrier()
@@ -247,12 +284,17 @@ class Trainer:
                             torch.stack(balance).sum() if balance
                             else torch.zeros((), dtype=torch.float64, device=self.device)])
 
-    def run(self, resume: bool = False) -> dict:
+    def run(self, resume: bool = False, restart: int = 0) -> dict:
+        """Train up to ``cfg.steps``. ``resume``: from the latest complete checkpoint.
+        ``restart``: this is the elastic agent's restart number ``restart`` of the ranks
+        (logged with the step resumed from and the steps redone)."""
         cfg, topo = self.cfg, self.topo
         if resume:
             self.resume()
             if topo.distributed:                     # every rank has read config.json
                 dist.barrier()
+        if restart:
+            self._log_restart(restart)
         if not resume or self.step < cfg.steps:      # record this run's options (new --steps)
             self._write_config()
         if topo.distributed:
@@ -271,6 +313,7 @@ class Trainer:
         while self.step < cfg.steps:
             sums += self.train_step()               # stays on the device between log points
             steps_last += 1
+            self._mark_reached()
             done = self.step == cfg.steps
             if self.step % cfg.log_every == 0 or done:
                 loss, aux_mean, balance = _world_mean(sums / steps_last, topo)
@@ -297,14 +340,22 @@ class Trainer:
         if bar is not None:
             bar.close()
         vals = [r["val_loss"] for r in self.history if "val_loss" in r]
+        losses = [r["loss"] for r in self.history if "loss" in r]
         return {"step": self.step, "start_step": self.start_step,
                 "final_val_loss": vals[-1] if vals else None,
+                "final_loss": losses[-1] if losses else None,
+                "restarts": self.restarts() if restart else [],
                 "history": self.history, "out_dir": str(self.out)}
 
 
 def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
-                 data: str | None, resume: bool, progress: bool = True) -> dict:
-    """Entry point on every rank (torch.distributed already initialised, or a world of one)."""
+                 data: str | None, resume: bool, progress: bool = True,
+                 fault: FaultConfig | None = None) -> dict:
+    """Entry point on every rank (torch.distributed already initialised, or a world of one).
+
+    A rank restarted by torch's elastic agent (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes by
+    itself from the latest complete checkpoint in ``out_dir`` (from the start if none was
+    published yet)."""
     topo = Topology.from_env(ep_size=train_cfg.ep_size, mp_size=train_cfg.mp_size,
                              esp_size=train_cfg.esp_size, esp_in_node=train_cfg.esp_in_node)
     # only gate noise / dropout draw from it; the ranks of an MP group draw the same numbers,
@@ -313,4 +364,8 @@ def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
     if progress and topo.rank == 0:
         from moeflow.autotune import log_to_stderr
         log_to_stderr()                                 # issue 18: the tuner's progress lines
-    return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress).run(resume)
+    restart = restart_count()
+    if restart and not resume:
+        resume = checkpoint.find_latest(Path(out_dir) / "checkpoint") is not None
+    return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress,
+                   fault).run(resume, restart)

@@ -101,3 +101,39 @@ def _micro():
 
 
 MICRO_MODEL, MICRO_TRAIN = _micro()
+
+
+# ---- faults inside `moeflow train` ranks, installed at interpreter start ----------------------
+# The ranks are fresh processes (spawned by torch's elastic agent), so a test cannot patch them
+# from outside; it puts a sitecustomize.py (SITECUSTOMIZE) on the PYTHONPATH of the command,
+# which calls install_from_env() in every process. MOEFLOW_FAULT="ACTION:RANK:STEP[:SECONDS]"
+# (first attempt only): kill = SIGKILL rank RANK after its step STEP; sleep = rank RANK sleeps
+# SECONDS before step STEP + 1 (past --timeout, so its peers' collective raises).
+
+SITECUSTOMIZE = ("import os\n"
+                 "if os.environ.get('MOEFLOW_FAULT'):\n"
+                 "    from tests import fault_injection\n"
+                 "    fault_injection.install_from_env()\n")
+
+
+def install_from_env() -> None:
+    import os
+    import signal
+
+    from moeflow.launch import restart_count
+    from moeflow.train import Trainer
+
+    action, rank, step, *rest = os.environ["MOEFLOW_FAULT"].split(":")
+    rank, step = int(rank), int(step)
+    real = Trainer.train_step
+
+    def faulty(self):
+        hit = self.topo.rank == rank and restart_count() == 0
+        if hit and action == "sleep" and self.step == step:
+            time.sleep(float(rest[0]))
+        out = real(self)
+        if hit and action == "kill" and self.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    Trainer.train_step = faulty
