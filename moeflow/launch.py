@@ -31,6 +31,9 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
 def restart_count() -> int:
     """How often torch's elastic agent has restarted this job's ranks (0: the first attempt,
     or not under the agent)."""
@@ -92,9 +95,17 @@ def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
         raise ValueError(f"max_restarts={max_restarts} is invalid: need >= 0")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // nproc)
+    if max_restarts:
+        # The agent's rendezvous store, shared with the ranks by default, outlives a restart,
+        # and the restarted ranks' process group then reads the dead ranks' addresses from it
+        # (pytorch/pytorch#135712): opt out, so rank 0 of each attempt hosts a fresh store.
+        os.environ.setdefault(NO_SHARED_STORE, "1")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
                           run_id=f"moeflow-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="spawn",
+                          # the agent passes these on to the ranks (SIGUSR1: moeflow train's
+                          # preemption signal; torch's default list lacks it)
+                          signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                           logs_specs=DefaultLogsSpecs(log_dir=log_dir))
     return elastic_launch(config, _entry)(fn, args, timeout_s, backend, threads)

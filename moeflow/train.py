@@ -27,6 +27,8 @@ import json
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +48,15 @@ from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import prepare_model
 from moeflow.routing import update_router_biases
 from moeflow.topology import Topology
+
+
+# Preemption (docs/training.md, "Failures"): on one of these signals every rank finishes its
+# step, the ranks agree on the step, save a checkpoint there and the command exits with
+# PREEMPTED_EXIT (75, EX_TEMPFAIL of sysexits.h: "try again later"; 143 would be SIGTERM's
+# default death and 1 a failure). PREEMPTED_FILE in the run folder names the step.
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_EXIT = 75
+PREEMPTED_FILE = "preempted.json"
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -166,6 +177,7 @@ class Trainer:
         self.elapsed_before = 0.0     # training seconds before start_step (from the checkpoint)
         self.start_time = time.perf_counter()    # of the training clock (elapsed_s)
         self.history: list[dict] = []
+        self._signal = 0              # the preemption signal received (0: none)
         # under an agent that restarts ranks, rank 0 records the step reached (a tiny file)
         self._track_reached = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
 
@@ -243,6 +255,38 @@ class Trainer:
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return [r for r in recs if r.get("event") == "restart" and r.get("run_id") == run_id]
 
+    # ---- preemption ------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame) -> None:
+        self._signal = signum
+
+    def _install_handlers(self) -> dict:
+        """SIGTERM / SIGUSR1 set a flag (checked after each step); returns the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {s: signal.signal(s, self._on_signal) for s in PREEMPT_SIGNALS}
+
+    def _agreed_signal(self) -> int:
+        """The preemption signal if any rank got one before the end of this step: a
+        max-all-reduce of one number per step (bounded by the process group's timeout), so
+        that every rank stops after the same step."""
+        if not self.topo.distributed:
+            return self._signal
+        flag = torch.tensor([float(self._signal)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _preempt(self, signum: int) -> dict:
+        """Record the preemption after the checkpoint of this step was published."""
+        rec = {"event": "preempted", "step": self.step,
+               "signal": signal.Signals(signum).name,
+               "checkpoint": f"step-{self.step}"}
+        if self.topo.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            (self.out / PREEMPTED_FILE).write_text(json.dumps(rec))
+        self._barrier()                      # every rank's command sees the file after this
+        return rec
+
     def _barrier(self) -> None:
         if self.topo.distributed:
             dist.barrier()
@@ -295,6 +339,18 @@ class Trainer:
                 dist.barrier()
         if restart:
             self._log_restart(restart)
+        if topo.rank == 0 and (self.out / PREEMPTED_FILE).exists():
+            (self.out / PREEMPTED_FILE).unlink()         # of an earlier, resumed invocation
+        old_handlers = self._install_handlers()
+        try:
+            return self._loop(resume, restart)
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+
+    def _loop(self, resume: bool, restart: int) -> dict:
+        cfg, topo = self.cfg, self.topo
+        preempted = None
         if not resume or self.step < cfg.steps:      # record this run's options (new --steps)
             self._write_config()
         if topo.distributed:
@@ -315,7 +371,8 @@ class Trainer:
             steps_last += 1
             self._mark_reached()
             done = self.step == cfg.steps
-            if self.step % cfg.log_every == 0 or done:
+            signum = 0 if done else self._agreed_signal()   # every rank stops after this step
+            if self.step % cfg.log_every == 0 or done or signum:
                 loss, aux_mean, balance = _world_mean(sums / steps_last, topo)
                 now = time.perf_counter()
                 rec = {"step": self.step, "loss": loss, "aux_loss": aux_mean,
@@ -335,8 +392,12 @@ class Trainer:
                 t_last, steps_last, sums = time.perf_counter(), 0, zeros.clone()
             if bar is not None:
                 bar.update(1)
-            if done or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+            if done or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) \
+                    or signum:
                 self.save()
+            if signum:
+                preempted = self._preempt(signum)
+                break
         if bar is not None:
             bar.close()
         vals = [r["val_loss"] for r in self.history if "val_loss" in r]
@@ -345,6 +406,7 @@ class Trainer:
                 "final_val_loss": vals[-1] if vals else None,
                 "final_loss": losses[-1] if losses else None,
                 "restarts": self.restarts() if restart else [],
+                "preempted": preempted,
                 "history": self.history, "out_dir": str(self.out)}
 
 

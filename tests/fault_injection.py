@@ -108,7 +108,8 @@ MICRO_MODEL, MICRO_TRAIN = _micro()
 # from outside; it puts a sitecustomize.py (SITECUSTOMIZE) on the PYTHONPATH of the command,
 # which calls install_from_env() in every process. MOEFLOW_FAULT="ACTION:RANK:STEP[:SECONDS]"
 # (first attempt only): kill = SIGKILL rank RANK after its step STEP; sleep = rank RANK sleeps
-# SECONDS before step STEP + 1 (past --timeout, so its peers' collective raises).
+# SECONDS before step STEP + 1 (past --timeout, so its peers' collective raises); slow = rank
+# RANK sleeps SECONDS before every step from STEP on (time to signal the run mid-way).
 
 SITECUSTOMIZE = ("import os\n"
                  "if os.environ.get('MOEFLOW_FAULT'):\n"
@@ -130,6 +131,8 @@ def install_from_env() -> None:
     def faulty(self):
         hit = self.topo.rank == rank and restart_count() == 0
         if hit and action == "sleep" and self.step == step:
+            time.sleep(float(rest[0]))
+        if hit and action == "slow" and self.step >= step:
             time.sleep(float(rest[0]))
         out = real(self)
         if hit and action == "kill" and self.step == step:

@@ -102,3 +102,67 @@ def test_bad_fault_flags_are_clear_errors(capsys):
             main(["train", *argv])
         assert err.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def _wait_for_step(out: Path, proc, step: int, timeout: float = 300) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.exists() and any(r.get("step", 0) >= step for r in _records(out)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach step {step} (exit {proc.poll()})")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_signal_saves_at_the_reached_step_and_resume_equals_the_uninterrupted_run(
+        reference, tmp_path, signum):
+    import signal
+
+    out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(fault_injection.SITECUSTOMIZE)
+    env = dict(os.environ, MOEFLOW_FAULT="slow:0:2:0.4",       # steps from 3 take 0.4 s
+               PYTHONPATH=os.pathsep.join([str(hook), str(REPO),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "moeflow.cli", "train", *SMALL,
+                             "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for_step(out, proc, 5)
+        proc.send_signal(getattr(signal, signum))
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, stderr[-3000:]
+    rec = json.loads((out / "preempted.json").read_text())
+    step = rec["step"]
+    assert rec["signal"] == signum and 5 <= step < 12
+    assert f"preempted by {signum}: checkpoint at step {step}" in stdout
+    assert (out / "checkpoint" / "latest").read_text() == f"step-{step}"
+    steps = [r["step"] for r in _records(out) if "loss" in r]
+    assert steps[-1] == step                         # every rank stopped after that step
+    done = _train(out, ["--resume"], None, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from step {step}" in done.stdout
+    assert _final(out) == reference
+    assert not (out / "preempted.json").exists()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_hung_rank_times_out_and_the_restart_finishes_the_run(reference, tmp_path):
+    """Rank 1 sleeps past --timeout before step 7: rank 0's collective raises, the agent
+    restarts both ranks, and the run ends as the uninterrupted one."""
+    out = tmp_path / "run"
+    done = _train(out, ["--max-restarts", "1", "--timeout", "20"], "sleep:1:6:60", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == reference
+    restarts = [r for r in _records(out) if r.get("event") == "restart"]
+    assert [(r["resumed_from_step"], r["steps_redone"]) for r in restarts] == [(4, 2)]

@@ -65,6 +65,9 @@ class ClusterSpec:
     def environment(self, node) -> dict[str, str]:
         """What a rank in ``node`` gets in its environment on top of the caller's."""
         env = {"GLOO_SOCKET_IFNAME": node.ifname, "MOEFLOW_CLUSTER_NODES": str(self.nodes)}
+        if self.max_restarts:
+            # a fresh store for each attempt's ranks (moeflow.launch.launch_local says why)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         for name, shape in (("INTER", self.inter), ("INTRA", self.intra)):
             if shape.rate_bps is not None:
                 env[f"MOEFLOW_CLUSTER_{name}_BW_BPS"] = f"{shape.rate_bps:.0f}"

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from moeflow.commands.common import (add_device_arg, add_launch_args, parse_over
 from moeflow.config import DTYPES, ConfigError, ModelConfig, PRESETS, TrainConfig, model_preset
 from moeflow.data import Corpus, skipped_note
 from moeflow.launch import under_torchrun
-from moeflow.train import FaultConfig, check_same_model, latest_checkpoint, train_worker
+from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, check_same_model,
+                           latest_checkpoint, train_worker)
 
 
 # help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
@@ -177,6 +179,15 @@ def restart_lines(restarts: list[dict]) -> str:
     return f"ranks restarted {n} time{'s' if n > 1 else ''}: " + "; ".join(parts)
 
 
+def preempted_exit(rec: dict, out: str) -> int:
+    """Report a preemption (a checkpoint was saved at the step the ranks agreed on)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"preempted by {rec['signal']}: checkpoint at step {rec['step']} "
+              f"({Path(out) / 'checkpoint' / rec['checkpoint']}); continue with "
+              f"moeflow train --resume --out {out} (and the same options)")
+    return PREEMPTED_EXIT
+
+
 def run(args: argparse.Namespace) -> int:
     mcfg, tcfg = configs_from_args(args)
     fault = fault_config(args)
@@ -202,9 +213,23 @@ def run(args: argparse.Namespace) -> int:
                       f"--steps {2 * step})")
             return 0
     start = time.perf_counter()
-    result = run_on_ranks(train_worker, args, mcfg, tcfg, out, args.data, args.resume,
-                          not args.no_progress, fault, log_dir=out,
-                          max_restarts=fault.max_restarts)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        result = run_on_ranks(train_worker, args, mcfg, tcfg, out, args.data, args.resume,
+                              not args.no_progress, fault, log_dir=out,
+                              max_restarts=fault.max_restarts)
+    except SignalException as err:
+        # the agent got the signal, passed it to the ranks and waited (30 s) for them to stop
+        if (Path(out) / PREEMPTED_FILE).exists():
+            return preempted_exit(json.loads((Path(out) / PREEMPTED_FILE).read_text()), out)
+        print(f"moeflow train: stopped by {err.sigval.name} before a checkpoint was saved; "
+              f"resume from the latest one with --resume --out {out}", file=sys.stderr)
+        return 128 + int(err.sigval)
+    if result is not None and result.get("preempted"):
+        return preempted_exit(result["preempted"], out)
+    if result is None and under_torchrun() and (Path(out) / PREEMPTED_FILE).exists():
+        return PREEMPTED_EXIT              # torchrun's other ranks: rank 0's exit status
     if result is not None:
         vals = [(r["step"], r["val_loss"]) for r in result["history"] if "val_loss" in r]
         resumed = (f" (resumed from step {first}, now at step {result['step']})"
