@@ -212,6 +212,22 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: in
         (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
 
 
+def async_save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+               process_group=None):
+    """:func:`save` through ``dcp.async_save``: the tensors are copied to host memory (staged)
+    before this returns, the files are written by a background thread; returns its future.
+    ``process_group``: a gloo group of its own, so that the background thread's collectives
+    never interleave with the training's on the default group."""
+    state = checkpoint_state(model, optimizer, torch.tensor(step))
+    state.update(_fssdp_meta(model))
+    tuned = tuning_state(model)
+    if tuned and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
+    with _single_process_ok():
+        return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
+
+
 def _model_keys(model: nn.Module) -> set[str] | None:
     """Every ``model/`` key of the model on any layout (all experts of each layer), or None
     when a layer's number of experts is unknown (experts outside a MoELayer)."""

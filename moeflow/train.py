@@ -23,6 +23,7 @@ all-reduce and read once.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -142,10 +143,13 @@ class FaultConfig:
     keep_checkpoints: keep the newest K published checkpoints (None: all).
     max_restarts: restarts of all ranks that torch's elastic agent makes after a rank fails;
     each restarted rank resumes from the latest complete checkpoint.
+    async_checkpoint: write checkpoints with ``dcp.async_save`` (published when the write has
+    finished on every rank: before the next save starts, and at the end).
     """
 
     keep_checkpoints: int | None = None
     max_restarts: int = 0
+    async_checkpoint: bool = False     # dcp.async_save: the write overlaps the next steps
 
     def __post_init__(self) -> None:
         k = self.keep_checkpoints
@@ -178,6 +182,13 @@ class Trainer:
         self.start_time = time.perf_counter()    # of the training clock (elapsed_s)
         self.history: list[dict] = []
         self._signal = 0              # the preemption signal received (0: none)
+        self._pending = None          # (future, staged folder, step, elapsed) of an async save
+        # async saves run their collectives on a gloo group of their own (from a thread)
+        self._ckpt_group = (dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(
+                                               seconds=train_cfg.collective_timeout_s))
+                            if fault is not None and fault.async_checkpoint and topo.distributed
+                            else None)
         # under an agent that restarts ranks, rank 0 records the step reached (a tiny file)
         self._track_reached = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
 
@@ -203,22 +214,49 @@ class Trainer:
 
     def save(self) -> None:
         """Write this step's checkpoint under a temporary name, then publish it (rename, then
-        ``latest`` replaced atomically) once every rank's part is on disk."""
+        ``latest`` replaced atomically) once every rank's part is on disk. With
+        ``async_checkpoint`` the write continues in the background; the previous one is
+        finished and published first. Logs the time the training stood still for it."""
+        t0 = time.perf_counter()
+        self.finish_pending_save()
         staged = checkpoint.staging_path(self.ckpt_root, self.step)
         if self.topo.rank == 0 and staged.exists():      # left by a run that crashed here
             shutil.rmtree(staged)
         self._barrier()
-        checkpoint.save(str(staged), self.model, self.opt, self.step)
+        elapsed = time.perf_counter() - self.start_time
+        if self.ft.async_checkpoint:
+            future = checkpoint.async_save(str(staged), self.model, self.opt, self.step,
+                                           self._ckpt_group)
+            self._pending = (future, staged, self.step, elapsed)
+        else:
+            checkpoint.save(str(staged), self.model, self.opt, self.step)
+            self._publish_when_complete(staged, self.step, elapsed)
+        if self.topo.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"event": "checkpoint", "step": self.step,
+                                    "async": self.ft.async_checkpoint,
+                                    "stall_s": time.perf_counter() - t0}) + "\n")
+
+    def finish_pending_save(self) -> None:
+        """Wait for the background checkpoint write (if any) and publish it."""
+        if self._pending is None:
+            return
+        future, staged, step, elapsed = self._pending
+        self._pending = None
+        future.result()
+        self._publish_when_complete(staged, step, elapsed)
+
+    def _publish_when_complete(self, staged: Path, step: int, elapsed: float) -> None:
         self._barrier()                                  # every rank's part is on disk
         if self.topo.rank == 0:
             (staged / "progress.json").write_text(json.dumps(
-                {"step": self.step, "elapsed_s": time.perf_counter() - self.start_time}))
-            self._publish(staged)
+                {"step": step, "elapsed_s": elapsed}))
+            self._publish(staged, step)
         self._barrier()
 
-    def _publish(self, staged: Path) -> None:
+    def _publish(self, staged: Path, step: int) -> None:
         """Rank 0: publish the complete folder ``staged`` and apply the retention."""
-        checkpoint.publish(staged, self.ckpt_root, self.step)
+        checkpoint.publish(staged, self.ckpt_root, step)
         if self.ft.keep_checkpoints is not None:
             checkpoint.prune(self.ckpt_root, self.ft.keep_checkpoints)
 
@@ -350,7 +388,7 @@ class Trainer:
 
     def _loop(self, resume: bool, restart: int) -> dict:
         cfg, topo = self.cfg, self.topo
-        preempted = None
+        preempted, signum = None, 0
         if not resume or self.step < cfg.steps:      # record this run's options (new --steps)
             self._write_config()
         if topo.distributed:
@@ -396,8 +434,10 @@ class Trainer:
                     or signum:
                 self.save()
             if signum:
-                preempted = self._preempt(signum)
                 break
+        self.finish_pending_save()
+        if signum:
+            preempted = self._preempt(signum)
         if bar is not None:
             bar.close()
         vals = [r["val_loss"] for r in self.history if "val_loss" in r]

@@ -82,10 +82,10 @@ def kill_before_publish(out_dir: str, kill_at: int) -> None:
 
     real = Trainer._publish
 
-    def publish_or_die(self, staged):
-        if self.step == kill_at:
+    def publish_or_die(self, staged, step):
+        if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        real(self, staged)
+        real(self, staged, step)
 
     Trainer._publish = publish_or_die
     Trainer(MICRO_MODEL, MICRO_TRAIN, out_dir, Topology.from_env(), progress=False).run()

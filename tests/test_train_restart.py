@@ -47,7 +47,7 @@ def _records(out: Path) -> list[dict]:
 
 
 def _final(out: Path) -> tuple[float, float]:
-    recs = [r for r in _records(out) if r.get("step") == 12]
+    recs = [r for r in _records(out) if r.get("step") == 12 and "loss" in r]
     return recs[-1]["loss"], recs[-1]["val_loss"]
 
 
@@ -166,3 +166,19 @@ def test_a_hung_rank_times_out_and_the_restart_finishes_the_run(reference, tmp_p
     assert _final(out) == reference
     restarts = [r for r in _records(out) if r.get("event") == "restart"]
     assert [(r["resumed_from_step"], r["steps_redone"]) for r in restarts] == [(4, 2)]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_checkpoints_publish_every_save_and_equal_the_sync_run(reference, tmp_path):
+    out = tmp_path / "run"
+    done = _train(out, ["--async-checkpoint"], None, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == reference
+    root = out / "checkpoint"
+    assert [s for s, _ in checkpoint.published(root)] == [4, 8, 12]
+    assert not list(root.glob(".step-*"))
+    saves = [r for r in _records(out) if r.get("event") == "checkpoint"]
+    assert [(r["step"], r["async"]) for r in saves] == [(4, True), (8, True), (12, True)]
+    again = _train(out, ["--resume", "--steps", "14"], None, tmp_path)   # loads as any other
+    assert again.returncode == 0 and "resumed from step 12" in again.stdout

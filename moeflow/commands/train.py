@@ -64,6 +64,10 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
                    help="keep only the newest K published checkpoints (default: keep all)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (torch.distributed.checkpoint."
+                        "async_save) while the next steps run; each is published when its "
+                        "write has finished on every rank")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart every rank up to N times after one fails (torch's elastic "
                         "agent); restarted ranks resume from the latest complete checkpoint, "
@@ -165,7 +169,8 @@ def check_data(args: argparse.Namespace, mcfg: ModelConfig, tcfg: TrainConfig) -
 
 def fault_config(args: argparse.Namespace) -> FaultConfig:
     return FaultConfig(keep_checkpoints=getattr(args, "keep_checkpoints", None),
-                       max_restarts=getattr(args, "max_restarts", 0))
+                       max_restarts=getattr(args, "max_restarts", 0),
+                       async_checkpoint=getattr(args, "async_checkpoint", False))
 
 
 def restart_lines(restarts: list[dict]) -> str:
