@@ -29,11 +29,21 @@ HECATE FSSDP (``placement="fssdp"``): a rank's owned experts are rows of one slo
 tensors under the same keys as expert parallelism (``.../experts.w1/expert/5``), written by its
 owner only, so each expert is saved once with its optimizer state, and FSSDP and EP checkpoints
 load into each other on any world size.
+
+Publishing (:func:`staging_path`, :func:`publish`, :func:`find_latest`): a run's checkpoints
+live under ``RUN/checkpoint/step-N``. Each is written under a temporary name
+(``.step-N.partial``) and published by renaming it once every rank's part is on disk; the
+``latest`` file is then replaced atomically (a temporary file and ``os.replace``). A checkpoint
+cut short by a crash is therefore never mistaken for a complete one: :func:`find_latest` skips
+it with a warning and returns the previous one. :func:`prune` keeps the last K published.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -202,6 +212,22 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: in
         (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
 
 
+def async_save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+               process_group=None):
+    """:func:`save` through ``dcp.async_save``: the tensors are copied to host memory (staged)
+    before this returns, the files are written by a background thread; returns its future.
+    ``process_group``: a gloo group of its own, so that the background thread's collectives
+    never interleave with the training's on the default group."""
+    state = checkpoint_state(model, optimizer, torch.tensor(step))
+    state.update(_fssdp_meta(model))
+    tuned = tuning_state(model)
+    if tuned and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
+    with _single_process_ok():
+        return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
+
+
 def _model_keys(model: nn.Module) -> set[str] | None:
     """Every ``model/`` key of the model on any layout (all experts of each layer), or None
     when a layer's number of experts is unknown (experts outside a MoELayer)."""
@@ -318,3 +344,108 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     if tuning.exists():
         restore_tuning(model, json.loads(tuning.read_text()))
     return int(state["step"])
+
+
+# ---- publishing: write under a temporary name, rename when complete -------------------------
+STEP_DIR = re.compile(r"^step-(\d+)$")
+LATEST = "latest"
+COMPLETE_MARK = ".metadata"      # DCP's metadata, written by its coordinator after every rank
+
+
+def staging_path(root: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is written before it is published."""
+    return Path(root) / f".step-{step}.partial"
+
+
+def is_complete(path: str | Path) -> bool:
+    """A checkpoint folder holding DCP's metadata (the coordinator writes it last)."""
+    return (Path(path) / COMPLETE_MARK).is_file()
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a reader sees the old or the new content)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def publish(staged: str | Path, root: str | Path, step: int) -> Path:
+    """Rename the complete folder ``staged`` to ``root/step-N`` and point ``latest`` at it
+    (on one rank, after every rank's part is on disk). A published folder of the same step (a
+    step redone after a restart) is replaced."""
+    root, staged = Path(root), Path(staged)
+    if not is_complete(staged):
+        raise RuntimeError(f"checkpoint {staged} is incomplete (no {COMPLETE_MARK}); "
+                           "it is not published")
+    final = root / f"step-{step}"
+    if final.exists():
+        old = root / f".step-{step}.replaced-{os.getpid()}"
+        os.rename(final, old)
+        shutil.rmtree(old)
+    os.rename(staged, final)
+    _replace_file(root / LATEST, final.name)
+    return final
+
+
+def published(root: str | Path) -> list[tuple[int, Path]]:
+    """The complete published checkpoints under ``root`` as ``(step, path)``, oldest first."""
+    root = Path(root)
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and p.is_dir() and is_complete(p):
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def find_latest(root: str | Path) -> tuple[Path, int] | None:
+    """The checkpoint to resume from: the one ``latest`` names if it is complete, else
+    (with a warning) the newest complete published one before it; None when there is none.
+    Unpublished folders (``.step-N.partial``, cut short by a crash) are never used."""
+    root = Path(root)
+    done = published(root)
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    partial = {}
+    if root.is_dir():
+        for p in root.glob(".step-*.partial"):
+            m = re.match(r"^\.step-(\d+)\.partial$", p.name)
+            if m:
+                partial[int(m.group(1))] = p.name
+    chosen = next(((p, s) for s, p in reversed(done) if p.name == named), None)
+    if chosen is None:
+        if named is None and not done:
+            return None
+        m = STEP_DIR.match(named or "")
+        usable = [(s, p) for s, p in done if m is None or s < int(m.group(1))]
+        chosen = (usable[-1][1], usable[-1][0]) if usable else None
+        what = (f"'latest' names {named!r}, which is missing or incomplete"
+                if named is not None else "no 'latest' file")
+    else:
+        what = None
+    newer = [n for s, n in sorted(partial.items()) if chosen is None or s >= chosen[1]]
+    if what or newer:
+        skipped = f"skipped unpublished {', '.join(newer)} (cut short)" if newer else ""
+        warnings.warn(f"checkpoints under {root}: {'; '.join(x for x in (what, skipped) if x)}"
+                      f"; using {chosen[0].name if chosen else 'none'}",
+                      RuntimeWarning, stacklevel=2)
+    return chosen
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` published checkpoints (and stale unpublished
+    folders); return the deleted paths. The one ``latest`` names is always kept."""
+    root = Path(root)
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    done = published(root)
+    doomed = [p for _, p in done[:-keep] if p.name != named] if keep < len(done) else []
+    doomed += [p for p in root.glob(".step-*.partial")]
+    doomed += [p for p in root.glob(".step-*.replaced-*")]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed

@@ -7,6 +7,10 @@ still travel, over gloo, next to NCCL's device tensors) and returns ``{rank: res
 ``init_from_env`` is what each rank (ours or torchrun's) calls.
 Every collective is bounded by ``timeout_s``: a rank that dies makes the others fail with an
 error instead of hanging.
+
+``max_restarts``: how often torch's elastic agent restarts all ranks after one fails (its own
+``max_restarts``; a restarted rank sees ``TORCHELASTIC_RESTART_COUNT`` > 0, see
+:func:`restart_count`, and ``moeflow train`` resumes from its latest checkpoint then).
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from moeflow.devices import pg_backend
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another launcher setting its env)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def restart_count() -> int:
+    """How often torch's elastic agent has restarted this job's ranks (0: the first attempt,
+    or not under the agent)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> None:
@@ -62,25 +75,37 @@ def _entry(fn: Callable, args: tuple, timeout_s: float, backend: str | None,
 
 def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
                  backend: str | None = "gloo", threads: int | None = None,
-                 log_dir: str | None = None) -> dict[int, Any]:
+                 log_dir: str | None = None, max_restarts: int = 0) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks; return ``{rank: fn's return value}``.
 
     ``fn`` must be importable (a module-level function). A failing rank raises
     ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` here with its
     traceback (the launcher records each rank's exception in an error file: under
     ``log_dir/<launch id>/attempt_0/<rank>/error.json`` when ``log_dir`` is given, else in a
-    temporary folder).
+    temporary folder). With ``max_restarts`` > 0 the agent restarts every rank (fresh
+    processes) after a failure, up to that many times; the error is raised when the last
+    attempt fails.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc < 1:
         raise ValueError(f"nproc={nproc} is invalid: need at least one rank")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts} is invalid: need >= 0")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // nproc)
+    if max_restarts:
+        # The agent's rendezvous store, shared with the ranks by default, outlives a restart,
+        # and the restarted ranks' process group then reads the dead ranks' addresses from it
+        # (pytorch/pytorch#135712): opt out, so rank 0 of each attempt hosts a fresh store.
+        os.environ.setdefault(NO_SHARED_STORE, "1")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                          run_id=f"moeflow-{uuid.uuid4().hex[:8]}", max_restarts=0,
+                          run_id=f"moeflow-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="spawn",
+                          # the agent passes these on to the ranks (SIGUSR1: moeflow train's
+                          # preemption signal; torch's default list lacks it)
+                          signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                           logs_specs=DefaultLogsSpecs(log_dir=log_dir))
     return elastic_launch(config, _entry)(fn, args, timeout_s, backend, threads)

@@ -23,8 +23,13 @@ all-reduce and read once.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
+import os
+import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -37,12 +42,22 @@ from moeflow.placement.reshard import maybe_reshard
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
 from moeflow.devices import autocast, resolve_device, resolve_dtype
+from moeflow.launch import restart_count
 from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import prepare_model
 from moeflow.routing import update_router_biases
 from moeflow.topology import Topology
+
+
+# Preemption (docs/training.md, "Failures"): on one of these signals every rank finishes its
+# step, the ranks agree on the step, save a checkpoint there and the command exits with
+# PREEMPTED_EXIT (75, EX_TEMPFAIL of sysexits.h: "try again later"; 143 would be SIGTERM's
+# default death and 1 a failure). PREEMPTED_FILE in the run folder names the step.
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_EXIT = 75
+PREEMPTED_FILE = "preempted.json"
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -98,14 +113,15 @@ def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology,
 
 
 def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
-    """The latest checkpoint of a run folder and its step (``FileNotFoundError`` if none)."""
+    """The latest complete checkpoint of a run folder and its step (``FileNotFoundError`` if
+    none). One cut short by a crash is skipped with a warning (:func:`checkpoint.find_latest`)."""
     root = Path(out_dir) / "checkpoint"
-    latest = root / "latest"
-    if not latest.exists():
-        raise FileNotFoundError(f"--resume: no checkpoint under {root} (expected "
-                                "a 'latest' file written by an earlier run with this --out)")
-    name = latest.read_text().strip()
-    return root / name, int(name.rpartition("-")[2])
+    found = checkpoint.find_latest(root)
+    if found is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {root} (expected a complete "
+                                "step-N folder and a 'latest' file written by an earlier run "
+                                "with this --out)")
+    return found
 
 
 def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
@@ -120,10 +136,38 @@ def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
                           f"(field: (saved, now)) {diff}; resume with the same model options")
 
 
+@dataclasses.dataclass
+class FaultConfig:
+    """How ``moeflow train`` survives failures (docs/training.md, "Failures").
+
+    keep_checkpoints: keep the newest K published checkpoints (None: all).
+    max_restarts: restarts of all ranks that torch's elastic agent makes after a rank fails;
+    each restarted rank resumes from the latest complete checkpoint.
+    async_checkpoint: write checkpoints with ``dcp.async_save`` (published when the write has
+    finished on every rank: before the next save starts, and at the end).
+    """
+
+    keep_checkpoints: int | None = None
+    max_restarts: int = 0
+    async_checkpoint: bool = False     # dcp.async_save: the write overlaps the next steps
+
+    def __post_init__(self) -> None:
+        k = self.keep_checkpoints
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"--keep-checkpoints: FaultConfig.keep_checkpoints={k!r} is "
+                              "invalid: keep at least 1 checkpoint (leave it unset to keep all)")
+        r = self.max_restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"--max-restarts: FaultConfig.max_restarts={r!r} is invalid: "
+                              "must be an integer >= 0 (0: a failed rank ends the run)")
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | Path,
-                 topo: Topology, data: str | None = None, progress: bool = True):
+                 topo: Topology, data: str | None = None, progress: bool = True,
+                 fault: FaultConfig | None = None):
         self.mcfg, self.cfg, self.topo = model_cfg, train_cfg, topo
+        self.ft = fault or FaultConfig()
         self.out = Path(out_dir)
         self.progress = progress and topo.rank == 0
         self.corpus = Corpus.load(data)
@@ -137,6 +181,16 @@ class Trainer:
         self.elapsed_before = 0.0     # training seconds before start_step (from the checkpoint)
         self.start_time = time.perf_counter()    # of the training clock (elapsed_s)
         self.history: list[dict] = []
+        self._signal = 0              # the preemption signal received (0: none)
+        self._pending = None          # (future, staged folder, step, elapsed) of an async save
+        # async saves run their collectives on a gloo group of their own (from a thread)
+        self._ckpt_group = (dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(
+                                               seconds=train_cfg.collective_timeout_s))
+                            if fault is not None and fault.async_checkpoint and topo.distributed
+                            else None)
+        # under an agent that restarts ranks, rank 0 records the step reached (a tiny file)
+        self._track_reached = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
 
     # ---- bookkeeping ----------------------------------------------------------------------
     @property
@@ -159,12 +213,121 @@ class Trainer:
              **({"resumed_from_step": self.start_step} if self.start_step else {})}, indent=2))
 
     def save(self) -> None:
-        path = self.ckpt_root / f"step-{self.step}"
-        checkpoint.save(str(path), self.model, self.opt, self.step)
-        if self.topo.rank == 0:                      # written after every rank finished
-            (path / "progress.json").write_text(json.dumps(
-                {"step": self.step, "elapsed_s": time.perf_counter() - self.start_time}))
-            (self.ckpt_root / "latest").write_text(path.name)
+        """Write this step's checkpoint under a temporary name, then publish it (rename, then
+        ``latest`` replaced atomically) once every rank's part is on disk. With
+        ``async_checkpoint`` the write continues in the background; the previous one is
+        finished and published first. Logs the time the training stood still for it."""
+        t0 = time.perf_counter()
+        self.finish_pending_save()
+        staged = checkpoint.staging_path(self.ckpt_root, self.step)
+        if self.topo.rank == 0 and staged.exists():      # left by a run that crashed here
+            shutil.rmtree(staged)
+        self._barrier()
+        elapsed = time.perf_counter() - self.start_time
+        if self.ft.async_checkpoint:
+            future = checkpoint.async_save(str(staged), self.model, self.opt, self.step,
+                                           self._ckpt_group)
+            self._pending = (future, staged, self.step, elapsed)
+        else:
+            checkpoint.save(str(staged), self.model, self.opt, self.step)
+            self._publish_when_complete(staged, self.step, elapsed)
+        if self.topo.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"event": "checkpoint", "step": self.step,
+                                    "async": self.ft.async_checkpoint,
+                                    "stall_s": time.perf_counter() - t0}) + "\n")
+
+    def finish_pending_save(self) -> None:
+        """Wait for the background checkpoint write (if any) and publish it."""
+        if self._pending is None:
+            return
+        future, staged, step, elapsed = self._pending
+        self._pending = None
+        future.result()
+        self._publish_when_complete(staged, step, elapsed)
+
+    def _publish_when_complete(self, staged: Path, step: int, elapsed: float) -> None:
+        self._barrier()                                  # every rank's part is on disk
+        if self.topo.rank == 0:
+            (staged / "progress.json").write_text(json.dumps(
+                {"step": step, "elapsed_s": elapsed}))
+            self._publish(staged, step)
+        self._barrier()
+
+    def _publish(self, staged: Path, step: int) -> None:
+        """Rank 0: publish the complete folder ``staged`` and apply the retention."""
+        checkpoint.publish(staged, self.ckpt_root, step)
+        if self.ft.keep_checkpoints is not None:
+            checkpoint.prune(self.ckpt_root, self.ft.keep_checkpoints)
+
+    REACHED = ".reached"          # rank 0: the last finished step (for restarts' steps redone)
+
+    def _mark_reached(self) -> None:
+        """Under an elastic agent that may restart the ranks: record the step reached, so a
+        restart can report the steps it redoes."""
+        if self.topo.rank == 0 and self._track_reached:
+            tmp = self.out / f".reached.tmp-{os.getpid()}"
+            tmp.write_text(str(self.step))
+            os.replace(tmp, self.out / self.REACHED)
+
+    def _log_restart(self, restart: int) -> dict:
+        """The restart record (in metrics.jsonl on rank 0): the attempt number, the step
+        resumed from and the steps of the failed attempt that are redone."""
+        reached_file = self.out / self.REACHED
+        reached = int(reached_file.read_text()) if reached_file.exists() else self.start_step
+        rec = {"event": "restart", "restart": restart,
+               "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+               "resumed_from_step": self.start_step,
+               "steps_redone": max(0, reached - self.start_step)}
+        if self.topo.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return rec
+
+    def restarts(self) -> list[dict]:
+        """The restart records of this launch (this elastic run id) in metrics.jsonl."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        path = self.out / "metrics.jsonl"
+        if run_id is None or not path.exists():
+            return []
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in recs if r.get("event") == "restart" and r.get("run_id") == run_id]
+
+    # ---- preemption ------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame) -> None:
+        self._signal = signum
+
+    def _install_handlers(self) -> dict:
+        """SIGTERM / SIGUSR1 set a flag (checked after each step); returns the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {s: signal.signal(s, self._on_signal) for s in PREEMPT_SIGNALS}
+
+    def _agreed_signal(self) -> int:
+        """The preemption signal if any rank got one before the end of this step: a
+        max-all-reduce of one number per step (bounded by the process group's timeout), so
+        that every rank stops after the same step."""
+        if not self.topo.distributed:
+            return self._signal
+        flag = torch.tensor([float(self._signal)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _preempt(self, signum: int) -> dict:
+        """Record the preemption after the checkpoint of this step was published."""
+        rec = {"event": "preempted", "step": self.step,
+               "signal": signal.Signals(signum).name,
+               "checkpoint": f"step-{self.step}"}
+        if self.topo.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            (self.out / PREEMPTED_FILE).write_text(json.dumps(rec))
+        self._barrier()                      # every rank's command sees the file after this
+        return rec
+
+    def _barrier(self) -> None:
+        if self.topo.distributed:
+            dist.barrier()
 
     def resume(self) -> None:
         path, _ = latest_checkpoint(self.out)
@@ -203,12 +366,29 @@ class Trainer:
                             torch.stack(balance).sum() if balance
                             else torch.zeros((), dtype=torch.float64, device=self.device)])
 
-    def run(self, resume: bool = False) -> dict:
+    def run(self, resume: bool = False, restart: int = 0) -> dict:
+        """Train up to ``cfg.steps``. ``resume``: from the latest complete checkpoint.
+        ``restart``: this is the elastic agent's restart number ``restart`` of the ranks
+        (logged with the step resumed from and the steps redone)."""
         cfg, topo = self.cfg, self.topo
         if resume:
             self.resume()
             if topo.distributed:                     # every rank has read config.json
                 dist.barrier()
+        if restart:
+            self._log_restart(restart)
+        if topo.rank == 0 and (self.out / PREEMPTED_FILE).exists():
+            (self.out / PREEMPTED_FILE).unlink()         # of an earlier, resumed invocation
+        old_handlers = self._install_handlers()
+        try:
+            return self._loop(resume, restart)
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+
+    def _loop(self, resume: bool, restart: int) -> dict:
+        cfg, topo = self.cfg, self.topo
+        preempted, signum = None, 0
         if not resume or self.step < cfg.steps:      # record this run's options (new --steps)
             self._write_config()
         if topo.distributed:
@@ -227,8 +407,10 @@ class Trainer:
         while self.step < cfg.steps:
             sums += self.train_step()               # stays on the device between log points
             steps_last += 1
+            self._mark_reached()
             done = self.step == cfg.steps
-            if self.step % cfg.log_every == 0 or done:
+            signum = 0 if done else self._agreed_signal()   # every rank stops after this step
+            if self.step % cfg.log_every == 0 or done or signum:
                 loss, aux_mean, balance = _world_mean(sums / steps_last, topo)
                 now = time.perf_counter()
                 rec = {"step": self.step, "loss": loss, "aux_loss": aux_mean,
@@ -248,19 +430,34 @@ class Trainer:
                 t_last, steps_last, sums = time.perf_counter(), 0, zeros.clone()
             if bar is not None:
                 bar.update(1)
-            if done or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+            if done or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) \
+                    or signum:
                 self.save()
+            if signum:
+                break
+        self.finish_pending_save()
+        if signum:
+            preempted = self._preempt(signum)
         if bar is not None:
             bar.close()
         vals = [r["val_loss"] for r in self.history if "val_loss" in r]
+        losses = [r["loss"] for r in self.history if "loss" in r]
         return {"step": self.step, "start_step": self.start_step,
                 "final_val_loss": vals[-1] if vals else None,
+                "final_loss": losses[-1] if losses else None,
+                "restarts": self.restarts() if restart else [],
+                "preempted": preempted,
                 "history": self.history, "out_dir": str(self.out)}
 
 
 def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
-                 data: str | None, resume: bool, progress: bool = True) -> dict:
-    """Entry point on every rank (torch.distributed already initialised, or a world of one)."""
+                 data: str | None, resume: bool, progress: bool = True,
+                 fault: FaultConfig | None = None) -> dict:
+    """Entry point on every rank (torch.distributed already initialised, or a world of one).
+
+    A rank restarted by torch's elastic agent (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes by
+    itself from the latest complete checkpoint in ``out_dir`` (from the start if none was
+    published yet)."""
     topo = Topology.from_env(ep_size=train_cfg.ep_size, mp_size=train_cfg.mp_size,
                              esp_size=train_cfg.esp_size, esp_in_node=train_cfg.esp_in_node)
     # only gate noise / dropout draw from it; the ranks of an MP group draw the same numbers,
@@ -269,4 +466,8 @@ def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
     if progress and topo.rank == 0:
         from moeflow.autotune import log_to_stderr
         log_to_stderr()                                 # issue 18: the tuner's progress lines
-    return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress).run(resume)
+    restart = restart_count()
+    if restart and not resume:
+        resume = checkpoint.find_latest(Path(out_dir) / "checkpoint") is not None
+    return Trainer(model_cfg, train_cfg, out_dir, topo, data, progress,
+                   fault).run(resume, restart)

@@ -70,6 +70,13 @@ def test_spec_validation_and_torchrun_command():
                  "--rdzv-endpoint 10.1.2.100:29400", "--rdzv-conf is_host=false",
                  "--local-addr 10.1.2.101", "--max-restarts 0", "--no-python -- python train.py"):
         assert part in joined
+    with pytest.raises(ClusterError, match="--max-restarts -1"):
+        ClusterSpec(2, 2, max_restarts=-1)
+    restarting = torchrun_command(ClusterSpec(2, 2, max_restarts=3), node, "10.1.2.100",
+                                  "abcdef", ["python", "train.py"])
+    assert "--max-restarts 3" in " ".join(restarting)
+    assert ClusterSpec(2, 2, max_restarts=3).environment(node)[
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     env = spec.environment(node)
     assert env["GLOO_SOCKET_IFNAME"] == "mfabcdefn1"
     assert env["MOEFLOW_CLUSTER_INTER_BW_BPS"] == "1000000000"

@@ -3,7 +3,8 @@
 For node ``i`` of ``N`` the launcher starts, inside that node's namespace,
 ``python -m torch.distributed.run --nnodes N --nproc-per-node M --rdzv-backend c10d
 --rdzv-endpoint <node 0>:29400 --rdzv-conf is_host=false --local-addr <node i's address>
---max-restarts 0 --no-python COMMAND...`` with ``GLOO_SOCKET_IFNAME`` set to the node's
+--max-restarts R --no-python COMMAND...`` (R: ``--max-restarts``, default 0; torch's agents
+restart every rank of the job after a failure, ``moeflow train`` resumes from its checkpoint) with ``GLOO_SOCKET_IFNAME`` set to the node's
 interface. The rendezvous store is a separate process in node 0's namespace that outlives every
 agent (with torchrun's static rendezvous, node 0's agent hosts the store and may exit while the
 others still wait in torchrun's exit barrier, which they report with a stack trace). The c10d
@@ -46,6 +47,7 @@ class ClusterSpec:
     inter: LinkShape = field(default_factory=LinkShape)
     intra: LinkShape = field(default_factory=LinkShape)
     mtu: int = 1500
+    max_restarts: int = 0         # torchrun's --max-restarts (restarts of the ranks on failure)
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -53,12 +55,19 @@ class ClusterSpec:
         if self.ranks_per_node < 1:
             raise ClusterError(f"--ranks-per-node {self.ranks_per_node} is invalid: need at "
                                "least one rank per node")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) \
+                or self.max_restarts < 0:
+            raise ClusterError(f"--max-restarts {self.max_restarts} is invalid: must be an "
+                               "integer >= 0 (0: a failed rank ends the job)")
         if not 576 <= self.mtu <= 65535:
             raise ClusterError(f"--mtu {self.mtu} is invalid: pick 576..65535 (1500 = Ethernet)")
 
     def environment(self, node) -> dict[str, str]:
         """What a rank in ``node`` gets in its environment on top of the caller's."""
         env = {"GLOO_SOCKET_IFNAME": node.ifname, "MOEFLOW_CLUSTER_NODES": str(self.nodes)}
+        if self.max_restarts:
+            # a fresh store for each attempt's ranks (moeflow.launch.launch_local says why)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         for name, shape in (("INTER", self.inter), ("INTRA", self.intra)):
             if shape.rate_bps is not None:
                 env[f"MOEFLOW_CLUSTER_{name}_BW_BPS"] = f"{shape.rate_bps:.0f}"
@@ -73,7 +82,7 @@ def torchrun_command(spec: ClusterSpec, node, master: str, run_id: str,
             "--nproc-per-node", str(spec.ranks_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{master}:{STORE_PORT}", "--rdzv-id", f"moeflow-{run_id}",
             "--rdzv-conf", "is_host=false", "--local-addr", node.address,
-            "--max-restarts", "0", "--monitor-interval", "0.2", "--role", f"n{node.index}r",
+            "--max-restarts", str(spec.max_restarts), "--monitor-interval", "0.2", "--role", f"n{node.index}r",
             # "--": torchrun's argparse must not read the command's own options
             # (prefix matching would take e.g. "--r" for one of its options)
             "--tee", "3", "--no-python", "--", *command]

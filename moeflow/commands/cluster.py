@@ -32,6 +32,9 @@ def register(sub) -> None:
     run.add_argument("--intra-latency", default=None,
                      help="latency added on loopback (netem; default: none)")
     run.add_argument("--mtu", type=int, default=1500, help="MTU of the inter-node links")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="passed to torchrun: restart every rank up to this many times after "
+                          "one fails (moeflow train resumes from its latest checkpoint)")
     run.add_argument("command", nargs=argparse.REMAINDER,
                      help="after --: the command every rank runs, e.g. python train.py")
     run.set_defaults(func=run_run)
@@ -54,7 +57,7 @@ def run_run(args: argparse.Namespace) -> int:
         spec = ClusterSpec(args.nodes, args.ranks_per_node,
                            inter=_shape(args.inter_bw, args.inter_latency, "inter"),
                            intra=_shape(args.intra_bw, args.intra_latency, "intra"),
-                           mtu=args.mtu)
+                           mtu=args.mtu, max_restarts=args.max_restarts)
         return run_cluster(spec, command)
     except ClusterError as err:
         raise SystemExit(f"moeflow cluster run: error: {err}")

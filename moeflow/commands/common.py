@@ -190,7 +190,7 @@ def _quiet_launcher():
 
 
 def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
-                 log_dir: str | None = None) -> Any:
+                 log_dir: str | None = None, max_restarts: int = 0) -> Any:
     """Run ``fn(*fn_args)`` on every rank; return rank 0's result (None on other ranks, so
     only rank 0 prints and writes files).
 
@@ -201,6 +201,8 @@ def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
     :class:`RanksFailed` is raised with the first error once; every failed rank's traceback is
     written to ``log_dir/error.log``, and the launcher's per-rank error files stay under
     ``log_dir/logs`` (with no ``log_dir``: in the launcher's temporary folder).
+    ``max_restarts``: restarts of all ranks by the elastic agent after a failure (ignored under
+    torchrun, whose own ``--max-restarts`` decides).
     """
     device_type = check_device(getattr(args, "device", "cpu"))
     backend = pg_backend(device_type)
@@ -222,7 +224,7 @@ def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
     try:
         with _quiet_launcher():
             return launch_local(fn, args.nproc, *fn_args, timeout_s=args.timeout,
-                                backend=backend,
+                                backend=backend, max_restarts=max_restarts,
                                 log_dir=None if log_dir is None else str(Path(log_dir) / "logs")
                                 )[0]
     except ChildFailedError as err:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from moeflow.commands.common import (add_device_arg, add_launch_args, parse_over
 from moeflow.config import DTYPES, ConfigError, ModelConfig, PRESETS, TrainConfig, model_preset
 from moeflow.data import Corpus, skipped_note
 from moeflow.launch import under_torchrun
-from moeflow.train import check_same_model, latest_checkpoint, train_worker
+from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, check_same_model,
+                           latest_checkpoint, train_worker)
 
 
 # help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
@@ -61,6 +63,17 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
+                   help="keep only the newest K published checkpoints (default: keep all)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (torch.distributed.checkpoint."
+                        "async_save) while the next steps run; each is published when its "
+                        "write has finished on every rank")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart every rank up to N times after one fails (torch's elastic "
+                        "agent); restarted ranks resume from the latest complete checkpoint, "
+                        "redoing at most the steps since it (under torchrun: use torchrun's "
+                        "--max-restarts)")
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("collective_timeout_s", "device", "dtype", "esp_in_node"):
             continue
@@ -155,8 +168,35 @@ def check_data(args: argparse.Namespace, mcfg: ModelConfig, tcfg: TrainConfig) -
         print(f"--data {args.data}: {skipped_note(corpus.skipped)}")
 
 
+def fault_config(args: argparse.Namespace) -> FaultConfig:
+    return FaultConfig(keep_checkpoints=getattr(args, "keep_checkpoints", None),
+                       max_restarts=getattr(args, "max_restarts", 0),
+                       async_checkpoint=getattr(args, "async_checkpoint", False))
+
+
+def restart_lines(restarts: list[dict]) -> str:
+    """The summary's account of the elastic agent's restarts ('' when there were none)."""
+    if not restarts:
+        return ""
+    parts = [f"restart {r['restart']} resumed from step {r['resumed_from_step']} and redid "
+             f"{r['steps_redone']} step{'s' if r['steps_redone'] != 1 else ''}"
+             for r in restarts]
+    n = len(restarts)
+    return f"ranks restarted {n} time{'s' if n > 1 else ''}: " + "; ".join(parts)
+
+
+def preempted_exit(rec: dict, out: str) -> int:
+    """Report a preemption (a checkpoint was saved at the step the ranks agreed on)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"preempted by {rec['signal']}: checkpoint at step {rec['step']} "
+              f"({Path(out) / 'checkpoint' / rec['checkpoint']}); continue with "
+              f"moeflow train --resume --out {out} (and the same options)")
+    return PREEMPTED_EXIT
+
+
 def run(args: argparse.Namespace) -> int:
     mcfg, tcfg = configs_from_args(args)
+    fault = fault_config(args)
     if args.resume and args.out is None:
         raise SystemExit("moeflow train: --resume needs --out (the run folder to continue)")
     out = args.out or str(Path("runs") / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -166,9 +206,12 @@ def run(args: argparse.Namespace) -> int:
     if world >= 1:
         check_layout(mcfg, tcfg, world, local)
     check_data(args, mcfg, tcfg)
+    first = 0                                    # the step this invocation starts from
     if args.resume:
+        if (Path(out) / "config.json").exists():
+            check_same_model(out, mcfg)
         _, step = latest_checkpoint(out)
-        check_same_model(out, mcfg)
+        first = step
         if step >= tcfg.steps:
             if os.environ.get("RANK", "0") == "0":
                 print(f"nothing to do: the checkpoint in {out} is at step {step} and --steps is "
@@ -176,18 +219,37 @@ def run(args: argparse.Namespace) -> int:
                       f"--steps {2 * step})")
             return 0
     start = time.perf_counter()
-    result = run_on_ranks(train_worker, args, mcfg, tcfg, out, args.data, args.resume,
-                          not args.no_progress, log_dir=out)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        result = run_on_ranks(train_worker, args, mcfg, tcfg, out, args.data, args.resume,
+                              not args.no_progress, fault, log_dir=out,
+                              max_restarts=fault.max_restarts)
+    except SignalException as err:
+        # the agent got the signal, passed it to the ranks and waited (30 s) for them to stop
+        if (Path(out) / PREEMPTED_FILE).exists():
+            return preempted_exit(json.loads((Path(out) / PREEMPTED_FILE).read_text()), out)
+        print(f"moeflow train: stopped by {err.sigval.name} before a checkpoint was saved; "
+              f"resume from the latest one with --resume --out {out}", file=sys.stderr)
+        return 128 + int(err.sigval)
+    if result is not None and result.get("preempted"):
+        return preempted_exit(result["preempted"], out)
+    if result is None and under_torchrun() and (Path(out) / PREEMPTED_FILE).exists():
+        return PREEMPTED_EXIT              # torchrun's other ranks: rank 0's exit status
     if result is not None:
         vals = [(r["step"], r["val_loss"]) for r in result["history"] if "val_loss" in r]
-        resumed = (f" (resumed from step {result['start_step']}, now at step {result['step']})"
-                   if result["start_step"] else "")
-        print(f"done: {result['step'] - result['start_step']} steps in "
+        resumed = (f" (resumed from step {first}, now at step {result['step']})"
+                   if first else "")
+        print(f"done: {result['step'] - first} steps in "
               f"{time.perf_counter() - start:.0f}s{resumed}, "
               f"validation loss {result['final_val_loss']:.3f} nats/byte")
+        if result.get("restarts"):
+            print(restart_lines(result["restarts"]))
         print("validation curve (step: nats/byte): "
               + ", ".join(f"{s}: {v:.3f}" for s, v in vals))
         print(f"metrics: {Path(out) / 'metrics.jsonl'}  checkpoint: "
               f"{Path(out) / 'checkpoint'}")
-        print(json.dumps({"final_val_loss": result["final_val_loss"], "steps": result["step"]}))
+        print(json.dumps({"final_val_loss": result["final_val_loss"],
+                          "final_loss": result.get("final_loss"), "steps": result["step"],
+                          "restarts": result.get("restarts", [])}))
     return 0
