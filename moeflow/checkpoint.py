@@ -21,7 +21,7 @@ AdamW's moments are stored the same way as their parameters. :func:`load` first 
 checkpoint's entries with the model's and refuses, naming the entries, a checkpoint of another
 model (missing or extra tensors, other shapes) before reading anything.
 
-The auto-tuned exchange settings of the MoE layers (issue 18) are kept beside the tensors in
+The auto-tuned exchange settings of the MoE layers (docs/autotune.md) are kept beside the tensors in
 ``autotune.json``, so a resume on the same topology does not re-tune.
 
 HECATE FSSDP (``placement="fssdp"``): a rank's owned experts are rows of one slot tensor
@@ -199,7 +199,7 @@ def _single_process_ok():
         yield
 
 
-TUNING_FILE = "autotune.json"   # issue 18: the layers' auto-tuned choices (JSON, by module)
+TUNING_FILE = "autotune.json"   # the layers' auto-tuned choices (JSON, by module)
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -340,7 +340,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     with _single_process_ok():
         _fit_to_checkpoint(path, state, _model_keys(model))
         dcp.load(state, checkpoint_id=path)
-    tuning = Path(path) / TUNING_FILE            # absent before issue 18 or without auto
+    tuning = Path(path) / TUNING_FILE            # absent in older checkpoints or without auto
     if tuning.exists():
         restore_tuning(model, json.loads(tuning.read_text()))
     return int(state["step"])

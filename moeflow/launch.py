@@ -98,7 +98,8 @@ def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
     if max_restarts:
         # The agent's rendezvous store, shared with the ranks by default, outlives a restart,
         # and the restarted ranks' process group then reads the dead ranks' addresses from it
-        # (pytorch/pytorch#135712): opt out, so rank 0 of each attempt hosts a fresh store.
+        # (a known torch elastic behaviour in torch 2.x): opt out, so rank 0 of each attempt
+        # hosts a fresh store.
         os.environ.setdefault(NO_SHARED_STORE, "1")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
