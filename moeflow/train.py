@@ -14,6 +14,12 @@ Devices: ``TrainConfig.device`` (``--device``) puts the model and the batches on
 bf16 autocast (the default on CUDA) or in fp32 (the default on CPU). Checkpoints load in place
 into the live tensors, so a run saved on one device type resumes on the other.
 
+Failures (docs/training.md, "Failures"): checkpoints are published atomically
+(:mod:`moeflow.checkpoint`), optionally written in the background (``dcp.async_save``) and
+pruned to the newest K; ranks restarted by torch's elastic agent resume from the latest
+complete checkpoint by themselves; SIGTERM / SIGUSR1 make every rank stop after the same step
+with a checkpoint there (exit status ``PREEMPTED_EXIT``).
+
 Host synchronisation: a training step leaves its loss, auxiliary loss and balance loss on the
 device as tensors and clips gradients with tensor ops, so no step waits for the device except
 at logging intervals, where the accumulated statistics are averaged over ranks in one
@@ -58,6 +64,7 @@ from moeflow.topology import Topology
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_EXIT = 75
 PREEMPTED_FILE = "preempted.json"
+SAVES_FILE = "checkpoints.jsonl"   # one record per save: step, async, stall_s
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -232,7 +239,7 @@ class Trainer:
             checkpoint.save(str(staged), self.model, self.opt, self.step)
             self._publish_when_complete(staged, self.step, elapsed)
         if self.topo.rank == 0:
-            with open(self.out / "metrics.jsonl", "a") as f:
+            with open(self.out / SAVES_FILE, "a") as f:
                 f.write(json.dumps({"event": "checkpoint", "step": self.step,
                                     "async": self.ft.async_checkpoint,
                                     "stall_s": time.perf_counter() - t0}) + "\n")

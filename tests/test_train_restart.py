@@ -178,7 +178,7 @@ def test_async_checkpoints_publish_every_save_and_equal_the_sync_run(reference, 
     root = out / "checkpoint"
     assert [s for s, _ in checkpoint.published(root)] == [4, 8, 12]
     assert not list(root.glob(".step-*"))
-    saves = [r for r in _records(out) if r.get("event") == "checkpoint"]
+    saves = [json.loads(line) for line in (out / "checkpoints.jsonl").read_text().splitlines()]
     assert [(r["step"], r["async"]) for r in saves] == [(4, True), (8, True), (12, True)]
     again = _train(out, ["--resume", "--steps", "14"], None, tmp_path)   # loads as any other
     assert again.returncode == 0 and "resumed from step 12" in again.stdout
