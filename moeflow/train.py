@@ -472,7 +472,7 @@ def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
     torch.manual_seed(train_cfg.seed + topo.dp_rank)
     if progress and topo.rank == 0:
         from moeflow.autotune import log_to_stderr
-        log_to_stderr()                                 # issue 18: the tuner's progress lines
+        log_to_stderr()                                 # the auto-tuner's progress lines
     restart = restart_count()
     if restart and not resume:
         resume = checkpoint.find_latest(Path(out_dir) / "checkpoint") is not None
