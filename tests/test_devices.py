@@ -110,7 +110,7 @@ def test_run_on_ranks_builds_the_backend_from_device(monkeypatch):
 
     seen = []
     monkeypatch.setattr(common, "launch_local",
-                        lambda fn, n, *a, timeout_s, backend, log_dir=None:
+                        lambda fn, n, *a, timeout_s, backend, log_dir=None, max_restarts=0:
                         seen.append(backend) or {0: "ok"})
     monkeypatch.setattr(common, "under_torchrun", lambda: False)
     monkeypatch.setattr(devices, "cuda_available", lambda: True)

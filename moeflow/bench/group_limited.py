@@ -27,7 +27,6 @@ from datetime import timedelta
 
 import torch
 
-from moeflow.bench import a2a_count  # noqa: F401  (registers "counting")
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.topology import Topology
@@ -58,6 +57,8 @@ def variants(nodes: int) -> list[tuple[str, dict]]:
 
 
 def bench(opts: dict) -> dict:
+    from moeflow.bench import a2a_count  # noqa: F401  (registers "counting" when run)
+
     topo = Topology.from_env()
     if topo.num_nodes < 2:
         raise ConfigError("moeflow.bench.group_limited needs several nodes: run it under "
