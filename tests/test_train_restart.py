@@ -182,3 +182,21 @@ def test_async_checkpoints_publish_every_save_and_equal_the_sync_run(reference, 
     assert [(r["step"], r["async"]) for r in saves] == [(4, True), (8, True), (12, True)]
     again = _train(out, ["--resume", "--steps", "14"], None, tmp_path)   # loads as any other
     assert again.returncode == 0 and "resumed from step 12" in again.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    # HECATE FSSDP, re-sharded by Algorithm 2 every 2 steps: owners move between checkpoints
+    ["--set", "placement=fssdp", "--set", 'fssdp={"reshard_every": 2}'],
+    # Parm: MP over both ranks (the MoE input replicated), S2 with its plan check
+    ["--mp", "2", "--set", "parallel_schedule=s2", "--set", "moe.parm_check_plan=true"],
+], ids=["fssdp_reshard", "parm_mp2_s2"])
+def test_fssdp_and_parm_layouts_restart_to_the_uninterrupted_result(layout, tmp_path):
+    ref = _train(tmp_path / "ref", layout, None, tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    done = _train(out, [*layout, "--max-restarts", "1"], "kill:1:6", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == _final(tmp_path / "ref")     # loss and validation loss, exactly
+    assert [r["resumed_from_step"] for r in _records(out) if r.get("event") == "restart"] == [4]
