@@ -71,12 +71,17 @@ def recover_worker(capacity_factor) -> dict:
 
 # ---- checkpoint publishing: a process killed between the write and the publish ----------------
 
-def kill_before_publish(out_dir: str, kill_at: int) -> None:
+def kill_before_publish(out_dir: str, kill_at: int, threads: int | None = None) -> None:
     """Train the micro model in one process (checkpoints every 2 steps) and SIGKILL the
-    process when the checkpoint of step ``kill_at`` is on disk but not yet published."""
+    process when the checkpoint of step ``kill_at`` is on disk but not yet published.
+    ``threads``: the caller's torch thread count, so that both compute the same floats."""
     import os
     import signal
 
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     from moeflow.topology import Topology
     from moeflow.train import Trainer
 
