@@ -47,16 +47,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
 
 
-def _median_time(fn: Callable[[], object], device: torch.device, warmup: int,
-                 reps: int) -> float:
-    for _ in range(warmup):
-        fn()
+def _median_time(fn: Callable[[], object], device: torch.device, warmup: int, reps: int,
+                 prepare: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls after ``warmup``; ``prepare`` (untimed)
+    runs before each call (a backward's forward)."""
     times = []
-    for _ in range(reps):
+    for i in range(warmup + reps):
+        if prepare is not None:
+            prepare()
         synchronize(device)
         watch = Stopwatch(device).start()
         fn()
-        times.append(watch.stop())
+        seconds = watch.stop()
+        if i >= warmup:
+            times.append(seconds)
     return statistics.median(times)
 
 
@@ -161,19 +165,7 @@ def measure(rows: list[int], d: int, h: int, experts: int = 8, heads: int = 8,
                 with torch.no_grad():
                     t = _median_time(fn, device, warmup, reps)
             else:
-                def both(prepare=prepare, fn=fn):     # prepare's forward is not timed
-                    prepare()
-                    synchronize(device)
-                    return fn
-                times = []
-                for i in range(warmup + reps):
-                    run = both()
-                    watch = Stopwatch(device).start()
-                    run()
-                    s = watch.stop()
-                    if i >= warmup:
-                        times.append(s)
-                t = statistics.median(times)
+                t = _median_time(fn, device, warmup, reps, prepare)
             measured.append([work, t, shape])
             if progress is not None:
                 progress(f"{kind} {shape}: {t * 1e3:.3f} ms")
