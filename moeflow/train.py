@@ -47,7 +47,7 @@ from moeflow.placement.metrics import fssdp_metrics
 from moeflow.placement.reshard import maybe_reshard
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
-from moeflow.devices import autocast, resolve_device, resolve_dtype
+from moeflow.devices import autocast, host_all_reduce, resolve_device, resolve_dtype
 from moeflow.launch import restart_count
 from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
@@ -316,9 +316,7 @@ class Trainer:
         that every rank stops after the same step."""
         if not self.topo.distributed:
             return self._signal
-        flag = torch.tensor([float(self._signal)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return int(host_all_reduce([float(self._signal)], "max")[0])
 
     def _preempt(self, signum: int) -> dict:
         """Record the preemption after the checkpoint of this step was published."""
