@@ -520,7 +520,20 @@ class ModelConfig:
     """A small GPT whose FFN is an MoE layer every ``moe_every`` blocks (the others are dense).
 
     The MoE fields mean what they mean in :class:`MoEConfig` (``structure``,
-    ``downscale_factor``, ``capacity_factor="auto"``, ...).
+    ``downscale_factor``, ``capacity_factor="auto"``, ...). Two spellings build the same
+    config:
+
+    * nested, as nanoGPT and torchtitan keep a model's parts: ``GPTConfig(d_model=128, ...,
+      moe=MoEConfig(d_model=128, d_expert=256, num_experts=8, capacity_padding="pad"))``: the
+      ``MoEConfig`` is the template of every MoE block (``layer_id`` is set per block, its
+      ``d_model`` must equal the model's);
+    * flat, as ``moeflow train --set`` writes it: ``ModelConfig(num_experts=8, top_k=2, ...,
+      moe={"capacity_padding": "pad"})``.
+
+    The config is stored flat either way (``dataclasses.asdict`` and checkpoints round-trip):
+    a nested ``MoEConfig`` is unpacked into the MoE fields below and ``moe`` keeps only the
+    fields this class does not name, where they differ from ``MoEConfig``'s defaults. A flat
+    field given a non-default value that differs from the nested ``MoEConfig``'s is refused.
     """
 
     vocab_size: int = 256
@@ -570,7 +583,8 @@ class ModelConfig:
     # Every other MoEConfig field (capacity_padding, gate_noise, renormalize, parm_saa,
     # expert_module, activation_options, ...) as {field: value}, for every MoE block:
     # `moeflow train --set moe.capacity_padding=pad`
-    moe: dict | None = None
+    # (or a whole MoEConfig: the nested spelling, see the class docstring)
+    moe: "dict | MoEConfig | None" = None
 
     def __post_init__(self) -> None:
         o = "ModelConfig"
@@ -588,11 +602,41 @@ class ModelConfig:
         if self.num_moe_layers:
             self.moe_config(self.moe_layer_ids()[0])
 
+    def _unpack_moe_template(self) -> None:
+        """``moe=MoEConfig(...)``: copy its fields into this flat form (class docstring)."""
+        template, o = self.moe, "ModelConfig"
+        _require(template.d_model == self.d_model, o, "moe.d_model", template.d_model,
+                 f"must equal ModelConfig.d_model={self.d_model} (the MoE blocks take the "
+                 "model's width): build the MoEConfig with the same d_model")
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+        plain = MoEConfig(d_model=template.d_model, d_expert=template.d_expert,
+                          num_experts=template.num_experts)     # defaults, as normalised
+        rest = {}
+        for f in dataclasses.fields(MoEConfig):
+            if f.name in ("layer_id", "d_model"):
+                continue
+            value = getattr(template, f.name)
+            mine = getattr(self, f.name, None)
+            if f.name in defaults and mine != defaults[f.name] and mine != value:
+                raise config_error(o, f.name, mine,
+                                   f"contradicts moe.{f.name}={value!r}: set it in one "
+                                   "place, the MoEConfig (nested) or here (flat)")
+            if f.default is not dataclasses.MISSING and value == getattr(plain, f.name):
+                continue                                # MoEConfig's default: nothing to say
+            if f.name in defaults:
+                setattr(self, f.name, value)
+            else:
+                rest[f.name] = value
+        self.moe = rest or None
+
     def _check_moe_fields(self) -> None:
+        if isinstance(self.moe, MoEConfig):
+            self._unpack_moe_template()
         if self.moe is None:
             return
         _require(isinstance(self.moe, dict), "ModelConfig", "moe", self.moe,
-                 "must be a dict of MoEConfig fields, e.g. {'capacity_padding': 'pad'}")
+                 "must be a MoEConfig (the template of every MoE block) or a dict of "
+                 "MoEConfig fields, e.g. {'capacity_padding': 'pad'}")
         moe_fields = [f.name for f in dataclasses.fields(MoEConfig)]
         for key in self.moe:
             if key not in moe_fields:
@@ -623,6 +667,11 @@ class ModelConfig:
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEConfig)
                   if f.name != "layer_id" and hasattr(self, f.name)}
         return MoEConfig(**shared, **(self.moe or {}), layer_id=block)
+
+
+GPTConfig = ModelConfig
+"""The model's config under the name nanoGPT and torchtitan users look for:
+``GPTConfig(..., moe=MoEConfig(...))``."""
 
 
 PRESETS: dict[str, dict] = {
