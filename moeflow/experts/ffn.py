@@ -122,9 +122,18 @@ class ExpertFFN(nn.Module):
         if self.reduce is None:
             return self._partial(x, counts, offsets)
         y = self.reduce(self._partial(x, counts, offsets))     # ESP: sum the shards' partials
-        if not self.has_bias:
-            return y
-        return y + self.b2.to(y.dtype).index_select(0, _row_expert(counts, offsets, y.device))
+        if self.has_bias:
+            y = y + self.b2.to(y.dtype).index_select(0, _row_expert(counts, offsets, y.device))
+        output = getattr(self.reduce, "output", None)           # EspReduce: replicated rows
+        return y if output is None else output(y)
+
+    def reduce_input_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """The input gradient of :meth:`forward` as the scheduled experts' backward computed it
+        -> the one to send back: with ``reduce`` an ``EspReduce`` over peers holding the same
+        rows, the mean of the shards' partial gradients over the ESP group (Megatron's ``f``,
+        a collective issued on the schedule's lane); otherwise ``g`` itself."""
+        fix = getattr(self.reduce, "input_grad", None)
+        return g if fix is None else fix(g)
 
     @property
     def _b2_outside(self) -> bool:
