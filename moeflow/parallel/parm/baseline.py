@@ -28,8 +28,10 @@ layout (:func:`esp_peers_share_tokens`):
   that needs the peers' gates on every rank), the EP-AlltoAlls back, and the ESP-AllGather's
   ReduceScatter (``B L M`` per peer).
 
-With ``mp_size > 1`` the experts compute an MP group's tokens once per MP rank outside its ESP
-group (the duplicated work of Section III-A that S1 / S2 remove).
+With ``mp_size > 1`` an MP group's tokens go through the experts once per ESP group holding a
+copy of them: ``N_MP / N_ESP`` times where the ESP group lies inside the MP group (once in
+DeepSpeed's ``N_ESP = N_MP``, each shard computing its slice), ``N_MP`` times otherwise: the
+duplicated work of Section III-A that S1 / S2 remove.
 """
 
 from __future__ import annotations
