@@ -26,7 +26,8 @@ layout (:func:`esp_peers_share_tokens`):
   shards, and ESP-Split keeps this rank's rows. Backward: ESP-Split's AllGather of the rows'
   gradients (``E C M N_ESP``; Eq. 1's token-level split would gather ``B L M N_ESP``, but
   that needs the peers' gates on every rank), the EP-AlltoAlls back, and the ESP-AllGather's
-  ReduceScatter (``B L M`` per peer).
+  ReduceScatter (``B L M`` per peer). The gathered row maps are read on the host once per call
+  (to size the input gather and rebuild the buffers; a device synchronisation on GPU).
 
 With ``mp_size > 1`` an MP group's tokens go through the experts once per ESP group holding a
 copy of them: ``N_MP / N_ESP`` times where the ESP group lies inside the MP group (once in
