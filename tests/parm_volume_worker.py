@@ -54,7 +54,28 @@ def trace(layout: str) -> list[dict]:
     return log
 
 
+def checked_plans() -> int:
+    """The baseline with ``parm_check_plan=True`` where the ESP group is the MP group: how
+    often the check ran in one forward (the ranks' plans agree, so it passes; its refusal is
+    tests/test_plan_agreement.py's)."""
+    from moeflow.strategies import parm as strategy
+
+    cfg = MoEConfig(d_model=M, d_expert=2 * M, num_experts=E, top_k=2, capacity_factor=1.0,
+                    parallel_schedule="baseline", parm_check_plan=True, seed=1)
+    layer = MoELayer(cfg, topology("2,2,2"))
+    gen = torch.Generator().manual_seed(4000 + layer.topo.dp_rank)
+    calls, check = [], strategy.check_plan_agrees
+    strategy.check_plan_agrees = lambda plan, topo: (calls.append(1), check(plan, topo))
+    try:
+        layer(torch.randn(TOKENS, M, generator=gen)).sum().backward()
+    finally:
+        strategy.check_plan_agrees = check
+    layer.lane.close()
+    return len(calls)
+
+
 def worker() -> dict:
     out = {layout: trace(layout) for layout in LAYOUTS}
+    out["checked_plans"] = checked_plans()
     out["esp_ranks"] = {layout: esp_ranks(layout) for layout in LAYOUTS}
     return out

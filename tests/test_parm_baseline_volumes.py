@@ -115,6 +115,11 @@ def test_every_rank_moves_the_same_volumes(traces, layout):
 
 
 @pytest.mark.multirank
+def test_plan_check_runs_with_the_baseline(traces):
+    assert [traces[rank]["checked_plans"] for rank in range(4)] == [1] * 4
+
+
+@pytest.mark.multirank
 def test_the_esp_groups_are_the_ones_the_baseline_assumes(traces):
     for rank in range(4):
         for layout, (actual, computed) in traces[rank]["esp_ranks"].items():
