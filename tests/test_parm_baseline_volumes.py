@@ -34,7 +34,9 @@ from moeflow.parallel.parm.checks import check_parm_layer
 from moeflow.topology import Topology
 from tests import parm_volume_worker as worker
 
-TRACE_081 = Path(__file__).resolve().parents[1] / "docs/results/parm/parm_deepspeed_trace_081.json"
+# the repository root: the first parent holding docs/ (the tests may move into sub-folders)
+_ROOT = next(p for p in Path(__file__).resolve().parents if (p / "docs" / "results").is_dir())
+TRACE_081 = _ROOT / "docs/results/parm/parm_deepspeed_trace_081.json"
 KIND = {"all_to_all_single": "A2A", "all_to_all": "A2A", "all_reduce": "AR",
         "all_gather": "AG", "all_gather_into_tensor": "AG", "all_gather_single": "AG",
         "reduce_scatter": "RS", "reduce_scatter_tensor": "RS", "reduce_scatter_single": "RS"}
