@@ -238,7 +238,8 @@ class MoEConfig:
     # Parm (Section III): schedule of MP+EP+ESP, and S2's SAA (True) or AAS (False, III-D)
     parallel_schedule: str = "baseline"
     parm_saa: bool = True
-    # S2: compare a digest of the dispatch plan over the MP group each call (a debug check:
+    # S2, and the baseline with the ESP group inside the MP group: compare a digest of the
+    # dispatch plan over the MP group each call (a debug check:
     # one host sync and a small all-reduce; moeflow/parallel/parm/plan_agreement.py)
     parm_check_plan: bool = False
     # Auto-tuning (moeflow/autotune/, docs/autotune.md): codec="auto:lossy" lets the tuner pick

@@ -10,7 +10,6 @@ projections and the shared experts wrap it here.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import nn
@@ -25,7 +24,7 @@ from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
 from moeflow.parallel.parm import schedules as parm
 from moeflow.parallel.parm.checks import check_parm_layer
-from moeflow.parallel.parm.collectives import esp_all_reduce
+from moeflow.parallel.parm.baseline import esp_reduce
 from moeflow.schedule.phases import NULL_TIMER, PhaseTimer
 from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
@@ -101,8 +100,7 @@ class MoELayer(nn.Module):
         self.router = ROUTERS[cfg.router](cfg)
         self.dcca = build_projections(cfg)      # BigMac's W_d / W_u; None for other structures
         # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
-        reduce = (functools.partial(esp_all_reduce, group=topo.esp_group)
-                  if topo.esp_size > 1 else None)
+        reduce = esp_reduce(topo) if topo.esp_size > 1 else None
         if cfg.placement == "fssdp":     # HECATE FSSDP (Section 3): owner-only expert storage
             _check_fssdp(cfg, topo)
             self.experts = FSSDPExperts(comm_width(cfg), expert_hidden(cfg), cfg.num_experts,

@@ -55,6 +55,9 @@ HOLDERS = [{0, 3}, {0}, {1, 2}, {1}, {2, 0}, {2}, {3, 1}, {3}]   # P' (8 experts
 CASES = {
     "ep_r2_optsche": (None, "capacity_k2", R2, None),
     "parm_baseline_esp2_r2_optsche": ((1, 2, 2, True), "expert_bias_capacity", R2, None),
+    # ESP = MP (Fig. 2): the ESP-AllReduce in forward and the shards' input-gradient
+    # all-reduce in backward, both inside task E
+    "parm_baseline_esp_is_mp_r2_optsche": ((2, 2, 2, True), "expert_bias_capacity", R2, None),
     "parm_s1_r2": ((2, 1, 2, True), "dropless_k2", dict(parallel_schedule="s1", **R2), None),
     "parm_s2_aas_r2": ((2, 1, 2, True), "dropless_k2",
                        dict(parallel_schedule="s2", parm_saa=False, **R2), None),

@@ -21,10 +21,12 @@ def _topo(rank, mp, ep, esp, world=4):
 def test_message_sizes_follow_the_equations():
     n, M, E, k, f = 512, 8, 4, 2, 1.2
     cap = capacity(n, k, E, f)                         # 308: C = ceil(k f B L / E)
-    # (1, 2, 2): baseline's ESP-AllGather gathers N_ESP send buffers; EP-AlltoAll sends them
+    # (1, 2, 2): baseline's ESP-AllGather gathers the peers' inputs (Eq. 1), EP-AlltoAll
+    # sends the N_ESP send buffers rebuilt from them
     m = messages(_topo(0, 1, 2, 2), n, M, E, k, f)
     assert set(m["baseline"]) == {"ag_esp", "a2a_ep", "ar_esp", "a2a_ep_back"}
-    assert m["baseline"]["ag_esp"].elements == 2 * E * cap * M            # E T M N_ESP
+    assert m["baseline"]["ag_esp"].elements == 2 * n * M                   # B L M N_ESP
+    assert m["baseline"]["ag_esp"].ag_rows == (n, n)
     assert m["baseline"]["a2a_ep"].send == (2 * 2 * cap,) * 2              # N_ESP e_local C
     assert m["baseline"]["ar_esp"].elements == 2 * E * cap * M
     # N_MP = 1: S1 and S2 exchange the same rows (Eq. 11 = Eq. 14 without MP)
@@ -42,9 +44,21 @@ def test_message_sizes_follow_the_equations():
     assert m["s2"]["saa"].fit_x == 2 * m["s2"]["saa"].elements          # y = z N_MP (line 5)
     assert m["s2"]["ag_mp"].elements == E * cap * M                     # the partials, ETM
     assert "ag_esp" not in m["baseline"]                                # N_ESP = 1
-    # (2, 1, 2): a block of one EP rank: S1 / S2 all-to-all over the 2 ESP shards
+    # (2, 1, 2): a block of one EP rank: S1 / S2 all-to-all over the 2 ESP shards; the
+    # baseline's ESP group is the MP group: no gather, the all-reduce of one copy (0.8.1)
     m = messages(_topo(0, 2, 1, 2), n, M, E, k, f)
     assert "a2a_ep" not in m["baseline"] and m["s1"]["a2a"].group == "ep_esp"
+    assert set(m["baseline"]) == {"ar_esp"} and m["baseline"]["ar_esp"].elements == E * cap * M
+    # (2, 2, 2) on 8 ranks: ESP groups in the node are the MP groups (DeepSpeed's layout),
+    # ESP groups across the node's MP groups gather the input
+    inside = messages(Topology(rank=1, world_size=8, local_size=4, ep_size=2, mp_size=2,
+                               esp_size=2), n, M, E, k, f)["baseline"]
+    assert set(inside) == {"a2a_ep", "ar_esp", "a2a_ep_back"}
+    assert inside["a2a_ep"].elements == inside["ar_esp"].elements == E * cap * M
+    across = messages(Topology(rank=1, world_size=8, local_size=4, ep_size=2, mp_size=2,
+                               esp_size=2, esp_in_node=False), n, M, E, k, f)["baseline"]
+    assert across["ag_esp"].elements == 2 * n * M
+    assert across["a2a_ep"].elements == across["ar_esp"].elements == 2 * E * cap * M
 
 
 def test_grid_elements_span_the_messages():

@@ -35,6 +35,14 @@ TRACED = {"all_to_all_single": 1, "all_to_all": 1, "all_gather": 1,
           "broadcast": 0, "isend": 0, "irecv": 0, "send": 0, "recv": 0}
 
 
+def _dtype(x) -> str | None:
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype).replace("torch.", "")
+    if isinstance(x, (list, tuple)) and x:
+        return _dtype(x[0])
+    return None
+
+
 def _numel(x) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel()
@@ -50,7 +58,8 @@ def _wrap(fn, name: str, log: list, phase: list):
         group = k.get("group", a[arg + 1] if name == "all_reduce" and len(a) > 2 else None)
         ranks = "world" if group is None else dist.get_process_group_ranks(group)
         x = a[arg] if len(a) > arg else k.get("input", k.get("tensor", k.get("input_tensor")))
-        log.append({"phase": phase[0], "op": name, "group": ranks, "elements": _numel(x)})
+        log.append({"phase": phase[0], "op": name, "group": ranks, "elements": _numel(x),
+                    "dtype": _dtype(x)})
         return fn(*a, **k)
 
     return wrapper

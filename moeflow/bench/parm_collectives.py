@@ -5,10 +5,12 @@ For one layout and one MoE case of ``moeflow bench parm`` (tokens per rank ``B L
 collectives each schedule runs, with the sizes this code actually moves (capacity
 ``C = ceil(k f n / E)`` of the batch the rank gates, :func:`moeflow.dispatch.capacity.capacity`):
 
-* baseline (Fig. 3a, Eq. 1): ESP-AllGather of the send buffers (``N_ESP E C M`` gathered; the
-  paper writes ``AG_ESP(BLM N_ESP)``: it gathers the input ``I``, the code the dispatched rows,
-  ``baseline.py``), EP-AlltoAll x 2 (``E T M N_ESP`` sent), ESP-AllReduce (``E T M N_ESP``);
-  ESP-Split is local in forward;
+* baseline (Fig. 3a, Eq. 1, ``baseline.py``): where the ESP peers hold different tokens, the
+  ESP-AllGather of the input (``B L M N_ESP`` gathered, ``AG_ESP(BLM N_ESP)``; the peers' int64
+  row maps gathered beside it are not timed), EP-AlltoAll x 2 (``E T M N_ESP`` sent) and
+  ESP-AllReduce (``E T M N_ESP``); where the ESP group lies inside the MP group (DeepSpeed-MoE
+  0.8.1's layout), no gather and ``E T M`` in the EP-AlltoAlls and the ESP-AllReduce, as 0.8.1
+  moves; ESP-Split is local in forward;
 * S1 (Fig. 3b, Eq. 11): EP&ESP-AlltoAll x 2 over the block (``E T M N_ESP / N_MP``, ``T`` from
   the ``B L / N_MP`` tokens S1 gates), MP-AllGather of the outputs (``B L M``);
 * S2 (Fig. 3c, Eq. 14): EP&ESP-AlltoAll (MP rank m's share of every expert's ``C`` rows), then
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from moeflow.measure.linkmodel import AlphaBeta, fit_alpha_beta
 from moeflow.measure.timing import time_aligned
 from moeflow.dispatch.capacity import capacity
+from moeflow.parallel.parm.baseline import esp_peers_share_tokens
 from moeflow.parallel.parm.collectives import _all_gather
 from moeflow.parallel.parm.s1 import token_rows
 from moeflow.parallel.parm.saa import saa
@@ -85,20 +88,25 @@ def messages(topo: Topology, tokens: int, M: int, E: int, k: int, f: float) -> d
     mp, ep, esp, u = topo.mp_size, topo.ep_size, topo.esp_size, topo.expert_slots
     e_local = E // ep
     out: dict[str, dict[str, Message]] = {}
-    # baseline: every rank gates its whole (MP-replicated) batch
+    # baseline: every rank gates its whole (MP-replicated) batch; the input is gathered over
+    # ESP only where the peers hold different tokens (else each sends its own copy, as 0.8.1)
     cap = capacity(tokens, k, E, f)
-    rows = esp * E * cap                         # after the ESP-AllGather, and back
+    copies = 1 if esp_peers_share_tokens(topo) else esp
+    rows = copies * E * cap                      # exchanged, reduced, and back
+    term = "ETM N_ESP" if copies > 1 else "ETM"
     base: dict[str, Message] = {}
+    if copies > 1:
+        base["ag_esp"] = Message("ag_esp", "ESP-AllGather", "ag_esp", "esp",
+                                 esp * tokens * M, esp * tokens * M, "AG_ESP(BLM N_ESP)",
+                                 ag_rows=(tokens,) * esp)
     if esp > 1:
-        base["ag_esp"] = Message("ag_esp", "ESP-AllGather", "ag_esp", "esp", rows * M,
-                                 rows * M, "AG_ESP(BLM N_ESP)", ag_rows=(E * cap,) * esp)
         base["ar_esp"] = Message("ar_esp", "ESP-AllReduce", "ar_esp", "esp", rows * M,
-                                 rows * M, "AR_ESP(ETM N_ESP)")
+                                 rows * M, f"AR_ESP({term})")
     if ep > 1:
-        split = (esp * e_local * cap,) * ep
+        split = (copies * e_local * cap,) * ep
         for key in ("a2a_ep", "a2a_ep_back"):
             base[key] = Message(key, "EP-AlltoAll", "a2a_ep", "ep", rows * M, rows * M,
-                                "A2A_EP(ETM N_ESP)", split, split)
+                                f"A2A_EP({term})", split, split)
     out["baseline"] = base
     if mp == 1 and u == 1:
         return out

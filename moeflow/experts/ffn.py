@@ -22,7 +22,10 @@ Expert sharding (Parm's ESP, ``shard=(s, n)``): the module holds shard s of n of
 expert's hidden dimension, an exact slice of the global expert's weights (W1 / W3 columns,
 W2 rows, b1 / b3 entries, so still layout-independent); its output is a partial sum. ``reduce``
 (the ESP-AllReduce, :mod:`moeflow.parallel.parm.collectives`) sums the partials, and only then
-is b2, which every shard holds whole, added.
+is b2, which every shard holds whole, added; an ``EspReduce`` over ESP peers that hold the same
+rows (Parm's baseline with the ESP group inside the MP group) also sets the gradients:
+``reduce.output`` after b2, and :meth:`ExpertFFN.reduce_input_grad` (Megatron's ``f``), which
+the scheduled experts' backward applies to the input gradient.
 """
 
 from __future__ import annotations
@@ -122,9 +125,18 @@ class ExpertFFN(nn.Module):
         if self.reduce is None:
             return self._partial(x, counts, offsets)
         y = self.reduce(self._partial(x, counts, offsets))     # ESP: sum the shards' partials
-        if not self.has_bias:
-            return y
-        return y + self.b2.to(y.dtype).index_select(0, _row_expert(counts, offsets, y.device))
+        if self.has_bias:
+            y = y + self.b2.to(y.dtype).index_select(0, _row_expert(counts, offsets, y.device))
+        output = getattr(self.reduce, "output", None)           # EspReduce: replicated rows
+        return y if output is None else output(y)
+
+    def reduce_input_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """The input gradient of :meth:`forward` as the scheduled experts' backward computed it
+        -> the one to send back: with ``reduce`` an ``EspReduce`` over peers holding the same
+        rows, the mean of the shards' partial gradients over the ESP group (Megatron's ``f``,
+        a collective issued on the schedule's lane); otherwise ``g`` itself."""
+        fix = getattr(self.reduce, "input_grad", None)
+        return g if fix is None else fix(g)
 
     @property
     def _b2_outside(self) -> bool:

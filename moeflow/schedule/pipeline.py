@@ -157,6 +157,9 @@ class ScheduledExperts:
         param_grads: list = [None] * len(params)
         side_grads: list = []
         first = 0 if input_grad else 1
+        # Parm's ESP with replicated rows: the shards' partial input gradients are summed over
+        # the ESP group (Megatron's f), a collective of this task, so issued on the lane
+        fix = getattr(self.experts, "reduce_input_grad", None)
 
         def expert(i, g):
             inp, out = saved[i]
@@ -165,7 +168,11 @@ class ScheduledExperts:
                 if pg is not None:
                     param_grads[j] = pg if param_grads[j] is None else param_grads[j] + pg
             saved[i] = None
-            return (got[0] if input_grad else None), g.numel()
+            if not input_grad:
+                return None, g.numel()
+            if fix is None:
+                return got[0], g.numel()
+            return fix(torch.zeros_like(inp) if got[0] is None else got[0]), g.numel()
 
         def side(_i, _arg):                       # task S, backward
             inp, out = side_saved.pop("saved")

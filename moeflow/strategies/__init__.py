@@ -13,9 +13,10 @@ __all__ = ["Call", "ExpertStrategy", "ExpertParallel", "FSSDP", "Parm", "select"
 
 def select(layer) -> ExpertStrategy:
     """The layer's strategy from its config and topology: FSSDP for ``placement="fssdp"``,
-    Parm where ESP shards or a paused-MP schedule are in use, plain EP otherwise."""
+    Parm where MP, ESP shards or a paused-MP schedule are in use (with MP, even the baseline
+    without ESP: it sends DeepSpeed-MoE's whole capacity buffers), plain EP otherwise."""
     if layer.cfg.placement == "fssdp":
         return FSSDP(layer)
-    if layer.parm is not None or layer.topo.esp_size > 1:
+    if layer.parm is not None or layer.topo.esp_size > 1 or layer.topo.mp_size > 1:
         return Parm(layer)
     return ExpertParallel(layer)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from moeflow.parallel.parm import schedules as parm
-from moeflow.parallel.parm.baseline import baseline_experts
+from moeflow.parallel.parm.baseline import baseline_experts, esp_peers_share_tokens
+from moeflow.parallel.parm.plan_agreement import check_plan_agrees
 from moeflow.strategies.base import Call, ExpertStrategy
 
 
@@ -33,8 +34,14 @@ class Parm(ExpertStrategy):
         layer = self.layer
         if call.sched is not None:        # S1 / S2: EP&ESP-AlltoAll (Section III-C)
             return layer.parm.experts(layer.cfg, call.sched, send, plan, runner), None
-        # the baseline schedule (Fig. 3a) with shards; shared experts run after, not overlapped
-        return baseline_experts(send, plan, runner, layer.topo), None
+        topo = layer.topo
+        if esp_peers_share_tokens(topo):  # the baseline, ESP inside MP: DeepSpeed-MoE 0.8.1's
+            if layer.cfg.parm_check_plan and topo.mp_size > 1 and topo.esp_size > 1:
+                check_plan_agrees(plan, topo)    # the ESP peers' shards sum the same rows
+            return super().exchange(send, plan, runner, tokens, call)
+        # the baseline, ESP peers with other tokens: Eq. 1's ESP-AllGather of the input (Fig.
+        # 3a); shared experts run after, not overlapped
+        return baseline_experts(send, plan, runner, topo), None
 
     def finish(self, y, aux_loss, call):
         if call.sched == "s1":            # MP-AllGather after the layer; MP parts' mean loss

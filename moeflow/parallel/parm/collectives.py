@@ -84,6 +84,60 @@ class _AllReduce(torch.autograd.Function):
         return g, None
 
 
+class _ReplicaGrad(torch.autograd.Function):
+    """Identity forward; backward: the output gradient times ``n``."""
+
+    @staticmethod
+    def forward(ctx, y, n):
+        ctx.n = n
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.n, None
+
+
+class EspReduce:
+    """The ESP-AllReduce of an ``ExpertFFN(reduce=...)``'s shard partials (Fig. 3a).
+
+    ``replicated=False``: the shards compute rows gathered over the ESP group (Eq. 1's
+    ESP-AllGather), the output is replicated and so is its gradient after ESP-Split's backward
+    (an AllGather): the all-reduce's backward is the identity and nothing else is needed.
+
+    ``replicated=True``: the ESP group lies inside the MP group, so its ranks hold the same
+    rows and each sends its own copy to its own shards (DeepSpeed-MoE 0.8.1 with
+    tensor-parallel experts: no ESP-AllGather). This is Megatron's pair: the all-reduce
+    ``g`` (backward: identity) after the shards, and ``f`` before them, whose backward
+    all-reduces the shards' partial input gradients (:meth:`input_grad`, issued by the
+    schedule's lane inside the experts' backward task). The output gradient is the same on
+    every peer (the tensor-parallel invariant of the MP group), and each MP rank's loss counts
+    (moeflow's loss is the mean of the ranks' losses), so each peer's output carries the
+    ``N_ESP`` peers' equal gradients: :meth:`output` scales the gradient by ``N_ESP`` (the
+    all-reduce of the output gradients, without the collective), the shards' weights (b2
+    included) get every peer's contribution, and :meth:`input_grad` takes the mean. The
+    gradients are then those of the gathered schedule, bit for bit up to the order of sums.
+    """
+
+    def __init__(self, group, size: int, replicated: bool):
+        self.group, self.size, self.replicated = group, size, replicated
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        return esp_all_reduce(partial, self.group)
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """The experts' output (b2 added): with replicated rows, gradient times ``N_ESP``."""
+        return _ReplicaGrad.apply(y, self.size) if self.replicated else y
+
+    def input_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """The shards' partial input gradient -> the whole one (replicated rows: the mean over
+        the ESP group, Megatron's ``f`` backward), issued on the schedule's lane."""
+        if not self.replicated:
+            return g
+        g = g.contiguous()
+        on_lane(lambda: dist.all_reduce(g, group=self.group), g)
+        return g.div_(self.size)
+
+
 def esp_all_gather(x: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor:
     """ESP-AllGather of rows: ``sizes[i]`` rows from group rank i (this rank is ``me``).
     Backward: ReduceScatter (the sum of every rank's gradient of this rank's block)."""

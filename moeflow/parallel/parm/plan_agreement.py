@@ -48,7 +48,8 @@ def check_plan_agrees(plan: DispatchPlan, topo: Topology) -> None:
     high, low = both[:3], [-v for v in both[3:]]
     if high != low:
         raise RuntimeError(
-            f"Parm S2: the MP ranks' dispatch plans differ (MP group of rank {topo.rank}, "
-            f"digests between {low} and {high}): S2 splits one plan over the MP group, so "
-            "every MP rank must route its (replicated) tokens identically. Check the router "
-            "for per-rank randomness or state, or use parallel_schedule='s1'")
+            f"Parm: the MP ranks' dispatch plans differ (MP group of rank {topo.rank}, "
+            f"digests between {low} and {high}): S2 splits one plan over the MP group, and "
+            "the baseline with the ESP group inside the MP group sums the shards of each "
+            "peer's own copy, so every MP rank must route its (replicated) tokens identically. "
+            "Check the router for per-rank randomness or state, or use parallel_schedule='s1'")
