@@ -17,8 +17,9 @@ over the ranks, so the line is not extrapolated from much smaller messages), and
 call all-reduces the ranks' predictions (sums), so every rank makes the same choice even when
 their batches differ. With ``MoEConfig.equal_rank_tokens`` (every rank's batch has the same
 token count, so every rank predicts the same from the same fits) the prediction is agreed once
-per distinct ``(tokens, k, f)`` and reused, which also checks the promise. The last prediction is kept on ``AutoSchedule.last`` and logged (logger
-``moeflow.parm``) whenever the choice changes, for comparison with the measured time.
+per distinct ``(tokens, k, f)`` and reused, which also checks the promise. The last prediction
+is kept on ``AutoSchedule.last`` and logged (logger ``moeflow.parm``) whenever the choice
+changes, for comparison with the measured time.
 """
 
 from __future__ import annotations
