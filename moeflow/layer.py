@@ -111,7 +111,8 @@ class MoELayer(nn.Module):
                                         cfg.expert_bias, cfg.fssdp, rank=topo.rank,
                                         world=topo.world_size, local_size=topo.local_size,
                                         group=topo.world_group,
-                                        activation_options=cfg.activation_options)
+                                        activation_options=cfg.activation_options,
+                                        lane_group=topo.lane_group)
         else:
             self.experts = EXPERTS[cfg.expert_module](
                 comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
