@@ -259,9 +259,19 @@ class MoEConfig:
     # each expert's kept rows (same function, fewer bytes and FLOPs, one host sync per call);
     # "auto": trim on CPU (where the sync costs nothing), pad on other devices.
     capacity_padding: str = "auto"
+    # A promise that every rank calls the layer with the same number of tokens (and the same
+    # top_k / capacity_factor overrides) at each call, e.g. fixed (batch, seq) batches. It
+    # lets the layer skip two host collectives after their first call per distinct count:
+    # capacity mode's gather of every rank's C_p (moeflow/dispatch/plan.py) and Parm auto's
+    # all-reduce of Algorithm 1's predictions (moeflow/parallel/parm/algorithm1.py). Each
+    # first call checks the promise and raises a ConfigError naming this field if it fails.
+    equal_rank_tokens: bool = False
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
+        _require(isinstance(self.equal_rank_tokens, bool), o, "equal_rank_tokens",
+                 self.equal_rank_tokens, "must be True (every rank calls the layer with the "
+                 "same token count, e.g. fixed-shape batches) or False")
         _require(self.placement in PLACEMENTS, o, "placement", self.placement,
                  "choose 'ep' (static expert parallelism) or 'fssdp' (HECATE's fully sharded "
                  "sparse data parallelism)")

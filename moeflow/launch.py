@@ -45,15 +45,22 @@ def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> None:
 
     backend: ``None`` picks ``cpu:gloo,cuda:nccl`` when CUDA is available, else gloo
     (:func:`moeflow.devices.pg_backend`). With NCCL in the backend the rank's current device
-    is ``cuda:LOCAL_RANK``.
+    is ``cuda:LOCAL_RANK`` and the process group is bound to it (``device_id``: eager NCCL
+    communicators).
     """
     if dist.is_initialized():
         return
     if backend is None:
         backend = pg_backend("cuda" if torch.cuda.is_available() else "cpu")
+    kw = {}
     if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        # bound device: NCCL forms the world's communicator now and every subgroup's when
+        # Topology creates it (ncclCommSplit, every rank in one order), not lazily at the
+        # first operation of each, which a rank with nothing to send may skip (docs/gpu.md)
+        kw["device_id"] = torch.device("cuda", local)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
 
 
 def _entry(fn: Callable, args: tuple, timeout_s: float, backend: str | None,

@@ -19,6 +19,7 @@ from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.devices import check_not_capturing
 from moeflow.dispatch import capacity, combine, permute
+from moeflow.dispatch.plan import KnownCapacities
 from moeflow.experts.ffn import EXPERTS
 from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
@@ -108,7 +109,8 @@ class MoELayer(nn.Module):
                                         cfg.expert_bias, cfg.fssdp, rank=topo.rank,
                                         world=topo.world_size, local_size=topo.local_size,
                                         group=topo.world_group,
-                                        activation_options=cfg.activation_options)
+                                        activation_options=cfg.activation_options,
+                                        lane_group=topo.lane_group)
         else:
             self.experts = EXPERTS[cfg.expert_module](
                 comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
@@ -126,6 +128,8 @@ class MoELayer(nn.Module):
         self.scheduler = SCHEDULERS[cfg.schedule]()
         self._checked_schedule: tuple | None = None
         self._check_schedule()
+        # MoEConfig.equal_rank_tokens: every rank's C_p per call key (dispatch/plan.py)
+        self._known_capacities: dict = {}
         self.lane = CommLane()
         self.timer: PhaseTimer | None = None
         self.timeline: Timeline | None = None     # set to a Timeline to record every task
@@ -241,6 +245,9 @@ class MoELayer(nn.Module):
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
             plan = s.plan(routing.experts, cap, h.device, call)
+            if cfg.equal_rank_tokens and cap is not None:   # C_p gathered once per key
+                plan.known = KnownCapacities(self._known_capacities, (call.rows, k, factor),
+                                             call.rows)
             send = permute(t.mark(h, "permute"), plan)
         nonfinite = (None if self.codec.represents_nonfinite
                      and self.backward_codec.represents_nonfinite

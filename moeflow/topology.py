@@ -7,7 +7,8 @@ groups (they hold the same experts). Groups are created once per (world, ep_size
 and reused: ``torch.distributed.new_group`` is collective, so every rank creates every group in
 the same order here and nowhere else. Every subgroup gets the world group's backend configuration
 (``cpu:gloo,cuda:nccl`` on GPUs, see :mod:`moeflow.devices`), so CPU tensors (timings, counts)
-and device tensors both travel on every group.
+and device tensors both travel on every group. Every communicator exists once the topology is
+built (:func:`connect_eagerly`): none is formed lazily by the first operation on a group.
 
 Parm's layouts (``mp_size`` or ``esp_size`` > 1, Parm Section II-B and IV-A) are described by
 two :func:`torch.distributed.device_mesh.init_device_mesh` meshes over the same ranks: the dense
@@ -27,12 +28,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from moeflow.devices import group_backend
 from moeflow.errors import ConfigError
 
 _CACHE: dict[tuple, "Topology"] = {}
+GROUP_FIELDS = ("world_group", "ep_group", "expert_dp_group", "intra_node_group",
+                "inter_node_group", "lane_group", "mp_group", "dp_group", "esp_group",
+                "ep_esp_group")
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +62,18 @@ class Topology:
     ep_esp_group: object = None       # the union EP&ESP group (Parm Section III-C)
     mesh: object = None               # DeviceMesh ("edp", "ep", "esp") in placement order
     dense_mesh: object = None         # DeviceMesh ("dp", "mp")
+
+    def groups(self) -> list:
+        """This rank's distinct process groups, one order for every rank: kind by kind (each
+        kind partitions the world, so a rank is in one group of each; the world group, where
+        a kind is the whole world, at its first kind)."""
+        out: list = []
+        for name in GROUP_FIELDS:
+            g = getattr(self, name)
+            if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER and not any(
+                    g is h for h in out):
+                out.append(g)
+        return out
 
     # ---- derived coordinates -------------------------------------------------------------
     @property
@@ -187,8 +204,38 @@ class Topology:
                                                    consecutive=False),
                        lane_group=dist.new_group(list(range(world)),
                                                        backend=group_backend()))
+            connect_eagerly(topo)
         _CACHE[key] = topo
         return topo
+
+
+def eager_device():
+    """Where :func:`connect_eagerly` must form communicators, or None when nothing is lazy:
+    gloo connects a group when it is created, and NCCL does too when the world group is bound
+    to a device (``init_process_group(device_id=...)``, as :func:`moeflow.launch.init_from_env`
+    does). Left: NCCL in the backend of a job initialised without ``device_id``."""
+    if "nccl" not in (group_backend() or ""):
+        return None
+    if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def connect_eagerly(topo: Topology, device=None) -> int:
+    """Form every group's communicator now: one one-element all-reduce per group of this rank,
+    in :meth:`Topology.groups` order (the same kinds in the same order on every rank, so two
+    ranks that share two groups warm them in the same order, and no rank waits for a peer
+    warming another group first). Without it NCCL forms a communicator at the group's first
+    operation: a rank whose first batched point-to-point on a group is empty (nothing to send
+    or receive, so it issues nothing) leaves its peers waiting there. Bounded by each group's
+    timeout (NCCL's watchdog). Returns the number of groups warmed (0 where nothing is lazy)."""
+    device = eager_device() if device is None else device
+    if device is None:
+        return 0
+    groups = topo.groups()
+    for g in groups:
+        dist.all_reduce(torch.zeros(1, device=device), group=g)
+    return len(groups)
 
 
 def _partition(world: int, rank: int, size: int, consecutive: bool):
@@ -270,5 +317,6 @@ def _parm_topology(world: int, rank: int, local: int, ep: int, mp: int, esp: int
                     mp_group=dense.get_group("mp"), dp_group=dense.get_group("dp"),
                     esp_group=mesh.get_group("esp"), ep_esp_group=union.get_group(),
                     mesh=mesh, dense_mesh=dense)
+    connect_eagerly(topo)
     _CACHE[key] = topo
     return topo

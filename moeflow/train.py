@@ -169,6 +169,17 @@ class FaultConfig:
                               "must be an integer >= 0 (0: a failed rank ends the run)")
 
 
+def fixed_shape_batches(model_cfg: ModelConfig) -> ModelConfig:
+    """The model's config as the trainer builds it: every rank's training and validation
+    batches are (batch_size, seq_len), so every MoE layer may declare
+    ``MoEConfig.equal_rank_tokens`` (its capacity and Parm-auto host collectives then run
+    once per distinct token count, not on every call), unless ``moe`` sets it already. The
+    run's saved config stays the user's."""
+    moe = dict(model_cfg.moe or {})
+    moe.setdefault("equal_rank_tokens", True)
+    return dataclasses.replace(model_cfg, moe=moe)
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | Path,
                  topo: Topology, data: str | None = None, progress: bool = True,
@@ -181,7 +192,8 @@ class Trainer:
         self.device = resolve_device(train_cfg.device, "TrainConfig.device")
         self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
         # replicas start equal (broadcast from rank 0 of each replica group)
-        self.model = prepare_model(GPT(model_cfg, topo).to(self.device), topo)
+        self.model = prepare_model(GPT(fixed_shape_batches(model_cfg), topo).to(self.device),
+                                   topo)
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.start_step = 0           # the step this run started from (resumed: the checkpoint's)

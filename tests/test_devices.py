@@ -127,12 +127,14 @@ def test_init_from_env_default_backend_on_cuda(monkeypatch):
     calls = []
     monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(launch.dist, "init_process_group",
-                        lambda backend, timeout: calls.append(backend))
+                        lambda backend, timeout, device_id=None: calls.append((backend,
+                                                                               device_id)))
     monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(launch.torch.cuda, "set_device", lambda i: calls.append(("device", i)))
     monkeypatch.setenv("LOCAL_RANK", "3")
     launch.init_from_env(10.0)
-    assert calls == [("device", 3), "cpu:gloo,cuda:nccl"]
+    # the process group is bound to the rank's device: eager NCCL communicators (docs/gpu.md)
+    assert calls == [("device", 3), ("cpu:gloo,cuda:nccl", launch.torch.device("cuda", 3))]
 
 
 def _groups_and_host_collectives():

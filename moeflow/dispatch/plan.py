@@ -20,7 +20,10 @@ in token order, then all second choices, ...), which is GShard's priority order.
 
 Building the plan touches only the device (``torch.compile`` traces it); :func:`exchange_counts`
 then gives every rank the count matrix ``N[p][e]`` on the host, from which the split sizes of
-every exchange of the call follow (:mod:`moeflow.schedule.chunks`).
+every exchange of the call follow (:mod:`moeflow.schedule.chunks`). In untrimmed capacity mode
+that is a gather of every rank's ``C_p`` on each call, or, with ``MoEConfig.equal_rank_tokens``,
+on the first call of each distinct (tokens, top_k, capacity factor) only
+(:func:`capacity_counts`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,23 @@ import numpy as np
 import torch
 
 from moeflow.comm.exchange import gather_device_counts, gather_host_ints, to_host
+from moeflow.errors import ConfigError
 from moeflow.topology import Topology
+
+
+@dataclass
+class KnownCapacities:
+    """``MoEConfig.equal_rank_tokens``: every rank's ``C_p`` remembered per call key, so that
+    capacity mode gathers them once per distinct key instead of on every call.
+
+    Skipping a collective is safe only when every rank of the group skips it too: the key is
+    ``(layer input tokens, top_k, capacity factor)``, equal on every rank by the config's
+    promise, so every rank makes the same hit-or-miss decision. The first call of a key checks
+    the promise in the same gather (each rank's token count beside its ``C_p``)."""
+
+    table: dict          # the layer's: (group name, key) -> (size,) capacities, row p = rank p
+    key: tuple           # this call's (input tokens, top_k, capacity factor)
+    tokens: int          # this rank's layer input tokens
 
 
 @dataclass
@@ -48,6 +67,7 @@ class DispatchPlan:
     counts: np.ndarray | None = None  # (ep, E) rows EP rank p sends to expert e (host; set by
     ep_rank: int = 0                  # exchange_counts)
     host_counts: np.ndarray | None = None  # trimmed capacity: (E,) kept rows per expert, host
+    known: KnownCapacities | None = None   # MoEConfig.equal_rank_tokens: see capacity_counts
 
     @property
     def dense_slots(self) -> bool:
@@ -105,6 +125,28 @@ def exchange_counts(plan: DispatchPlan, topo: Topology) -> None:
     elif plan.host_counts is not None:         # trimmed capacity: the kept rows per expert
         plan.counts = gather_host_ints(plan.host_counts.tolist(), topo.ep_group, topo.ep_size)
     else:
-        caps = gather_host_ints([plan.capacity], topo.ep_group, topo.ep_size)    # (ep, 1)
-        plan.counts = np.repeat(caps, plan.num_experts, axis=1)
+        plan.counts = capacity_counts(plan, topo.ep_group, topo.ep_size, "ep")
     plan.ep_rank = topo.ep_rank
+
+
+def capacity_counts(plan: DispatchPlan, group, size: int, name: str) -> np.ndarray:
+    """Untrimmed capacity mode's ``(size, E)`` count matrix over ``group`` (``name`` tells the
+    layer's groups apart): rank p sends ``C_p`` rows to every expert. One gather of the
+    ranks' ``C_p`` per call; with ``plan.known`` (``MoEConfig.equal_rank_tokens``) one per
+    distinct call key, which also checks that every rank's token count is equal (a
+    :class:`ConfigError` on every rank alike if not: they all see the same gathered values)."""
+    known = plan.known
+    if known is None:
+        caps = gather_host_ints([plan.capacity], group, size)[:, 0]
+    else:
+        caps = known.table.get((name, known.key))
+        if caps is None:
+            got = gather_host_ints([known.tokens, plan.capacity], group, size)
+            if (got[:, 0] != got[0, 0]).any():
+                raise ConfigError(
+                    f"MoEConfig.equal_rank_tokens=True is invalid: the ranks called the layer "
+                    f"with different token counts ({got[:, 0].tolist()} over the {name} "
+                    "group), so they cannot skip the gather of their capacities; set "
+                    "equal_rank_tokens=False, or give every rank batches of the same shape")
+            caps = known.table[(name, known.key)] = got[:, 1]
+    return np.repeat(caps.reshape(-1, 1), plan.num_experts, axis=1)

@@ -167,7 +167,8 @@ class FSSDPExperts(nn.Module):
 
     def __init__(self, d_in: int, d_hidden: int, num_experts: int, activation: str, seed: int,
                  layer_id: int, bias: bool, options: FSSDPOptions, *, rank: int, world: int,
-                 local_size: int, group, activation_options: dict | None = None):
+                 local_size: int, group, activation_options: dict | None = None,
+                 lane_group=None):
         super().__init__()
         if num_experts % world:
             raise ConfigError(f"MoEConfig.num_experts={num_experts} is invalid with "
@@ -176,6 +177,11 @@ class FSSDPExperts(nn.Module):
                               f"{-(-num_experts // world) * world} experts")
         self.options, self.rank, self.world = options, rank, world
         self.local_size, self.group = local_size, group
+        # the early spAG's group: its batched point-to-point runs on the lane thread while
+        # the caller's thread runs the block's attention, and a batch's coalescing state
+        # belongs to its process group, so it gets a world group of its own (the topology's
+        # lane_group: only moeflow's exchanges use it, none while this spAG is in flight)
+        self.lane_group = group if lane_group is None else lane_group
         self.num_experts = num_experts
         self.owners = Placement.even(num_experts, world)
         rows, shapes = [], None
@@ -268,7 +274,7 @@ class FSSDPExperts(nn.Module):
         hand = Handoff(lane, dev)
         ready = hand.ready()
         owned = self._owned_rows()
-        args = (self.owners, placement, self.numel, self.slots.dtype, dev, self.group,
+        args = (self.owners, placement, self.numel, self.slots.dtype, dev, self.lane_group,
                 self.rank)
 
         def task():
@@ -288,7 +294,7 @@ class FSSDPExperts(nn.Module):
             return placement, got, nbytes
         placement, future, hand = self._pending
         self._pending = None
-        timeout = group_timeout(self.group).total_seconds()
+        timeout = group_timeout(self.lane_group).total_seconds()
         (got, nbytes), done = _result(future, timeout)
         hand.consume(done, list(got.values()))
         return placement, got, nbytes

@@ -15,8 +15,11 @@ on the running cluster (:func:`.fits.measure_parm_fits`, collective) unless give
 around the messages of the first call (:func:`.fits.elements_around` of the largest ``B L``
 over the ranks, so the line is not extrapolated from much smaller messages), and every
 call all-reduces the ranks' predictions (sums), so every rank makes the same choice even when
-their batches differ. The last prediction is kept on ``AutoSchedule.last`` and logged (logger
-``moeflow.parm``) whenever the choice changes, for comparison with the measured time.
+their batches differ. With ``MoEConfig.equal_rank_tokens`` (every rank's batch has the same
+token count, so every rank predicts the same from the same fits) the prediction is agreed once
+per distinct ``(tokens, k, f)`` and reused, which also checks the promise. The last prediction
+is kept on ``AutoSchedule.last`` and logged (logger ``moeflow.parm``) whenever the choice
+changes, for comparison with the measured time.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from moeflow.config import MoEConfig
 from moeflow.devices import host_all_reduce
+from moeflow.errors import ConfigError
 from moeflow.experts.structure import comm_width
 from moeflow.parallel.parm.fits import ParmFits, elements_around, measure_parm_fits
 from moeflow.topology import Topology
@@ -68,6 +72,7 @@ class AutoSchedule:
     def __init__(self, topo: Topology, fits: ParmFits | None = None):
         self.topo, self.fits = topo, fits
         self.last: Prediction | None = None
+        self._known: dict[tuple, Prediction] = {}    # equal_rank_tokens: per (tokens, k, f)
 
     def choose(self, cfg: MoEConfig, tokens: int, top_k: int, factor: float | None,
                device: torch.device | str = "cpu") -> str:
@@ -81,13 +86,38 @@ class AutoSchedule:
                 _FITS[key] = measure_parm_fits(self.topo, elements=sizes, width=M,
                                                device=device)
             self.fits = _FITS[key]
-        mine = algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f, self.topo.esp_size,
-                          self.topo.mp_size)
-        t1, t2 = host_all_reduce([mine.t_d1, mine.t_d2], "sum", self.topo.world_group)
-        n = self.topo.world_size
-        pred = Prediction("s1" if t1 <= t2 else "s2", t1 / n, t2 / n)   # the ranks' mean
+        if cfg.equal_rank_tokens:
+            pred = self._known.get((tokens, top_k, f))
+            if pred is None:
+                pred = self._known[(tokens, top_k, f)] = self._agree_once(cfg, tokens, top_k,
+                                                                          f, M)
+        else:
+            mine = algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f,
+                              self.topo.esp_size, self.topo.mp_size)
+            t1, t2 = host_all_reduce([mine.t_d1, mine.t_d2], "sum", self.topo.world_group)
+            n = self.topo.world_size
+            pred = Prediction("s1" if t1 <= t2 else "s2", t1 / n, t2 / n)  # the ranks' mean
         if self.last is None or pred.schedule != self.last.schedule:
             log.info("Parm Algorithm 1: %s (predicted t_D1 %.3g s, t_D2 %.3g s)",
                      pred.schedule, pred.t_d1, pred.t_d2)
         self.last = pred
         return pred.schedule
+
+    def _agree_once(self, cfg: MoEConfig, tokens: int, top_k: int, f: float,
+                    M: int) -> Prediction:
+        """``equal_rank_tokens``: the first call of a key. One all-reduce (max) of the
+        predictions and of ``tokens`` and ``-tokens`` (their max and min): the promise holds
+        iff they agree, and every rank then computed the same prediction from the same fits
+        (taking the max keeps the choice the same on every rank even if given fits differ)."""
+        mine = algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f, self.topo.esp_size,
+                          self.topo.mp_size)
+        t1, t2, most, neg_least = host_all_reduce(
+            [mine.t_d1, mine.t_d2, float(tokens), -float(tokens)], "max",
+            self.topo.world_group)
+        if most != -neg_least:
+            raise ConfigError(
+                "MoEConfig.equal_rank_tokens=True is invalid: the ranks called the layer with "
+                f"different token counts (from {int(-neg_least)} to {int(most)}), so Parm's "
+                "Algorithm 1 cannot skip the all-reduce of its predictions; set "
+                "equal_rank_tokens=False, or give every rank batches of the same shape")
+        return Prediction("s1" if t1 <= t2 else "s2", t1, t2)

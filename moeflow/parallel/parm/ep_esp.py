@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeflow.comm.exchange import gather_device_counts, gather_host_ints
-from moeflow.dispatch.plan import DispatchPlan
+from moeflow.comm.exchange import gather_device_counts
+from moeflow.dispatch.plan import DispatchPlan, capacity_counts
 from moeflow.schedule.chunks import to_device
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 from moeflow.topology import Topology
@@ -57,10 +57,10 @@ class ShardPartials(nn.Module):
 def block_counts(plan: DispatchPlan, topo: Topology) -> np.ndarray:
     """``C[q][e]``: rows rank q of this EP&ESP block sends to expert e with ``plan`` (collective
     over the block: dropless reads the device counts once, capacity sends host integers)."""
-    u, E = topo.expert_slots, plan.num_experts
+    u = topo.expert_slots
     if plan.capacity is None:
         return gather_device_counts(plan.local_counts, topo.ep_esp_group, u)
-    return np.repeat(gather_host_ints([plan.capacity], topo.ep_esp_group, u), E, axis=1)
+    return capacity_counts(plan, topo.ep_esp_group, u, "ep_esp")
 
 
 @dataclasses.dataclass
