@@ -17,10 +17,12 @@ from moeflow.simulate.costs import KINDS
 from tests import simulate_worker as w
 
 
-def _costs(compute=(0.0, 1e-9), a2a=(1e-3, 1e-6), p2p=(1e-4, 1e-6)) -> CostModel:
+def _costs(compute=(0.0, 1e-9), a2a=(1e-3, 1e-6), p2p=(1e-4, 1e-6),
+           gather=(5e-4, 1e-6)) -> CostModel:
     return CostModel({k: AlphaBeta(*compute) for k in KINDS},
                      {("intra", "all_to_all"): AlphaBeta(*a2a),
-                      ("intra", "p2p"): AlphaBeta(*p2p)})
+                      ("intra", "p2p"): AlphaBeta(*p2p),
+                      ("intra", "all_gather"): AlphaBeta(*gather)})
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +84,10 @@ def test_sequential_step_is_the_sum_of_its_tasks():
     combine = 1e-9 * (2 * rows * 8 * 4 + 64 * 8 * 4 + 2 * rows * 8 * 4)
     permute = 1e-9 * 2 * rows * 8 * 4
     route = 1e-9 * (2 * 64 * 8 * 4 + 4 * 64 * 4 * 4) + 1e-9 * (4 * 64 * 8 * 4 + 4 * 64 * 4 * 4)
-    want = 8 * a2a + experts + 2 * gather + 2 * combine + 2 * permute + route
+    counts = c.link("intra", "all_gather").predict(2 * 4 * 8)     # the count matrix, int64
+    want = 8 * a2a + counts + experts + 2 * gather + 2 * combine + 2 * permute + route
     assert sim["step_s"] == pytest.approx(want, rel=1e-9)
-    assert sim["comm_s"] == pytest.approx(8 * a2a, rel=1e-9)
+    assert sim["comm_s"] == pytest.approx(8 * a2a + counts, rel=1e-9)
 
 
 def test_overlap_hides_communication_and_optsche_is_no_slower():
@@ -131,7 +134,8 @@ def test_cli_matches_bench_layer_arguments(tmp_path, capsys):
         {"kind": k, "alpha_s": 1e-5, "beta_s_per_unit": 1e-10} for k in KINDS]}))
     links = tmp_path / "links.json"
     links.write_text(json.dumps({"schema": "moeflow.links/1", "fits": [
-        {"group": "intra", "op": "all_to_all", "alpha_s": 1e-4, "beta_s_per_byte": 1e-9}]}))
+        {"group": "intra", "op": op, "alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
+        for op in ("all_to_all", "all_gather")]}))
     bench_args = ["--tokens", "64", "--d-model", "16", "--d-expert", "32", "--nproc", "2",
                   "--schedules", "sequential,optsche", "--pipeline-degree", "2"]
     parser = build_parser()
@@ -147,3 +151,21 @@ def test_cli_matches_bench_layer_arguments(tmp_path, capsys):
     assert [r["name"] for r in rows][-1] == "gshard-top2-optsche-r2"
     assert all(r["world"] == 2 and r["step_s"] > 0 for r in rows)
     assert (tmp_path / "g-gshard-top2-optsche-r2.png").stat().st_size > 0
+
+
+def test_profile_stands_in_for_measured_fits():
+    """A datasheet profile gives every fit the layer needs; across nodes the all-to-all takes
+    the inter-node link, so 8 nodes x 4 ranks communicate longer than 1 node x 4 ranks."""
+    from moeflow.measure.profiles import load_profile
+    from moeflow.simulate import cost_model
+
+    prof = load_profile("schemoe-32gpu")
+    base = dict(tokens=1024, d_model=256, d_expert=512, num_experts=32, top_k=2,
+                capacity_factor=1.25, schedule="optsche", pipeline_degree=2)
+    one = simulate_layer(LayerSpec(**base, nodes=1, ranks_per_node=4),
+                         cost_model(profile=prof, nodes=1, ranks_per_node=4))
+    many = simulate_layer(LayerSpec(**base, nodes=8, ranks_per_node=4),
+                          cost_model(profile=prof, nodes=8, ranks_per_node=4))
+    assert {t["link"] for t in many["tasks"] if t["task"].startswith("A")} == {"world"}
+    assert many["comm_s"] > one["comm_s"] > 0
+    assert one["busy_s"]["E"] == pytest.approx(many["busy_s"]["E"])

@@ -96,6 +96,10 @@ def profile_links(profile: Profile, nodes: int, ranks_per_node: int
                        (per - 1) / world / intra.bandwidth_Bps)
             out[("world", "all_to_all")] = AlphaBeta(inter.latency_s + intra.latency_s, beta,
                                                      world)
+    # a ring all-gather of a B-byte output moves B (g-1)/g per rank, as the all-to-all above
+    for cls in ("intra", "inter", "world"):
+        if (cls, "all_to_all") in out:
+            out[(cls, "all_gather")] = out[(cls, "all_to_all")]
     return out
 
 

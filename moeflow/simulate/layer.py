@@ -10,7 +10,7 @@ expectation) cut by :func:`moeflow.schedule.chunks.chunk_counts`. Task times com
 :class:`~moeflow.simulate.costs.CostModel` (ScheMoE Section 4.2's linear task models).
 
 One step is the layer's forward then its backward (what ``moeflow bench layer`` times):
-``route``, ``permute``, the 7r scheduled tasks, ``combine``; then ``combine``'s backward, the
+``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``; then ``combine``'s backward, the
 7r mirrored tasks (the same chunks and splits; ScheMoE Section 3.2), ``permute`` and ``route``
 backward. Not modelled yet: codecs other than ``none``, the shared experts' task S, Parm's
 and HECATE's strategies, load imbalance beyond what a routing sample holds.
@@ -33,7 +33,8 @@ from moeflow.simulate import engine
 from moeflow.simulate.costs import CostModel
 from moeflow.simulate.engine import SimTask
 
-A2AS = ("direct", "pairwise")      # the all-to-alls with a link model here
+A2AS = ("direct", "pairwise")
+COMM_TASKS = ("counts", "A1", "A2")     # the collectives of one step      # the all-to-alls with a link model here
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
@@ -158,6 +159,16 @@ def a2a_seconds(spec: LayerSpec, costs: CostModel, mat_bytes: np.ndarray) -> tup
     return total, "+".join(sorted(classes))
 
 
+def counts_seconds(spec: LayerSpec, costs: CostModel) -> tuple[float, str]:
+    """The count matrix's exchange before the forward's first chunk
+    (:func:`moeflow.dispatch.plan.exchange_counts`): an all-gather of every rank's per-expert
+    counts (int64) over the EP group, on the computing thread."""
+    if spec.world == 1:
+        return 0.0, "self"
+    cls = ("intra" if spec.nodes == 1 else "inter" if spec.ranks_per_node == 1 else "world")
+    return costs.link(cls, "all_gather").predict(spec.world * spec.num_experts * 8), cls
+
+
 def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase: str,
                 lanes: dict, last: dict) -> None:
     """Queue one pass (forward or backward) on every rank's lanes; ``last[rank]`` is the last
@@ -193,6 +204,10 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
             outer.append(("combine", el(2 * S * d * B + T * d * B) + assemble, S * d))
         for name, sec, size in outer:
             last[p] = add(name, sec, size, [last[p]] if last[p] else [])
+        if fwd:
+            sec, link = counts_seconds(spec, costs)
+            last[p] = add("counts", sec, spec.world * E * 8, [last[p]], lane="comm",
+                          collective="forward/counts", link=link)
         done: dict[Task, SimTask] = {}
         for task in sched.order(r):
             i = task.chunk
@@ -254,8 +269,8 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
         if t.rank == slowest:
             kind = t.name.split("^")[0]
             busy[kind] = busy.get(kind, 0.0) + (t.end - t.start)
-    comm = sum(v for k, v in busy.items() if k in ("A1", "A2"))
-    compute = sum(v for k, v in busy.items() if k not in ("A1", "A2"))
+    comm = sum(v for k, v in busy.items() if k in COMM_TASKS)
+    compute = sum(v for k, v in busy.items() if k not in COMM_TASKS)
     return {"spec": asdict(spec), "world": spec.world, "step_s": step,
             "forward_s": fwd_end, "backward_s": step - fwd_end,
             "busy_s": busy, "comm_s": comm, "compute_s": compute,
