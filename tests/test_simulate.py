@@ -169,3 +169,22 @@ def test_profile_stands_in_for_measured_fits():
     assert {t["link"] for t in many["tasks"] if t["task"].startswith("A")} == {"world"}
     assert many["comm_s"] > one["comm_s"] > 0
     assert one["busy_s"]["E"] == pytest.approx(many["busy_s"]["E"])
+
+
+def test_bench_routing_is_the_measured_layers():
+    """``simulate layer --routing bench`` plans the ids the measured layer's router picks."""
+    import torch
+
+    from moeflow import MoELayer, Topology
+    from moeflow.bench.layer import case_config, case_input, case_routing, cases_for
+
+    case = cases_for(["optsche"], 2)[-1]
+    layer = MoELayer(case_config(case, 16, 32), Topology.single())
+    got = {}
+
+    def keep(_m, _i, out) -> None:
+        got["ids"] = out.experts
+
+    layer.router.register_forward_hook(keep)
+    layer(case_input(40, 16, 0).requires_grad_()).sum().backward()
+    assert torch.equal(case_routing(case, 1, 40, 16, 32)[0], got["ids"])

@@ -15,7 +15,7 @@ import json
 import shlex
 import sys
 
-from moeflow.bench.layer import cases_for
+from moeflow.bench.layer import case_routing, cases_for
 from moeflow.commands.bench import add_layer_args
 from moeflow.commands.common import run_meta
 
@@ -39,6 +39,10 @@ def register(sub) -> None:
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --nproc, so nodes x ranks = bench layer's "
                         "world)")
+    g.add_argument("--routing", default="bench", choices=("bench", "uniform"),
+                   help="bench (default): plan the expert ids each rank's router picks on "
+                        "`bench layer`'s inputs, so the bytes and loads are the measured run's; "
+                        "uniform: the expectation, tokens x top_k spread evenly over experts")
     g.add_argument("--measured", default=None, metavar="JSON",
                    help="a `moeflow bench layer --out` file of the same arguments: adds the "
                         "measured step and the ratio predicted / measured per row")
@@ -124,8 +128,10 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
             measured = {r["name"]: r for r in json.load(f)["results"]}
     rows = []
     for case, spec in specs:
-        res = simulate_layer(spec, costs)
-        res["name"] = case.name
+        routing = (case_routing(case, spec.world, args.tokens, args.d_model, args.d_expert)
+                   if args.routing == "bench" else None)
+        res = simulate_layer(spec, costs, routing)
+        res["name"], res["routing"] = case.name, args.routing
         if not case.grouped_mm:
             res["note"] = ("one matmul per expert in the measured run; simulated with the "
                            "grouped experts' fit")
