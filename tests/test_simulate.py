@@ -188,3 +188,18 @@ def test_bench_routing_is_the_measured_layers():
     layer.router.register_forward_hook(keep)
     layer(case_input(40, 16, 0).requires_grad_()).sum().backward()
     assert torch.equal(case_routing(case, 1, 40, 16, 32)[0], got["ids"])
+
+
+def test_engine_reports_collectives_in_different_orders():
+    """Two ranks issuing two collectives in opposite orders would hang; the model says so."""
+    from moeflow.simulate import engine
+    from moeflow.simulate.engine import SimTask
+
+    def lane(rank, first, second):
+        return [SimTask(n, rank, "comm", "comm", "forward", 1.0, collective=n)
+                for n in (first, second)]
+
+    ok = {(0, "comm"): lane(0, "a", "b"), (1, "comm"): lane(1, "a", "b")}
+    assert engine.run(ok) == 2.0
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        engine.run({(0, "comm"): lane(0, "a", "b"), (1, "comm"): lane(1, "b", "a")})

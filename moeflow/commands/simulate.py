@@ -15,6 +15,8 @@ import json
 import shlex
 import sys
 
+import torch
+
 from moeflow.bench.layer import case_routing, cases_for
 from moeflow.commands.bench import add_layer_args
 from moeflow.commands.common import run_meta
@@ -72,6 +74,9 @@ def _specs(args: argparse.Namespace):
             raise SystemExit(f"moeflow simulate layer: --schedules has {s!r}; choose from "
                              f"{', '.join(sorted(SCHEDULERS))}")
     a2a = "direct" if args.a2a == "auto" else args.a2a     # the layer's default all-to-all
+    # capacity_padding="auto" trims on CPU and pads on CUDA (auto: where bench layer would run;
+    # a CUDA run is predicted without a GPU here, so "cuda" is not checked for one)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     out = []
     for case in cases_for(schedules, args.pipeline_degree):
         out.append((case, LayerSpec(
@@ -80,7 +85,7 @@ def _specs(args: argparse.Namespace):
             capacity_factor=case.capacity_factor, activation=case.activation,
             schedule=case.schedule, pipeline_degree=case.pipeline_degree, a2a=a2a,
             nodes=args.nodes, ranks_per_node=per,
-            trim_padding=args.device != "cuda")))   # capacity_padding="auto": trim on CPU
+            trim_padding=not cuda)))
     return out
 
 
