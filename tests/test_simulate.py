@@ -151,6 +151,9 @@ def test_cli_matches_bench_layer_arguments(tmp_path, capsys):
     assert [r["name"] for r in rows][-1] == "gshard-top2-optsche-r2"
     assert all(r["world"] == 2 and r["step_s"] > 0 for r in rows)
     assert (tmp_path / "g-gshard-top2-optsche-r2.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="do not divide"):
+        main(["simulate", "layer", *bench_args, "--nodes", "4", "--ranks-per-node", "4",
+              "--profile", "schemoe-32gpu"])
 
 
 def test_profile_stands_in_for_measured_fits():

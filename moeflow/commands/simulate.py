@@ -79,6 +79,12 @@ def _specs(args: argparse.Namespace):
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     out = []
     for case in cases_for(schedules, args.pipeline_degree):
+        if case.num_experts % (args.nodes * per):
+            raise SystemExit(f"moeflow simulate layer: bench layer's config {case.name} has "
+                             f"{case.num_experts} experts, which do not divide among --nodes "
+                             f"{args.nodes} x --ranks-per-node {per} ranks (bench layer could "
+                             "not run this layout either); choose a layout whose ranks divide "
+                             f"{case.num_experts}")
         out.append((case, LayerSpec(
             tokens=args.tokens, d_model=args.d_model, d_expert=args.d_expert,
             num_experts=case.num_experts, top_k=case.top_k,

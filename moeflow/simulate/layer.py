@@ -10,9 +10,9 @@ expectation) cut by :func:`moeflow.schedule.chunks.chunk_counts`. Task times com
 :class:`~moeflow.simulate.costs.CostModel` (ScheMoE Section 4.2's linear task models).
 
 One step is the layer's forward then its backward (what ``moeflow bench layer`` times):
-``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``; then ``combine``'s backward, the
-7r mirrored tasks (the same chunks and splits; ScheMoE Section 3.2), ``permute`` and ``route``
-backward. Not modelled yet: codecs other than ``none``, the shared experts' task S, Parm's
+``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``;
+then ``combine``'s backward, the 7r mirrored tasks (the same chunks and splits; ScheMoE
+Section 3.2), ``permute`` and ``route`` backward. Not modelled yet: codecs other than ``none``, the shared experts' task S, Parm's
 and HECATE's strategies, load imbalance beyond what a routing sample holds.
 """
 
@@ -33,8 +33,8 @@ from moeflow.simulate import engine
 from moeflow.simulate.costs import CostModel
 from moeflow.simulate.engine import SimTask
 
-A2AS = ("direct", "pairwise")
-COMM_TASKS = ("counts", "A1", "A2")     # the collectives of one step      # the all-to-alls with a link model here
+A2AS = ("direct", "pairwise")          # the all-to-alls with a link model here
+COMM_TASKS = ("counts", "A1", "A2")     # the collectives of one step
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
