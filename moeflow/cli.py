@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeflow.commands import bench, cluster, model_info, train
+from moeflow.commands import bench, cluster, model_info, simulate, train
 from moeflow.commands.common import Parser, RanksFailed
 from moeflow.config import ConfigError
 
@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="moeflow", description="Mixture-of-Experts training across many devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train, bench, cluster, model_info):
+    for module in (train, bench, cluster, model_info, simulate):
         module.register(sub)
     return parser
 

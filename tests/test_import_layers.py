@@ -208,3 +208,20 @@ def test_config_does_not_reach_the_integrations():
     reached = _closure(["moeflow.config"])
     bad = sorted(m for m in reached if _in(m, ("moeflow.integrations",)))
     assert not bad, f"moeflow.config reaches {bad}; the integrations build on config, not back"
+
+
+# the step simulator models the library's own task graphs (schedulers, dispatch planning) from
+# measured fits (moeflow.measure); it is below the command layer and never runs a benchmark
+SIMULATE_MAY_IMPORT = ("moeflow.simulate", "moeflow.measure", "moeflow.schedule",
+                       "moeflow.dispatch", "moeflow.errors", "moeflow.registry")
+
+
+def test_simulate_imports_only_the_model_inputs():
+    bad = sorted(f"{m} -> {t}" for m in _modules("moeflow.simulate")
+                 for t in _imports(m) - _ancestors(m) - {"moeflow"}
+                 if not _in(t, SIMULATE_MAY_IMPORT))
+    assert not bad, (f"moeflow.simulate imports {bad}; it may import only "
+                     f"{', '.join(SIMULATE_MAY_IMPORT[1:])} (never moeflow.bench or "
+                     "moeflow.commands: what it needs from them belongs in moeflow.measure)")
+    reached = _closure(_modules("moeflow.simulate"))
+    assert not any(_in(m, ("moeflow.bench", "moeflow.commands")) for m in reached)

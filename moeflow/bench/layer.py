@@ -62,17 +62,39 @@ def cases_for(schedules: list[str], r: int) -> list[BenchCase]:
 
 
 
+def case_config(case: BenchCase, d_model: int, d_expert: int) -> MoEConfig:
+    return MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
+                     top_k=case.top_k, capacity_factor=case.capacity_factor,
+                     activation=case.activation, seed=1, schedule=case.schedule,
+                     pipeline_degree=case.pipeline_degree)
+
+
+def case_input(tokens: int, d_model: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input tokens (the same in every timed step)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(tokens, d_model, generator=gen)
+
+
+def case_routing(case: BenchCase, world: int, tokens: int, d_model: int,
+                 d_expert: int) -> list[torch.Tensor]:
+    """The ``(tokens, top_k)`` expert ids each rank's router picks in :func:`bench_case` (the
+    router is built from the config alone and no step changes it): the routing sample that
+    ``moeflow simulate layer`` plans, so its bytes are those of the measured run."""
+    from moeflow.routing import ROUTERS
+
+    cfg = case_config(case, d_model, d_expert)
+    router = ROUTERS[cfg.router](cfg)
+    with torch.no_grad():
+        return [router(case_input(tokens, d_model, p)).experts for p in range(world)]
+
+
 def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_expert: int,
                warmup: int, reps: int, device: str | torch.device = "cpu") -> dict:
-    cfg = MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
-                    top_k=case.top_k, capacity_factor=case.capacity_factor,
-                    activation=case.activation, seed=1, schedule=case.schedule,
-                    pipeline_degree=case.pipeline_degree)
+    cfg = case_config(case, d_model, d_expert)
     layer = MoELayer(cfg, topo).to(device)
     layer.experts.use_grouped_mm = case.grouped_mm
     timer = PhaseTimer()
-    gen = torch.Generator().manual_seed(1000 + topo.rank)
-    x = torch.randn(tokens, d_model, generator=gen).to(device).requires_grad_()
+    x = case_input(tokens, d_model, topo.rank).to(device).requires_grad_()
     totals, phases = [], {p: [] for p in PHASES}
     for i in range(warmup + reps):
         layer.timer = timer

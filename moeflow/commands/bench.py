@@ -16,47 +16,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (tables + JSON)")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     layer = bsub.add_parser("layer", help="one MoE layer forward+backward, split by phase")
-    layer.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    layer.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
-    layer.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
-    layer.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    layer.add_argument("--reps", type=int, default=7, help="timed steps (the median is reported)")
-    layer.add_argument("--schedules", default="sequential",
-                       help="comma-separated schedules: each besides sequential adds a GShard "
-                            "top-2 row at --pipeline-degree (e.g. sequential,pipelined,optsche)")
-    layer.add_argument("--pipeline-degree", type=int, default=2,
-                       help="r of the pipelined rows")
-    add_device_arg(layer)
-    layer.add_argument("--out", default=None,
-                       help="write the results as JSON here (default: print only)")
-    # one layer side by side with a peer implementation (moeflow/bench/compare.py)
-    cmp = layer.add_argument_group("--compare (one GShard-style layer against a peer)")
-    cmp.add_argument("--compare", default=None, metavar="PEER",
-                     help="time this peer's layer with the same weights, interleaved, check the "
-                          "outputs agree and report the ratio: tutel (needs Tutel installed "
-                          "from source, see docs/benchmarks/layer.md) or moeflow-fixed")
-    cmp.add_argument("--num-experts", type=int, default=8, help="experts (--compare)")
-    cmp.add_argument("--top-k", type=int, default=2, help="experts per token (--compare)")
-    cmp.add_argument("--capacity-factor", type=float, default=1.25,
-                     help="capacity factor (--compare)")
-    cmp.add_argument("--activation", default="gelu", help="expert activation (--compare)")
-    cmp.add_argument("--a2a", default="auto", help="moeflow's all-to-all (--compare; default "
-                                                   "auto: tuned at the first forward)")
-    cmp.add_argument("--schedule", default="auto", help="moeflow's schedule (--compare)")
-    cmp.add_argument("--input-grad", action="store_true",
-                     help="the layer's input needs its gradient too (--compare; default: "
-                          "parameter gradients only)")
-    cmp.add_argument("--degree", default="auto",
-                     help="moeflow's pipelining degree (--compare; an integer or auto)")
-    cmp.add_argument("--codec", default="none",
-                     help="moeflow's codec (--compare; 'auto:lossy' lets the tuner pick a lossy "
-                          "codec within --lossy-error-budget)")
-    cmp.add_argument("--lossy-error-budget", type=float, default=None,
-                     help="MoEConfig.lossy_error_budget with --codec auto:lossy (default 1e-2)")
-    cmp.add_argument("--autotune-budget", default="30",
-                     help="MoEConfig.autotune_budget_s: seconds the tuner may take, or 'none' "
-                          "(unbounded) (--compare)")
-    add_launch_args(layer, default_nproc=1)
+    add_layer_args(layer)
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
     bench_compute.register_bench(bsub)
@@ -110,6 +70,52 @@ def register(sub) -> None:
     register_codecs_bench(bsub)
     register_zfp_arrays_bench(bsub)
     register_hecate_bench(bsub)
+
+
+def add_layer_args(layer: argparse.ArgumentParser) -> None:
+    """The arguments of ``moeflow bench layer``; ``moeflow simulate layer`` takes the same ones,
+    so that a prediction and a measurement compare one to one."""
+    layer.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    layer.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
+    layer.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
+    layer.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    layer.add_argument("--reps", type=int, default=7, help="timed steps (the median is reported)")
+    layer.add_argument("--schedules", default="sequential",
+                       help="comma-separated schedules: each besides sequential adds a GShard "
+                            "top-2 row at --pipeline-degree (e.g. sequential,pipelined,optsche)")
+    layer.add_argument("--pipeline-degree", type=int, default=2,
+                       help="r of the pipelined rows")
+    add_device_arg(layer)
+    layer.add_argument("--out", default=None,
+                       help="write the results as JSON here (default: print only)")
+    # one layer side by side with a peer implementation (moeflow/bench/compare.py)
+    cmp = layer.add_argument_group("--compare (one GShard-style layer against a peer)")
+    cmp.add_argument("--compare", default=None, metavar="PEER",
+                     help="time this peer's layer with the same weights, interleaved, check the "
+                          "outputs agree and report the ratio: tutel (needs Tutel installed "
+                          "from source, see docs/benchmarks/layer.md) or moeflow-fixed")
+    cmp.add_argument("--num-experts", type=int, default=8, help="experts (--compare)")
+    cmp.add_argument("--top-k", type=int, default=2, help="experts per token (--compare)")
+    cmp.add_argument("--capacity-factor", type=float, default=1.25,
+                     help="capacity factor (--compare)")
+    cmp.add_argument("--activation", default="gelu", help="expert activation (--compare)")
+    cmp.add_argument("--a2a", default="auto", help="moeflow's all-to-all (--compare; default "
+                                                   "auto: tuned at the first forward)")
+    cmp.add_argument("--schedule", default="auto", help="moeflow's schedule (--compare)")
+    cmp.add_argument("--input-grad", action="store_true",
+                     help="the layer's input needs its gradient too (--compare; default: "
+                          "parameter gradients only)")
+    cmp.add_argument("--degree", default="auto",
+                     help="moeflow's pipelining degree (--compare; an integer or auto)")
+    cmp.add_argument("--codec", default="none",
+                     help="moeflow's codec (--compare; 'auto:lossy' lets the tuner pick a lossy "
+                          "codec within --lossy-error-budget)")
+    cmp.add_argument("--lossy-error-budget", type=float, default=None,
+                     help="MoEConfig.lossy_error_budget with --codec auto:lossy (default 1e-2)")
+    cmp.add_argument("--autotune-budget", default="30",
+                     help="MoEConfig.autotune_budget_s: seconds the tuner may take, or 'none' "
+                          "(unbounded) (--compare)")
+    add_launch_args(layer, default_nproc=1)
 
 
 def register_hecate_bench(bsub) -> None:

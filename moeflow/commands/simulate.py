@@ -1,0 +1,164 @@
+"""``moeflow simulate layer``: predict ``moeflow bench layer``'s table from measured fits.
+
+Takes exactly ``bench layer``'s arguments (:func:`moeflow.commands.bench.add_layer_args`), so
+every predicted row has a measured twin, plus the models: ``--links`` / ``--compute`` (the JSON
+of ``moeflow bench links`` / ``bench compute``) or ``--profile NAME`` (a datasheet,
+:mod:`moeflow.measure.profiles`), and the layout ``--nodes x --ranks-per-node`` (default: one
+node of ``--nproc`` ranks, the world ``bench layer --nproc`` runs). The simulator itself is
+:mod:`moeflow.simulate` (ScheMoE Section 4's lanes on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+import torch
+
+from moeflow.bench.layer import case_routing, cases_for
+from moeflow.commands.bench import add_layer_args
+from moeflow.commands.common import run_meta
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="predict a step from measured fits (no ranks started)")
+    ssub = p.add_subparsers(dest="simulate", required=True, metavar="WHAT")
+    layer = ssub.add_parser("layer", help="predict `moeflow bench layer` (same arguments) from "
+                                          "link and compute fits or a hardware profile")
+    add_layer_args(layer)
+    g = layer.add_argument_group("the models and the layout")
+    g.add_argument("--links", default=None, metavar="JSON",
+                   help="link fits from `moeflow bench links --out` (default: the profile's)")
+    g.add_argument("--compute", default=None, metavar="JSON",
+                   help="compute fits from `moeflow bench compute --out` (default: the "
+                        "profile's)")
+    g.add_argument("--profile", default=None, metavar="NAME",
+                   help="a hardware profile (file or built-in name, e.g. schemoe-32gpu) for "
+                        "what --links / --compute do not give")
+    g.add_argument("--nodes", type=int, default=1, help="nodes of the simulated layout")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (default: --nproc, so nodes x ranks = bench layer's "
+                        "world)")
+    g.add_argument("--routing", default="bench", choices=("bench", "uniform"),
+                   help="bench (default): plan the expert ids each rank's router picks on "
+                        "`bench layer`'s inputs, so the bytes and loads are the measured run's; "
+                        "uniform: the expectation, tokens x top_k spread evenly over experts")
+    g.add_argument("--measured", default=None, metavar="JSON",
+                   help="a `moeflow bench layer --out` file of the same arguments: adds the "
+                        "measured step and the ratio predicted / measured per row")
+    g.add_argument("--gantt", default=None, metavar="PREFIX",
+                   help="write PREFIX-<config>.png: rank 0's predicted 7r tasks per lane, drawn "
+                        "as `bench schedule --gantt` draws measured ones")
+    layer.set_defaults(func=run_simulate_layer)
+
+
+def _specs(args: argparse.Namespace):
+    from moeflow.schedule import SCHEDULERS
+    from moeflow.simulate import LayerSpec
+
+    if args.compare is not None:
+        raise SystemExit("moeflow simulate layer: --compare (a peer's layer) is not modelled; "
+                         "drop it")
+    for name in ("tokens", "d_model", "d_expert", "nodes"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"moeflow simulate layer: --{name.replace('_', '-')} "
+                             f"{getattr(args, name)} must be >= 1")
+    per = args.nproc if args.ranks_per_node is None else args.ranks_per_node
+    if per < 1:
+        raise SystemExit(f"moeflow simulate layer: --ranks-per-node {per} must be >= 1")
+    schedules = args.schedules.split(",")
+    for s in schedules:
+        if s not in SCHEDULERS:
+            raise SystemExit(f"moeflow simulate layer: --schedules has {s!r}; choose from "
+                             f"{', '.join(sorted(SCHEDULERS))}")
+    a2a = "direct" if args.a2a == "auto" else args.a2a     # the layer's default all-to-all
+    # capacity_padding="auto" trims on CPU and pads on CUDA (auto: where bench layer would run;
+    # a CUDA run is predicted without a GPU here, so "cuda" is not checked for one)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    out = []
+    for case in cases_for(schedules, args.pipeline_degree):
+        if case.num_experts % (args.nodes * per):
+            raise SystemExit(f"moeflow simulate layer: bench layer's config {case.name} has "
+                             f"{case.num_experts} experts, which do not divide among --nodes "
+                             f"{args.nodes} x --ranks-per-node {per} ranks (bench layer could "
+                             "not run this layout either); choose a layout whose ranks divide "
+                             f"{case.num_experts}")
+        out.append((case, LayerSpec(
+            tokens=args.tokens, d_model=args.d_model, d_expert=args.d_expert,
+            num_experts=case.num_experts, top_k=case.top_k,
+            capacity_factor=case.capacity_factor, activation=case.activation,
+            schedule=case.schedule, pipeline_degree=case.pipeline_degree, a2a=a2a,
+            nodes=args.nodes, ranks_per_node=per,
+            trim_padding=not cuda)))
+    return out
+
+
+def _gantt(result: dict, path: str, title: str) -> None:
+    from moeflow.schedule.executor import TaskRecord
+    from moeflow.schedule.tasks import Task
+    from moeflow.schedule.trace import gantt_png
+
+    recs = []
+    for t in result["tasks"]:
+        if t["rank"] == 0 and "^" in t["task"]:
+            kind, chunk = t["task"].split("^")
+            recs.append(TaskRecord(Task(kind, int(chunk) - 1), t["phase"], t["lane"],
+                                   t["start_s"], t["end_s"], t["size"]))
+    gantt_png(recs, path, title)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'config':<28} {'world':>5} {'pred ms':>8} {'fwd ms':>7} {'bwd ms':>7} "
+            f"{'comm ms':>8} {'exposed':>8} {'meas ms':>8} {'pred/meas':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        meas = r.get("measured_step_ms")
+        lines.append(f"{r['name']:<28} {r['world']:>5} {r['step_s'] * 1e3:>8.2f} "
+                     f"{r['forward_s'] * 1e3:>7.2f} {r['backward_s'] * 1e3:>7.2f} "
+                     f"{r['comm_s'] * 1e3:>8.2f} {r['exposed_comm_s'] * 1e3:>8.2f} "
+                     + (f"{meas:>8.2f} {r['step_s'] * 1e3 / meas:>9.2f}" if meas
+                        else f"{'-':>8} {'-':>9}"))
+    lines.append("pred: predicted forward+backward of the slowest rank; comm: all-to-all time; "
+                 "exposed: the computing lane waiting (step - compute)")
+    return "\n".join(lines)
+
+
+def run_simulate_layer(args: argparse.Namespace) -> int:
+    from moeflow.measure.profiles import load_profile
+    from moeflow.simulate import cost_model, simulate_layer
+
+    specs = _specs(args)
+    profile = load_profile(args.profile) if args.profile else None
+    spec0 = specs[0][1]
+    costs = cost_model(args.links, args.compute, profile, spec0.nodes, spec0.ranks_per_node)
+    measured = {}
+    if args.measured:
+        with open(args.measured) as f:
+            measured = {r["name"]: r for r in json.load(f)["results"]}
+    rows = []
+    for case, spec in specs:
+        routing = (case_routing(case, spec.world, args.tokens, args.d_model, args.d_expert)
+                   if args.routing == "bench" else None)
+        res = simulate_layer(spec, costs, routing)
+        res["name"], res["routing"] = case.name, args.routing
+        if not case.grouped_mm:
+            res["note"] = ("one matmul per expert in the measured run; simulated with the "
+                           "grouped experts' fit")
+        if case.name in measured:
+            m = measured[case.name]
+            res["measured_step_ms"] = m["step_ms"]
+            res["measured_world"] = m["world_size"]
+        if args.gantt:
+            path = f"{args.gantt}-{case.name}.png"
+            _gantt(res, path, f"predicted {case.name}")
+            res["gantt"] = path
+        rows.append(res)
+    print(format_table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
+                       "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0

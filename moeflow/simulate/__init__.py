@@ -1,0 +1,12 @@
+"""``moeflow simulate``: predict a step from measured fits by running the library's task graphs
+on modelled lanes (ScheMoE Section 4's two-lane model, on every rank, with collectives).
+
+:mod:`.costs` turns ``moeflow bench links`` / ``bench compute`` fits or a hardware profile into
+task times, :mod:`.engine` runs lanes, dependencies and collectives, :mod:`.layer` builds one
+expert-parallel layer's step from the schedulers and the dispatch planning code.
+"""
+
+from moeflow.simulate.costs import CostModel, cost_model
+from moeflow.simulate.layer import LayerSpec, lane_orders, simulate_layer
+
+__all__ = ["CostModel", "LayerSpec", "cost_model", "lane_orders", "simulate_layer"]

@@ -1,0 +1,125 @@
+"""Task times for the step simulator: compute kernels and collectives as alpha-beta models.
+
+The same linear models ScheMoE's profiler fits per task (Section 4.2) and Parm's cost model
+states per collective (Section IV, ``t = alpha + beta * volume``): compute kinds from a
+``moeflow bench compute`` JSON (``moeflow.compute/1``: ``t = alpha + beta * work``, work in
+FLOPs or bytes), collectives from a ``moeflow bench links`` JSON (``moeflow.links/1``: per link
+class and op), or both from a hardware profile's datasheet numbers
+(:mod:`moeflow.measure.profiles`), which have no alpha for compute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from moeflow.errors import ConfigError
+from moeflow.measure.linkmodel import AlphaBeta, load_fits
+from moeflow.measure.profiles import Profile
+
+COMPUTE_SCHEMA = "moeflow.compute/1"
+# the kinds the layer model uses (moeflow/bench/compute.py measures them)
+KINDS = ("gemm", "gemm_backward", "experts", "experts_backward", "elementwise")
+
+
+@dataclass
+class CostModel:
+    """``compute[kind]``: seconds = alpha + beta * work; ``links[(class, op)]``: seconds =
+    alpha + beta * bytes (nccl-tests byte convention, :mod:`moeflow.measure.linkmodel`)."""
+
+    compute: dict[str, AlphaBeta]
+    links: dict[tuple[str, str], AlphaBeta]
+    source: dict[str, str] = field(default_factory=dict)    # what each half was read from
+
+    def compute_time(self, kind: str, work: float) -> float:
+        if work <= 0:
+            return 0.0
+        if kind not in self.compute:
+            raise ConfigError(f"the compute model ({self.source.get('compute', '?')}) has no "
+                              f"fit for kind {kind!r} (it has: {', '.join(sorted(self.compute))}"
+                              "); re-run `moeflow bench compute --out FILE`")
+        return self.compute[kind].predict(work)
+
+    def link(self, link_class: str, op: str) -> AlphaBeta:
+        if (link_class, op) not in self.links:
+            have = ", ".join(f"{c}/{o}" for c, o in sorted(self.links))
+            raise ConfigError(f"the link model ({self.source.get('links', '?')}) has no fit "
+                              f"for {op} over the {link_class!r} link class (it has: {have}); "
+                              "measure this layout with `moeflow bench links --out FILE` or "
+                              "choose an all-to-all it has fits for")
+        return self.links[(link_class, op)]
+
+
+def load_compute(path: str) -> dict[str, AlphaBeta]:
+    """``{kind: AlphaBeta}`` from a ``moeflow bench compute --out`` file."""
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("schema") != COMPUTE_SCHEMA:
+        raise ConfigError(f"--compute {path}: schema {data.get('schema')!r} is not "
+                          f"{COMPUTE_SCHEMA!r}; write it with `moeflow bench compute --out`")
+    return {r["kind"]: AlphaBeta(r["alpha_s"], r["beta_s_per_unit"], 0,
+                                 r.get("r2", math.nan), r.get("max_rel_err", math.nan))
+            for r in data["fits"]}
+
+
+def profile_compute(profile: Profile, dtype: str = "fp32") -> dict[str, AlphaBeta]:
+    """Compute fits stated by a datasheet: matrix products at ``peak x gemm_efficiency``,
+    elementwise work at the memory bandwidth; no per-call overhead (alpha 0)."""
+    gemm = AlphaBeta(0.0, 1.0 / profile.gemm_flops(dtype))
+    return {"gemm": gemm, "gemm_backward": gemm, "experts": gemm, "experts_backward": gemm,
+            "elementwise": AlphaBeta(0.0, 1.0 / profile.memory_bandwidth_Bps)}
+
+
+def profile_links(profile: Profile, nodes: int, ranks_per_node: int
+                  ) -> dict[tuple[str, str], AlphaBeta]:
+    """Link fits stated by a datasheet for a layout of ``nodes x ranks_per_node``.
+
+    An all-to-all of a B-byte send buffer among g ranks sends ``B (g-1)/g`` per rank; across
+    nodes, a node's ``ranks_per_node`` ranks share its inter-node link and send
+    ``B (W - ranks_per_node) / W`` each over it. p2p is one flow on one link."""
+    intra, inter, per, world = profile.intra, profile.inter, ranks_per_node, nodes * ranks_per_node
+    out = {("intra", "p2p"): intra.alpha_beta()}
+    if per > 1:
+        out[("intra", "all_to_all")] = AlphaBeta(intra.latency_s,
+                                                 (per - 1) / per / intra.bandwidth_Bps, per)
+    if nodes > 1:
+        if inter is None:
+            raise ConfigError(f"profile {profile.name!r} has no [inter_node] link, but the "
+                              f"layout has nodes={nodes}; give a profile with one or --nodes 1")
+        out[("inter", "p2p")] = inter.alpha_beta()
+        out[("inter", "all_to_all")] = AlphaBeta(inter.latency_s,
+                                                 (nodes - 1) / nodes / inter.bandwidth_Bps,
+                                                 nodes)
+        if per > 1:
+            beta = max(per * (world - per) / world / inter.bandwidth_Bps,
+                       (per - 1) / world / intra.bandwidth_Bps)
+            out[("world", "all_to_all")] = AlphaBeta(inter.latency_s + intra.latency_s, beta,
+                                                     world)
+    # a ring all-gather of a B-byte output moves B (g-1)/g per rank, as the all-to-all above
+    for cls in ("intra", "inter", "world"):
+        if (cls, "all_to_all") in out:
+            out[(cls, "all_gather")] = out[(cls, "all_to_all")]
+    return out
+
+
+def cost_model(links: str | None = None, compute: str | None = None,
+               profile: Profile | None = None, nodes: int = 1,
+               ranks_per_node: int = 1) -> CostModel:
+    """Measured fits where given, the profile's datasheet numbers for the rest."""
+    if compute is None and profile is None:
+        raise ConfigError("the simulator needs compute times: give --compute FILE (from "
+                          "`moeflow bench compute --out`) or --profile NAME")
+    if links is None and profile is None and nodes * ranks_per_node > 1:
+        raise ConfigError("the simulator needs link times for a layout of more than one rank: "
+                          "give --links FILE (from `moeflow bench links --out`) or --profile NAME")
+    source = {"compute": compute or f"profile {profile.name}",
+              "links": links or (f"profile {profile.name}" if profile else "none")}
+    comp = load_compute(compute) if compute else profile_compute(profile)
+    if links:
+        lk = load_fits(links)
+    elif profile is not None:
+        lk = profile_links(profile, nodes, ranks_per_node)
+    else:
+        lk = {}
+    return CostModel(comp, lk, source)

@@ -1,0 +1,296 @@
+"""The simulated step of one expert-parallel MoE layer (ScheMoE's exchange, Sections 3-4).
+
+The task graph is the library's own: the computing order of each pass is the scheduler's
+``order(r)`` (:mod:`moeflow.schedule.schedulers`), communication tasks are issued after their
+C task onto one communication lane (inline on the computing lane when the scheduler does not
+overlap), as :func:`moeflow.schedule.executor.run_schedule` does; the rows of every chunk and
+so the bytes of every all-to-all come from the layer's planning code: the count matrix of
+:func:`moeflow.dispatch.plan.make_plan` (from an explicit routing sample, or the uniform
+expectation) cut by :func:`moeflow.schedule.chunks.chunk_counts`. Task times come from a
+:class:`~moeflow.simulate.costs.CostModel` (ScheMoE Section 4.2's linear task models).
+
+One step is the layer's forward then its backward (what ``moeflow bench layer`` times):
+``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``;
+then ``combine``'s backward, the 7r mirrored tasks (the same chunks and splits; ScheMoE
+Section 3.2), ``permute`` and ``route`` backward. Not modelled yet: codecs other than ``none``, the shared experts' task S, Parm's
+and HECATE's strategies, load imbalance beyond what a routing sample holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from moeflow.dispatch.capacity import capacity
+from moeflow.dispatch.plan import make_plan
+from moeflow.errors import ConfigError
+from moeflow.schedule.chunks import chunk_counts
+from moeflow.schedule.schedulers import SCHEDULERS
+from moeflow.schedule.tasks import Task
+from moeflow.simulate import engine
+from moeflow.simulate.costs import CostModel
+from moeflow.simulate.engine import SimTask
+
+A2AS = ("direct", "pairwise")          # the all-to-alls with a link model here
+COMM_TASKS = ("counts", "A1", "A2")     # the collectives of one step
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer call to simulate: the fields of ``MoEConfig`` and of ``moeflow bench layer``
+    that shape the step, and the layout ``nodes x ranks_per_node`` (ranks = EP group)."""
+
+    tokens: int                     # per rank
+    d_model: int
+    d_expert: int
+    num_experts: int
+    top_k: int
+    capacity_factor: float | None   # None: dropless
+    activation: str = "gelu"
+    schedule: str = "sequential"
+    pipeline_degree: int = 1
+    a2a: str = "direct"
+    nodes: int = 1
+    ranks_per_node: int = 1
+    trim_padding: bool = True       # capacity mode sends only kept rows (the CPU default)
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "d_model", "d_expert", "num_experts", "top_k",
+                     "pipeline_degree", "nodes", "ranks_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"LayerSpec.{name}={v!r} is invalid: a positive integer")
+        if self.num_experts % self.world:
+            raise ConfigError(f"LayerSpec.num_experts={self.num_experts} is invalid for "
+                              f"{self.world} ranks: give a multiple of nodes x ranks_per_node")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"LayerSpec.top_k={self.top_k} exceeds num_experts="
+                              f"{self.num_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"LayerSpec.capacity_factor={self.capacity_factor!r} is invalid: "
+                              "a positive number, or None (dropless)")
+        if self.a2a not in A2AS:
+            raise ConfigError(f"LayerSpec.a2a={self.a2a!r} has no link model in the simulator "
+                              f"yet; choose one of {', '.join(A2AS)}")
+        if self.schedule not in SCHEDULERS:
+            raise ConfigError(f"LayerSpec.schedule={self.schedule!r} is not a registered "
+                              f"scheduler; choose one of {', '.join(sorted(SCHEDULERS))}")
+        if self.dtype not in _BYTES:
+            raise ConfigError(f"LayerSpec.dtype={self.dtype!r} is invalid; choose one of "
+                              f"{', '.join(_BYTES)}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def elem_bytes(self) -> int:
+        return _BYTES[self.dtype]
+
+
+def count_matrix(spec: LayerSpec, routing: list | None = None) -> np.ndarray:
+    """``N[p][e]``: rows rank p sends to expert e (:class:`moeflow.dispatch.DispatchPlan`'s
+    ``counts``). ``routing``: per rank, the ``(tokens, top_k)`` expert ids of one call, planned
+    by :func:`~moeflow.dispatch.plan.make_plan` as the layer plans them; None: the uniform
+    expectation (``tokens x top_k`` choices spread evenly over the experts)."""
+    E, k, T, W = spec.num_experts, spec.top_k, spec.tokens, spec.world
+    cap = None if spec.capacity_factor is None else capacity(T, k, E, spec.capacity_factor)
+    if routing is None:
+        even = np.full(E, (T * k) // E, dtype=np.int64)
+        even[: (T * k) % E] += 1
+        row = even if cap is None else (np.minimum(even, cap) if spec.trim_padding
+                                        else np.full(E, cap, dtype=np.int64))
+        return np.tile(row, (W, 1))
+    if len(routing) != W:
+        raise ConfigError(f"the routing sample has {len(routing)} ranks; the layout has {W}")
+    rows = []
+    for ids in routing:
+        ids = torch.as_tensor(np.asarray(ids), dtype=torch.int64)
+        plan = make_plan(ids, E, cap, trim=cap is not None and spec.trim_padding)
+        if cap is None:
+            rows.append(plan.local_counts.numpy())
+        elif plan.host_counts is not None:
+            rows.append(np.asarray(plan.host_counts))
+        else:
+            rows.append(np.full(E, cap, dtype=np.int64))
+    return np.stack(rows).astype(np.int64)
+
+
+def chunk_matrices(spec: LayerSpec, counts: np.ndarray) -> list[np.ndarray]:
+    """Per chunk, the split matrix ``S[src][dst]`` in rows (:class:`ChunkPlan`'s ``matrix``)."""
+    W, e_local = spec.world, spec.num_experts // spec.world
+    return [c.reshape(W, W, e_local).sum(2) for c in chunk_counts(counts, spec.pipeline_degree)]
+
+
+def _link_class(spec: LayerSpec, a: int, b: int) -> str:
+    return "intra" if a // spec.ranks_per_node == b // spec.ranks_per_node else "inter"
+
+
+def a2a_seconds(spec: LayerSpec, costs: CostModel, mat_bytes: np.ndarray) -> tuple[float, str]:
+    """Seconds of one all-to-all whose ``mat_bytes[src][dst]`` bytes move, and its link class.
+
+    ``direct``: one collective over the EP group, the fit of its link class at the largest
+    per-rank buffer (sent or received; a collective ends with its slowest member).
+    ``pairwise``: P-1 rounds of one send/recv each (ScheMoE Eq. 15), a round as long as its
+    slowest pair's p2p over that pair's link class."""
+    W = spec.world
+    if W == 1:
+        return 0.0, "self"          # a one-rank exchange is a local copy (no collective)
+    if spec.a2a == "direct":
+        cls = ("intra" if spec.nodes == 1 else "inter" if spec.ranks_per_node == 1
+               else "world")
+        per_rank = np.maximum(mat_bytes.sum(1), mat_bytes.sum(0))
+        return costs.link(cls, "all_to_all").predict(float(per_rank.max())), cls
+    total = 0.0
+    classes = set()
+    for s in range(1, W):
+        rnd = 0.0
+        for p in range(W):
+            q = (p + s) % W
+            cls = _link_class(spec, p, q)
+            classes.add(cls)
+            if mat_bytes[p, q]:
+                rnd = max(rnd, costs.link(cls, "p2p").predict(float(mat_bytes[p, q])))
+        total += rnd
+    return total, "+".join(sorted(classes))
+
+
+def counts_seconds(spec: LayerSpec, costs: CostModel) -> tuple[float, str]:
+    """The count matrix's exchange before the forward's first chunk
+    (:func:`moeflow.dispatch.plan.exchange_counts`): an all-gather of every rank's per-expert
+    counts (int64) over the EP group, on the computing thread."""
+    if spec.world == 1:
+        return 0.0, "self"
+    cls = ("intra" if spec.nodes == 1 else "inter" if spec.ranks_per_node == 1 else "world")
+    return costs.link(cls, "all_gather").predict(spec.world * spec.num_experts * 8), cls
+
+
+def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase: str,
+                lanes: dict, last: dict) -> None:
+    """Queue one pass (forward or backward) on every rank's lanes; ``last[rank]`` is the last
+    computing task queued before it (the pass waits for it)."""
+    W, d, h, B = spec.world, spec.d_model, spec.d_expert, spec.elem_bytes
+    r, T, E = spec.pipeline_degree, spec.tokens, spec.num_experts
+    sched = SCHEDULERS[spec.schedule]()
+    mats_fn = 3 if spec.activation == "swiglu" else 2
+    fwd = phase == "forward"
+    send_rows = sum(m.sum(1) for m in mats)           # per rank, rows of the send buffer
+    a2a = {}                                          # (kind, chunk) -> (seconds, link)
+    for i, m in enumerate(mats):
+        by = m * d * B
+        a2a[("A1", i)] = a2a_seconds(spec, costs, by)
+        a2a[("A2", i)] = a2a_seconds(spec, costs, by.T)
+    for p in range(W):
+        comp, comm = lanes[(p, "compute")], lanes[(p, "comm")]
+
+        def add(name, seconds, size=0, deps=(), lane="compute", runs_on="compute", **kw):
+            t = SimTask(name, p, lane, runs_on, phase, seconds, list(deps), size=size, **kw)
+            (comp if runs_on == "compute" else comm).append(t)
+            return t
+
+        S = int(send_rows[p])
+        el = lambda nbytes: costs.compute_time("elementwise", nbytes)   # noqa: E731
+        outer = []
+        if fwd:
+            outer.append(("route", costs.compute_time("gemm", 2 * T * d * E)
+                          + el(4 * T * E * B), T * d))
+            outer.append(("permute", el(2 * S * d * B), S * d))
+        else:
+            assemble = el(2 * S * d * B) if r > 1 else 0.0
+            outer.append(("combine", el(2 * S * d * B + T * d * B) + assemble, S * d))
+        for name, sec, size in outer:
+            last[p] = add(name, sec, size, [last[p]] if last[p] else [])
+        if fwd:
+            sec, link = counts_seconds(spec, costs)
+            last[p] = add("counts", sec, spec.world * E * 8, [last[p]], lane="comm",
+                          collective="forward/counts", link=link)
+        done: dict[Task, SimTask] = {}
+        for task in sched.order(r):
+            i = task.chunk
+            send, recv = int(mats[i][p].sum()), int(mats[i][:, p].sum())
+            if task.kind == "C1":
+                sec, size = (el(2 * send * d * B) if r > 1 else 0.0), send * d
+            elif task.kind == "E":
+                flops = 2 * recv * mats_fn * d * h
+                sec = costs.compute_time("experts" if fwd else "experts_backward",
+                                         flops if fwd else 2 * flops)
+                size = recv * d
+            else:                      # codec none: D1, C2, D2 pass the buffer through
+                sec, size = 0.0, (recv if task.kind in ("D1", "C2") else send) * d
+            pred = task.predecessor()
+            deps = [done[pred]] if pred is not None else [last[p]]
+            t = add(str(task), sec, size, deps)
+            done[task] = t
+            if task.kind in ("C1", "C2"):
+                a = Task("A1" if task.kind == "C1" else "A2", i)
+                seconds, link = a2a[(a.kind, i)]
+                nbytes = (send if a.kind == "A1" else recv) * d * B
+                done[a] = add(str(a), seconds, nbytes, [t], lane="comm",
+                              runs_on="comm" if sched.overlap else "compute",
+                              collective=f"{phase}/{a}", link=link)
+        tail = done[Task("D2", r - 1)]
+        ends = [done[Task("D2", i)] for i in range(r)]
+        if fwd:
+            assemble = el(2 * S * d * B) if r > 1 else 0.0
+            outer = [("combine", el(2 * S * d * B + T * d * B) + assemble, S * d)]
+        else:
+            outer = [("permute", el(2 * S * d * B), S * d),
+                     ("route", costs.compute_time("gemm_backward", 4 * T * d * E)
+                      + el(4 * T * E * B), T * d)]
+        deps = ends
+        for name, sec, size in outer:
+            tail = add(name, sec, size, deps)
+            deps = [tail]
+        last[p] = tail
+
+
+def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = None) -> dict:
+    """The predicted step (forward + backward) of ``spec``: step time (the slowest rank),
+    forward / backward split, per-kind busy time, exposed communication, and every task's
+    start / end per rank and lane (seconds from the step's start)."""
+    counts = count_matrix(spec, routing)
+    mats = chunk_matrices(spec, counts)
+    lanes: dict = {}
+    for p in range(spec.world):
+        lanes[(p, "compute")], lanes[(p, "comm")] = [], []
+    last = {p: None for p in range(spec.world)}
+    _pass_tasks(spec, costs, mats, "forward", lanes, last)
+    _pass_tasks(spec, costs, mats, "backward", lanes, last)
+    step = engine.run(lanes)
+    tasks = [t for v in lanes.values() for t in v]
+    fwd_end = max(t.end for t in tasks if t.phase == "forward")
+    busy: dict[str, float] = {}
+    slowest = max(range(spec.world), key=lambda p: last[p].end)
+    for t in tasks:
+        if t.rank == slowest:
+            kind = t.name.split("^")[0]
+            busy[kind] = busy.get(kind, 0.0) + (t.end - t.start)
+    comm = sum(v for k, v in busy.items() if k in COMM_TASKS)
+    compute = sum(v for k, v in busy.items() if k not in COMM_TASKS)
+    return {"spec": asdict(spec), "world": spec.world, "step_s": step,
+            "forward_s": fwd_end, "backward_s": step - fwd_end,
+            "busy_s": busy, "comm_s": comm, "compute_s": compute,
+            # the slowest rank's computing lane not computing: waiting for communication
+            "exposed_comm_s": max(0.0, step - compute),
+            "counts": counts.tolist(),
+            "a2a_bytes": {f"{k}^{i + 1}": [int(v) for v in
+                                           ((m.sum(1) if k == "A1" else m.sum(0))
+                                            * spec.d_model * spec.elem_bytes)]
+                          for i, m in enumerate(mats) for k in ("A1", "A2")},
+            "tasks": sorted((t.record() for t in tasks),
+                            key=lambda rec: (rec["rank"], rec["start_s"]))}
+
+
+def lane_orders(result: dict, rank: int, phase: str) -> dict[str, list[str]]:
+    """Task names per lane in the order they ran (ties in issue order): what the executor's
+    :class:`~moeflow.schedule.executor.Timeline` records for the 7r tasks."""
+    out: dict[str, list[str]] = {"compute": [], "comm": []}
+    recs = [(rec["start_s"], n, rec) for n, rec in enumerate(result["tasks"])
+            if rec["rank"] == rank and rec["phase"] == phase and "^" in rec["task"]]
+    for _, _, rec in sorted(recs, key=lambda x: (x[0], x[1])):
+        out[rec["lane"]].append(rec["task"])
+    return out
