@@ -26,6 +26,12 @@ def register(sub) -> None:
                             "top-2 row at --pipeline-degree (e.g. sequential,pipelined,optsche)")
     layer.add_argument("--pipeline-degree", type=int, default=2,
                        help="r of the pipelined rows")
+    layer.add_argument("--algorithms", default="direct",
+                       help="comma-separated all-to-all algorithms (MoEConfig.a2a): every config "
+                            "runs under each (default direct)")
+    layer.add_argument("--local-size", type=int, default=None,
+                       help="ranks per (emulated) node; the inter_bytes column counts what "
+                            "crosses nodes (default: torchrun's LOCAL_WORLD_SIZE, else one node)")
     add_device_arg(layer)
     layer.add_argument("--out", default=None,
                        help="write the results as JSON here (default: print only)")
@@ -206,9 +212,16 @@ def run_layer(args: argparse.Namespace) -> int:
         if s not in SCHEDULERS:
             raise SystemExit(f"moeflow bench layer: --schedules has {s!r}; choose from "
                              f"{', '.join(sorted(SCHEDULERS))}{did_you_mean(s, SCHEDULERS)}")
-    rows = run_on_ranks(bench_worker, args, cases_for(schedules, args.pipeline_degree),
+    from moeflow.comm.alltoall import ALLTOALLS
+    algorithms = tuple(args.algorithms.split(","))
+    for a in algorithms:
+        if a not in ALLTOALLS:
+            raise SystemExit(f"moeflow bench layer: --algorithms has {a!r}; choose from "
+                             f"{', '.join(sorted(ALLTOALLS))}{did_you_mean(a, ALLTOALLS)}")
+    rows = run_on_ranks(bench_worker, args,
+                        cases_for(schedules, args.pipeline_degree, algorithms),
                         args.tokens, args.d_model,
-                        args.d_expert, args.warmup, args.reps, args.device)
+                        args.d_expert, args.warmup, args.reps, args.device, args.local_size)
     if rows is not None:
         print(format_table(rows))
         if args.out:

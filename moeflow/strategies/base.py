@@ -48,6 +48,10 @@ class ExpertStrategy:
 
     name = "ep"
     trims_padding = True    # capacity mode may send only the kept rows (capacity_padding)
+    # every inter-node byte of the layer goes through the runner's exchanges, so its count
+    # is the layer's (``stats["inter_node_bytes"]``); FSSDP's spAG and Parm's ESP collectives
+    # are not counted, so those strategies do not report it
+    counts_inter_node_bytes = True
 
     def __init__(self, layer) -> None:
         self.layer = layer
