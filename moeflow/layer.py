@@ -19,7 +19,7 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.devices import check_not_capturing
-from moeflow.dispatch import capacity, combine, permute
+from moeflow.dispatch import capacity
 from moeflow.experts.ffn import EXPERTS
 from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
@@ -243,7 +243,7 @@ class MoELayer(nn.Module):
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
             plan = s.plan(routing.experts, cap, h.device, call)
-            send = permute(t.mark(h, "permute"), plan)
+            send = s.permute(t.mark(h, "permute"), plan, routing.weights)
         nonfinite = (None if self.codec.represents_nonfinite
                      and self.backward_codec.represents_nonfinite
                      else h.new_zeros((), dtype=torch.long))
@@ -260,7 +260,7 @@ class MoELayer(nn.Module):
         back = s.end(back)
         self._note_rows(plan)
         with t.phase("combine", h):
-            y = combine(t.mark(back, "combine"), plan, routing.weights)
+            y = s.combine(t.mark(back, "combine"), plan, routing.weights)
         if self.dcca is not None:                          # BigMac: ascend after combine
             with t.phase("project", y):
                 y = self.dcca.up(t.mark(y, "project"))
