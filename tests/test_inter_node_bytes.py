@@ -51,7 +51,7 @@ def _worker() -> dict:
     topo = mf.Topology.from_env(local_size=2)
     out = {}
     for mode, opts in MODES.items():
-        for algo in ALGOS + (["node_dedup"] if mode == "dropless" else []):
+        for algo in ALGOS + (["node_dedup"] if mode != "pad" else []):
             cfg = mf.MoEConfig(d_model=D_MODEL, d_expert=5, num_experts=E, top_k=K, a2a=algo,
                                **opts)
             layer = mf.MoELayer(cfg, topo).double()
@@ -140,6 +140,8 @@ def test_node_dedup_bytes_follow_the_routing(results):
     for rank, res in results.items():
         got = res[("dropless", "node_dedup")]
         assert got["stat"] == got["wire"] == _expected_node_dedup(results, rank), rank
+        kept = res[("trim", "node_dedup")]            # capacity: the kept choices travel
+        assert kept["stat"] == kept["wire"], rank
     # fewer payload rows cross than with direct: top-2 over 2 nodes has repeated nodes
     assert (sum(r[("dropless", "node_dedup")]["stat"] for r in results.values())
             < sum(r[("dropless", "direct")]["stat"] for r in results.values()))

@@ -1,7 +1,7 @@
 """``a2a="node_dedup"``: the node-deduplicated dispatch and combine equal the one-process
 float64 reference (outputs, input gradients, router and expert gradients, parameters after an
-SGD step) on 4 gloo ranks as 2 emulated nodes x 2 and on 8 ranks as 4 x 2, and what it does not
-run with yet is refused with a ConfigError."""
+SGD step) on 4 gloo ranks as 2 emulated nodes x 2 and on 8 ranks as 4 x 2, dropless and with
+capacity, and what it does not run with yet is refused with a ConfigError."""
 
 from __future__ import annotations
 
@@ -12,10 +12,16 @@ from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 from tests import parity
 
-# dropless cases: top-2, all experts, a hot expert, DeepSeek-V3 group-limited routing, shared
-# experts with node-limited routing (topk_group=1: both choices on one node), BigMac, GPT-OSS
+# dropless: top-2, all experts, a hot expert, DeepSeek-V3 group-limited routing, shared
+# experts with node-limited routing (topk_group=1: both choices on one node), BigMac, GPT-OSS;
+# capacity: tight drops, a hot expert, gated shared experts, a rank with no tokens, BigMac,
+# per-call top_k / capacity_factor overrides (capacity and dropless); SMILE's bi-level
+# router (top-4 as 2 nodes x 2 experts: each token's choices repeat its nodes)
 NAMES = ["dropless_k2", "dropless_k_eq_E", "hot_expert_dropless", "deepseek_v3_groups",
-         "shared_deepseek_v3", "bigmac_k8", "gpt_oss_pieces"]
+         "shared_deepseek_v3", "bigmac_k8", "gpt_oss_pieces",
+         "capacity_k2", "capacity_k1_tight", "hot_expert_capacity", "shared_gated_capacity",
+         "zero_token_rank", "bigmac_swiglu_capacity", "call_top3_capacity2",
+         "call_dropless_top1", "bilevel_top1", "bilevel_dropless_2x2"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,7 @@ def _worker_8(names: list[str]) -> dict:
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_node_dedup_matches_reference_4x2(monkeypatch):
-    names = ["dropless_k2", "shared_deepseek_v3", "bigmac_k8"]
+    names = ["dropless_k2", "shared_deepseek_v3", "bigmac_k8", "capacity_k2"]
     monkeypatch.setattr(parity, "TOKENS", TOKENS_8)
     got = launch_local(_worker_8, 8, names, timeout_s=300)
     for name in names:
@@ -55,7 +61,7 @@ def test_node_dedup_matches_reference_4x2(monkeypatch):
 TOPO = dict(rank=0, world_size=4, local_size=2, ep_size=4)
 
 
-@pytest.mark.parametrize("field,value", [("capacity_factor", 1.25), ("codec", "fp16"),
+@pytest.mark.parametrize("field,value", [("capacity_padding", "pad"), ("codec", "fp16"),
                                          ("pipeline_degree", 2), ("schedule", "auto"),
                                          ("placement", "fssdp")])
 def test_node_dedup_refuses_what_it_does_not_run_yet(field, value):

@@ -24,10 +24,12 @@ split size follows on the host. The collectives run on the computing thread (no 
 in flight: docs/design.md, "One collective order per rank"), in an order fixed by the code;
 backward's by autograd's order, the same graph on every rank.
 
-Supported: dropless routing, codec ``none``, ``pipeline_degree=1``, every router, shared
-experts, BigMac and the other structures. Refused with a ConfigError (at construction, or
-at the call for a per-call capacity factor): capacity mode, other codecs, pipelining degree
-above 1 (and ``"auto"`` fields), Parm and FSSDP placements.
+Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
+``direct``; only kept choices travel, so capacity mode also learns its counts on the host once,
+like ``capacity_padding="trim"``), codec ``none``, ``pipeline_degree=1``, every router, shared
+experts, BigMac and the other structures. Refused with a ConfigError at construction:
+``capacity_padding="pad"``, other codecs, pipelining degree above 1, ``schedule="auto"``,
+Parm and FSSDP placements.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.exchange import gather_device_counts
 from moeflow.dispatch import DispatchPlan, make_plan
 from moeflow.errors import ConfigError
-from moeflow.strategies.base import Call, ExpertStrategy
+from moeflow.strategies.base import ExpertStrategy
 
 _FIX = "or use a2a='direct' / 'bilevel'"
 
@@ -51,9 +53,10 @@ def check_config(cfg, topo) -> None:
     def refuse(field: str, value, fix: str) -> None:
         raise ConfigError(f"MoEConfig.{field}={value!r} cannot be combined with "
                           f"a2a='node_dedup' yet: {fix}, {_FIX}")
-    if cfg.capacity_factor is not None:
-        refuse("capacity_factor", cfg.capacity_factor,
-               "node_dedup is dropless only; use capacity_factor=None")
+    if cfg.capacity_padding == "pad":
+        refuse("capacity_padding", cfg.capacity_padding,
+               "node_dedup sends only the kept rows (the counts come to the host once, as "
+               "'trim'); use capacity_padding='auto' or 'trim'")
     if cfg.codec != "none":
         refuse("codec", cfg.codec, "its exchanges send raw rows; use codec='none'")
     if cfg.pipeline_degree != 1:
@@ -120,15 +123,17 @@ class NodeDedup(ExpertStrategy):
         super().__init__(layer)
         check_config(layer.cfg, layer.topo)
 
-    def prepare(self, h, k, factor):
-        if factor is not None:
-            raise ConfigError(f"capacity_factor={factor!r} (per call) cannot be combined with "
-                              f"a2a='node_dedup' yet: node_dedup is dropless only; call with "
-                              f"capacity_factor=None, {_FIX}")
-        return h, Call(None, h.shape[0])
-
     def plan(self, expert_ids, cap, device, call) -> NodeDedupPlan:
-        p = make_plan(expert_ids, self.layer.cfg.num_experts, None)
+        """Dropless: every choice. Capacity: GShard's slots decide on this rank's tokens, as
+        with ``direct``; a dropped choice gets the id E (no node) and travels nowhere."""
+        E = self.layer.cfg.num_experts
+        p = make_plan(expert_ids, E, cap)
+        if cap is not None:
+            T, k = expert_ids.shape
+            kept = (p.slot < p.send_rows).view(k, T).t()
+            expert_ids = torch.where(kept, expert_ids, E)
+            p.local_counts = expert_ids.new_zeros(E + 1).index_add_(
+                0, expert_ids.reshape(-1), torch.ones_like(expert_ids.reshape(-1)))[:E]
         return NodeDedupPlan(**{f: getattr(p, f) for f in p.__dataclass_fields__},
                              experts=expert_ids)
 
@@ -150,8 +155,8 @@ class NodeDedup(ExpertStrategy):
         g = lambda node, local: node * L + local        # noqa: E731
         ids = plan.experts
         # 1. the distinct destination nodes of every token; the one count exchange
-        hit = torch.zeros(T, N, dtype=torch.bool, device=send.device)
-        hit.scatter_(1, ids // En, True)
+        hit = torch.zeros(T, N + 1, dtype=torch.bool, device=send.device)
+        hit = hit.scatter_(1, ids // En, True)[:, :N]     # column N: dropped choices
         pair_counts = hit.sum(0).to(plan.local_counts.dtype)
         got = gather_device_counts(torch.cat([plan.local_counts, pair_counts]),
                                    topo.world_group, P)          # the host synchronisation
