@@ -97,8 +97,8 @@ def _expected_direct(res: dict, mode: str, rank: int) -> int:
 
 def _expected_node_dedup(res: dict, rank: int) -> int:
     """Bytes ``rank`` (node n, local rank l) sends to other nodes with ``node_dedup``: one
-    row per (token, remote node) of its tokens (the token with its k gates, its k expert ids,
-    and in backward the gradient of the partial sum), and one row per (token of a rank
+    row per (token, remote node) of its tokens (the token with its k gates, its k expert ids
+    as int32, and in backward the gradient of the partial sum), and one row per (token of a rank
     (n', l), node n) it relayed (the partial sum, and in backward the gradient of the token
     and its gates)."""
     L, En, M, el = 2, E // 2, D_MODEL, 8
@@ -110,7 +110,7 @@ def _expected_node_dedup(res: dict, rank: int) -> int:
     n, l = divmod(rank, L)
     out_pairs = sum(pairs(rank, m) for m in range(2) if m != n)
     in_pairs = sum(pairs(m * L + l, n) for m in range(2) if m != n)
-    return (out_pairs * ((M + K) + K + M) + in_pairs * (M + (M + K))) * el
+    return out_pairs * (((M + K) + M) * el + K * 4) + in_pairs * (M + (M + K)) * el
 
 
 @pytest.fixture(scope="module")

@@ -174,8 +174,8 @@ class NodeDedup(ExpertStrategy):
         inter = topo.inter_node_group
         rows_a = _AllToAll.apply(send.index_select(0, pair_tok), send_a, recv_a, inter,
                                  remote_a, counter)
-        ids_a = _exchange(ids.index_select(0, pair_tok), send_a, recv_a, inter, remote_a,
-                          counter)
+        ids_a = _exchange(ids.index_select(0, pair_tok).to(torch.int32), send_a, recv_a, inter,
+                          remote_a, counter).long()          # 4 bytes per id on the wire
         R = ids_a.shape[0]
         x_r, gate_r = rows_a[:, :M], rows_a[:, M:]
         # 2. fan out inside the node: the choices on this node, by local expert
