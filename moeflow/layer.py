@@ -18,7 +18,7 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.devices import check_not_capturing
-from moeflow.dispatch import capacity, combine, permute
+from moeflow.dispatch import capacity
 from moeflow.dispatch.plan import KnownCapacities
 from moeflow.experts.ffn import EXPERTS
 from moeflow.experts.shared import SharedExperts
@@ -248,27 +248,31 @@ class MoELayer(nn.Module):
             if cfg.equal_rank_tokens and cap is not None:   # C_p gathered once per key
                 plan.known = KnownCapacities(self._known_capacities, (call.rows, k, factor),
                                              call.rows)
-            send = permute(t.mark(h, "permute"), plan)
+            send = s.permute(t.mark(h, "permute"), plan, routing.weights)
         nonfinite = (None if self.codec.represents_nonfinite
                      and self.backward_codec.represents_nonfinite
                      else h.new_zeros((), dtype=torch.long))
+        # host counter (no device sync): forward's exchanges add here, backward's in place
+        inter_bytes = (torch.zeros((), dtype=torch.long) if s.counts_inter_node_bytes
+                       else None)
         runner = ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
-                                  self.timeline or t.timeline, nonfinite, self.shared)
+                                  self.timeline or t.timeline, nonfinite, self.shared,
+                                  inter_bytes)
         back, shared_y = s.exchange(t.mark(send, None), plan, runner, tokens, call)
         if self.shared is not None and shared_y is None:   # not overlapped by the strategy
             shared_y = self.shared(tokens)
         back = s.end(back)
         self._note_rows(plan)
         with t.phase("combine", h):
-            y = combine(t.mark(back, "combine"), plan, routing.weights)
+            y = s.combine(t.mark(back, "combine"), plan, routing.weights)
         if self.dcca is not None:                          # BigMac: ascend after combine
             with t.phase("project", y):
                 y = self.dcca.up(t.mark(y, "project"))
         if shared_y is not None:                           # DeepSeek-V3 Eq. 12: + sum FFN^(s)
             y = y + shared_y.to(y.dtype)
         y, self.aux_loss = s.finish(y, routing.aux_loss, call)
-        self._record_stats(routing, plan, nonfinite)
+        self._record_stats(routing, plan, nonfinite, inter_bytes)
         y = t.mark(y, None).reshape(shape)
         if self.attach_aux_loss:        # the aux loss rides on y's backward
             y = attach_aux_loss(y, self.aux_loss, self.aux_loss_backward_scale)
@@ -296,7 +300,7 @@ class MoELayer(nn.Module):
             self.router.check_top_k(self.cfg, k)
         return k, factor
 
-    def _record_stats(self, routing, plan, nonfinite) -> None:
+    def _record_stats(self, routing, plan, nonfinite, inter_bytes=None) -> None:
         """``stats`` / ``stat_tensors`` of this forward (no device sync)."""
         n_choices = max(1, routing.experts.numel())
         self._stats = {"balance_loss": routing.balance_loss.detach(),
@@ -311,6 +315,8 @@ class MoELayer(nn.Module):
         self._stats.update(self.strategy.stats())
         if nonfinite is not None:       # forward's count; backward adds its own in place
             self._stats["nonfinite_payload"] = nonfinite
+        if inter_bytes is not None:     # bytes this rank sent over inter-node links: the
+            self._stats["inter_node_bytes"] = inter_bytes    # forward's, + backward's in place
 
 
 def _check_fssdp(cfg: MoEConfig, topo: Topology) -> None:

@@ -38,6 +38,12 @@ def layer_cases(topo) -> list[dict]:
                     cases.append(dict(a2a=a2a, codec=codec, schedule=schedule,
                                       pipeline_degree=r, capacity_factor=cf,
                                       capacity_padding="pad"))
+    try:            # the node-deduplicated exchange: dropless, codec none, r = 1 (its scope)
+        ALLTOALLS["node_dedup"].check_topology(topo)
+        cases.append(dict(a2a="node_dedup", codec="none", schedule="sequential",
+                          pipeline_degree=1, capacity_factor=None, capacity_padding="auto"))
+    except ConfigError:
+        pass
     return cases
 
 

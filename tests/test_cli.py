@@ -128,6 +128,24 @@ def test_bench_layer_cli_pipelined_rows_report_overlap(tmp_path, capsys):
         main(["bench", "layer", "--schedules", "optshe"])
 
 
+def test_bench_layer_cli_reports_inter_node_bytes(tmp_path, capsys):
+    """2 emulated nodes x 1: every configuration sends some payload across; one node sends
+    none; the hierarchical algorithm's rows are named after it."""
+    out = tmp_path / "layer.json"
+    assert main(["bench", "layer", "--tokens", "32", "--d-model", "8", "--d-expert", "16",
+                 "--warmup", "1", "--reps", "1", "--nproc", "2", "--local-size", "1",
+                 "--algorithms", "direct,hier2d", "--out", str(out)]) == 0
+    assert "inter_bytes" in capsys.readouterr().out
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["dropless-top2@hier2d"]["a2a"] == "hier2d"
+    assert all(r["inter_node_bytes"] > 0 for r in rows.values())
+    # dropless top-2 over 8 experts: both algorithms move the same rows across nodes
+    assert (rows["dropless-top2@direct"]["inter_node_bytes"]
+            == rows["dropless-top2@hier2d"]["inter_node_bytes"])
+    with pytest.raises(SystemExit, match="did you mean 'hier2d'"):
+        main(["bench", "layer", "--algorithms", "hier2"])
+
+
 def test_train_steps_5_needs_no_other_flag():
     from moeflow.cli import build_parser
     from moeflow.commands.train import configs_from_args

@@ -59,6 +59,8 @@ def test_hot_path_one_process():
 def test_hot_path_two_ranks(local_size):
     for results in launch_local(host_sync.hot_path_worker, 2, local_size, timeout_s=300).values():
         _check(results)
+        # a2a="node_dedup" runs on two nodes only, and holds the dropless budget there
+        assert any(dict(key)["a2a"] == "node_dedup" for key in results) == (local_size == 1)
 
 
 def test_dropless_sync_is_the_counts():

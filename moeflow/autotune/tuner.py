@@ -168,6 +168,8 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
         return [requested.a2a]
     ok = []
     for name, cls in sorted(ALLTOALLS.items()):
+        if not getattr(cls, "auto_candidate", True):
+            continue
         try:
             cls.check_topology(topo)
         except ConfigError:

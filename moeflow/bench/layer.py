@@ -11,13 +11,18 @@ counted by :mod:`moeflow.bench.syncs`; the budget is 0 in padded capacity mode, 
 capacity, ``capacity_padding="auto"``'s choice on CPU, and 1 dropless) and, for
 the pipelined schedules (``--schedules``), ``overlap``: the fraction of communication time
 during which a computing task ran (:mod:`moeflow.bench.overlap`).
+
+``inter_bytes``: the payload bytes the busiest rank sent over inter-node links in the last
+step, forward + backward (``layer.stats["inter_node_bytes"]``; 0 on one node). ``--local-size``
+emulates nodes on one machine (ranks per node) and ``--algorithms`` runs every config under
+each all-to-all algorithm, so the one-hop ``direct`` can be set against the hierarchical ones.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -43,6 +48,7 @@ class BenchCase:
     schedule: str = "sequential"
     pipeline_degree: int = 1
     grouped_mm: bool = True          # False: dropless experts as one matmul per expert
+    a2a: str = "direct"
 
 
 DEFAULT_CASES = [
@@ -54,11 +60,17 @@ DEFAULT_CASES = [
 ]
 
 
-def cases_for(schedules: list[str], r: int) -> list[BenchCase]:
-    """The default configs, then GShard top-2 under each further schedule at degree ``r``."""
+def cases_for(schedules: list[str], r: int, algorithms: tuple[str, ...] = ("direct",)
+              ) -> list[BenchCase]:
+    """The default configs, then GShard top-2 under each further schedule at degree ``r``;
+    each under every all-to-all algorithm of ``algorithms`` (named ``config@algorithm`` when
+    there are several)."""
     extra = [BenchCase(f"gshard-top2-{s}-r{r}", 8, 2, 1.25, schedule=s, pipeline_degree=r)
              for s in schedules if s != "sequential"]
-    return DEFAULT_CASES + extra
+    cases = DEFAULT_CASES + extra
+    if list(algorithms) == ["direct"]:
+        return cases
+    return [replace(c, name=f"{c.name}@{a}", a2a=a) for a in algorithms for c in cases]
 
 
 
@@ -66,7 +78,7 @@ def case_config(case: BenchCase, d_model: int, d_expert: int) -> MoEConfig:
     return MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
                      top_k=case.top_k, capacity_factor=case.capacity_factor,
                      activation=case.activation, seed=1, schedule=case.schedule,
-                     pipeline_degree=case.pipeline_degree)
+                     pipeline_degree=case.pipeline_degree, a2a=case.a2a)
 
 
 def case_input(tokens: int, d_model: int, rank: int) -> torch.Tensor:
@@ -111,6 +123,9 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
                 phases[p].append(slowest(timer.forward.get(p, 0.0)
                                           + timer.backward.get(p, 0.0), topo))
     step = statistics.median(totals)
+    # the last timed step's inter-node payload bytes, the busiest rank's
+    inter = layer.stats.get("inter_node_bytes")
+    inter = None if inter is None else int(slowest(float(inter), topo))
     layer.timer = None
     syncs = step_syncs(layer, x)
     layer.zero_grad(set_to_none=True)
@@ -123,31 +138,36 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
             "d_model": d_model, "d_expert": d_expert, "reps": reps,
             "step_ms": 1e3 * step, "tokens_per_s": topo.world_size * tokens / step,
             "phase_ms": {p: 1e3 * statistics.median(v) for p, v in phases.items()},
-            "dropped_fraction": layer.stats["dropped_fraction"]}
+            "dropped_fraction": layer.stats["dropped_fraction"], "inter_node_bytes": inter}
 
 
 def bench_worker(cases: list[BenchCase], tokens: int, d_model: int, d_expert: int,
-                 warmup: int, reps: int, device: str = "cpu") -> list[dict]:
-    topo = Topology.from_env()
+                 warmup: int, reps: int, device: str = "cpu",
+                 local_size: int | None = None) -> list[dict]:
+    topo = Topology.from_env(local_size=local_size)
     device = resolve_device(device)
     return [bench_case(c, topo, tokens, d_model, d_expert, warmup, reps, device)
             for c in cases]
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'config':<28} {'world':>5} {'tok/rank':>8} {'tokens/s':>10} {'ms/step':>8} "
+    head = (f"{'config':<36} {'world':>5} {'tok/rank':>8} {'tokens/s':>10} {'ms/step':>8} "
             + " ".join(f"{p:>10}" for p in PHASES) + f" {'dropped':>7} {'syncs':>5} "
-            f"{'overlap':>7}")
+            f"{'overlap':>7} {'inter_bytes':>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
         overlap = "-" if r["overlap"] is None else f"{r['overlap']:.2f}"
-        lines.append(f"{r['name']:<28} {r['world_size']:>5} {r['tokens_per_rank']:>8} "
+        inter = "-" if r.get("inter_node_bytes") is None else str(r["inter_node_bytes"])
+        lines.append(f"{r['name']:<36} {r['world_size']:>5} {r['tokens_per_rank']:>8} "
                      f"{r['tokens_per_s']:>10.0f} {r['step_ms']:>8.2f} "
                      + " ".join(f"{r['phase_ms'][p]:>10.2f}" for p in PHASES)
-                     + f" {r['dropped_fraction']:>7.3f} {r['host_syncs']:>5} {overlap:>7}")
+                     + f" {r['dropped_fraction']:>7.3f} {r['host_syncs']:>5} {overlap:>7}"
+                     f" {inter:>11}")
     lines.append("phase columns: ms per forward+backward (median); all_to_all includes "
                  "codec work; permute includes planning; syncs: would-be GPU host syncs per "
-                 "forward+backward; overlap: fraction of comm time with compute running")
+                 "forward+backward; overlap: fraction of comm time with compute running; "
+                 "inter_bytes: payload bytes the busiest rank sent over inter-node links in "
+                 "the last step (forward+backward)")
     return "\n".join(lines)
 
 

@@ -17,6 +17,13 @@ def register(sub) -> None:
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     layer = bsub.add_parser("layer", help="one MoE layer forward+backward, split by phase")
     add_layer_args(layer)
+    # bench layer only (simulate layer models one algorithm and takes --nodes/--ranks-per-node)
+    layer.add_argument("--algorithms", default="direct",
+                       help="comma-separated all-to-all algorithms (MoEConfig.a2a): every config "
+                            "runs under each (default direct)")
+    layer.add_argument("--local-size", type=int, default=None,
+                       help="ranks per (emulated) node; the inter_bytes column counts what "
+                            "crosses nodes (default: torchrun's LOCAL_WORLD_SIZE, else one node)")
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
     bench_compute.register_bench(bsub)
@@ -212,9 +219,16 @@ def run_layer(args: argparse.Namespace) -> int:
         if s not in SCHEDULERS:
             raise SystemExit(f"moeflow bench layer: --schedules has {s!r}; choose from "
                              f"{', '.join(sorted(SCHEDULERS))}{did_you_mean(s, SCHEDULERS)}")
-    rows = run_on_ranks(bench_worker, args, cases_for(schedules, args.pipeline_degree),
+    from moeflow.comm.alltoall import ALLTOALLS
+    algorithms = tuple(args.algorithms.split(","))
+    for a in algorithms:
+        if a not in ALLTOALLS:
+            raise SystemExit(f"moeflow bench layer: --algorithms has {a!r}; choose from "
+                             f"{', '.join(sorted(ALLTOALLS))}{did_you_mean(a, ALLTOALLS)}")
+    rows = run_on_ranks(bench_worker, args,
+                        cases_for(schedules, args.pipeline_degree, algorithms),
                         args.tokens, args.d_model,
-                        args.d_expert, args.warmup, args.reps, args.device)
+                        args.d_expert, args.warmup, args.reps, args.device, args.local_size)
     if rows is not None:
         print(format_table(rows))
         if args.out:

@@ -57,8 +57,12 @@ class ScheduledExperts:
     def __init__(self, experts: torch.nn.Module, algo: AllToAll, codec: Codec,
                  backward_codec: Codec, scheduler: Scheduler, r: int, lane: CommLane,
                  timeline: Timeline | None, nonfinite: torch.Tensor | None = None,
-                 shared: torch.nn.Module | None = None):
+                 shared: torch.nn.Module | None = None,
+                 inter_node_bytes: torch.Tensor | None = None):
         self.experts, self.algo, self.codec = experts, algo, codec
+        # 0-dim host counter, in place: bytes this rank put on inter-node links (forward and
+        # backward exchanges of the payloads; None: not counted)
+        self.inter_node_bytes = inter_node_bytes
         self.shared = shared             # shared experts (task S), or None
         self.backward_codec, self.scheduler, self.r = backward_codec, scheduler, r
         self.lane, self.timeline = lane, timeline
@@ -76,6 +80,9 @@ class ScheduledExperts:
                       else (cp.send_splits[i], cp.recv_splits[i]))
         matrix = cp.transposed(i) if combine else cp.matrix[i]
         got = self.algo.exchange(buf, send, recv, combine, matrix=matrix)
+        if self.inter_node_bytes is not None and buf.shape[0]:
+            row = buf.element_size() * (buf.numel() // buf.shape[0])
+            self.inter_node_bytes.add_(self.algo.inter_node_rows(send, matrix, combine) * row)
         return (got, layout, dtype), buf.numel() * buf.element_size()
 
     @staticmethod

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.dispatch import DispatchPlan, make_plan
+from moeflow.dispatch import DispatchPlan, combine, make_plan, permute
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 
 
@@ -48,6 +48,10 @@ class ExpertStrategy:
 
     name = "ep"
     trims_padding = True    # capacity mode may send only the kept rows (capacity_padding)
+    # every inter-node byte of the layer goes through the runner's exchanges, so its count
+    # is the layer's (``stats["inter_node_bytes"]``); FSSDP's spAG and Parm's ESP collectives
+    # are not counted, so those strategies do not report it
+    counts_inter_node_bytes = True
 
     def __init__(self, layer) -> None:
         self.layer = layer
@@ -63,6 +67,17 @@ class ExpertStrategy:
         layer = self.layer
         return make_plan(expert_ids, layer.cfg.num_experts, cap,
                          trim=cap is not None and layer._trims(call.sched, device))
+
+    def permute(self, h: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """The send buffer from the tokens (``weights``: the routing's gates, for a strategy
+        whose exchange combines)."""
+        return permute(h, plan)
+
+    def combine(self, back: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """The tokens' outputs from the returned rows: gated sum per token."""
+        return combine(back, plan, weights)
 
     def exchange(self, send: torch.Tensor, plan: DispatchPlan, runner: ScheduledExperts,
                  tokens: torch.Tensor, call: Call):

@@ -17,6 +17,7 @@ class FSSDP(ExpertStrategy):
 
     name = "fssdp"
     trims_padding = False
+    counts_inter_node_bytes = False
 
     def experts(self):
         return self.layer.experts.begin()     # spAG(P, P') done

@@ -21,6 +21,7 @@ class Parm(ExpertStrategy):
 
     name = "parm"
     trims_padding = False
+    counts_inter_node_bytes = False
 
     def prepare(self, h: torch.Tensor, k: int, factor: float | None):
         layer = self.layer

@@ -64,10 +64,31 @@ class AllToAll(ABC):
         overrides it. By default it is ``start``."""
         return self.start(x, send_splits, recv_splits, matrix)
 
+    def inter_node_rows(self, send_splits: list[int], matrix: list[list[int]] | None,
+                        combine: bool = False) -> int:
+        """Rows this rank puts on inter-node links in one exchange (``combine``: the way
+        back), from the split sizes alone (no communication). The default is a one-hop
+        algorithm: every block bound for a rank of another node crosses once. Multi-step
+        algorithms count their inter-node stage."""
+        topo = self.topo
+        if topo.ep_size == 1 or topo.num_nodes == 1:
+            return 0
+        me = topo.node_rank
+        return sum(rows for j, rows in enumerate(send_splits)
+                   if rows and ep_global_rank(topo, j) // topo.local_size != me)
+
     def exchange(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
                  combine: bool = False, matrix: list[list[int]] | None = None) -> torch.Tensor:
         start = self.start_combine if combine else self.start
         return start(x, send_splits, recv_splits, matrix).wait()
+
+
+def ep_global_rank(topo: Topology, j: int) -> int:
+    """The world rank of expert-parallel rank ``j`` of this rank's EP group."""
+    if topo.ep_size == topo.world_size:
+        return j
+    import torch.distributed as dist
+    return dist.get_global_rank(topo.ep_group, j)
 
 
 ALLTOALLS = Registry("alltoall", AllToAll)

@@ -45,6 +45,15 @@ class BiLevelAllToAll(Hier2DAllToAll):
         out = take(got2, sizes2, [l1 * N + n1 for n1 in range(N) for l1 in range(L)])
         return Pending(lambda: out)
 
+    def inter_node_rows(self, send_splits, matrix, combine=False) -> int:
+        """Dispatch: stage 1 sends to (n2, l) everything of this rank for node n2; combine
+        runs the 2D-hierarchical order (its step 4)."""
+        if combine:
+            return super().inter_node_rows(send_splits, matrix, combine)
+        lay = Layout.of(self.topo, send_splits, torch.device("cpu"), matrix)
+        N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
+        return sum(S[g(n, l)][g(n2, l2)] for n2 in range(N) if n2 != n for l2 in range(L))
+
     # Combine: intra-node first, then inter-node among the same local ranks, which is exactly
     # the 2D-hierarchical order.
     start_combine = Hier2DAllToAll.start

@@ -62,3 +62,12 @@ class Hier1DAllToAll(AllToAll):
         out = (_a2a(step3, send3, [mine] + [0] * (L - 1), topo.intra_node_group) if L > 1
                else step3)
         return Pending(lambda: out)
+
+    def inter_node_rows(self, send_splits, matrix, combine=False) -> int:
+        """Step 2: only the leader sends, everything of its node bound for other nodes."""
+        lay = Layout.of(self.topo, send_splits, torch.device("cpu"), matrix)
+        N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
+        if l != 0:
+            return 0
+        return sum(S[g(n, l1)][g(n2, l2)] for l1 in range(L) for n2 in range(N) if n2 != n
+                   for l2 in range(L))

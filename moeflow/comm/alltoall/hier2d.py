@@ -51,3 +51,9 @@ class Hier2DAllToAll(AllToAll):
         recv2 = [sum(S[g(n1, l1)][g(n, l)] for l1 in range(L)) for n1 in range(N)]
         out = _a2a(step2, send2, recv2, topo.inter_node_group)
         return Pending(lambda: out)
+
+    def inter_node_rows(self, send_splits, matrix, combine=False) -> int:
+        """Step 4: to node n2 (same local rank) the blocks of all this node's sources."""
+        lay = Layout.of(self.topo, send_splits, torch.device("cpu"), matrix)
+        N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
+        return sum(S[g(n, l1)][g(n2, l)] for l1 in range(L) for n2 in range(N) if n2 != n)
