@@ -17,13 +17,6 @@ def register(sub) -> None:
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     layer = bsub.add_parser("layer", help="one MoE layer forward+backward, split by phase")
     add_layer_args(layer)
-    # bench layer only (simulate layer models one algorithm and takes --nodes/--ranks-per-node)
-    layer.add_argument("--algorithms", default="direct",
-                       help="comma-separated all-to-all algorithms (MoEConfig.a2a): every config "
-                            "runs under each (default direct)")
-    layer.add_argument("--local-size", type=int, default=None,
-                       help="ranks per (emulated) node; the inter_bytes column counts what "
-                            "crosses nodes (default: torchrun's LOCAL_WORLD_SIZE, else one node)")
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
     bench_compute.register_bench(bsub)
@@ -92,6 +85,12 @@ def add_layer_args(layer: argparse.ArgumentParser) -> None:
                             "top-2 row at --pipeline-degree (e.g. sequential,pipelined,optsche)")
     layer.add_argument("--pipeline-degree", type=int, default=2,
                        help="r of the pipelined rows")
+    layer.add_argument("--algorithms", default="direct",
+                       help="comma-separated all-to-all algorithms (MoEConfig.a2a): every config "
+                            "runs under each (default direct)")
+    layer.add_argument("--local-size", type=int, default=None,
+                       help="ranks per (emulated) node; the inter_bytes column counts what "
+                            "crosses nodes (default: torchrun's LOCAL_WORLD_SIZE, else one node)")
     add_device_arg(layer)
     layer.add_argument("--out", default=None,
                        help="write the results as JSON here (default: print only)")

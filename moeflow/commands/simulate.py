@@ -65,7 +65,12 @@ def _specs(args: argparse.Namespace):
         if getattr(args, name) < 1:
             raise SystemExit(f"moeflow simulate layer: --{name.replace('_', '-')} "
                              f"{getattr(args, name)} must be >= 1")
-    per = args.nproc if args.ranks_per_node is None else args.ranks_per_node
+    per = args.ranks_per_node
+    if per is None:       # bench layer's --local-size (ranks per emulated node), else --nproc
+        per = args.nproc if args.local_size is None else args.local_size
+    if args.local_size is not None and per != args.local_size:
+        raise SystemExit(f"moeflow simulate layer: --local-size {args.local_size} and "
+                         f"--ranks-per-node {per} disagree; give one of them")
     if per < 1:
         raise SystemExit(f"moeflow simulate layer: --ranks-per-node {per} must be >= 1")
     schedules = args.schedules.split(",")
@@ -73,12 +78,16 @@ def _specs(args: argparse.Namespace):
         if s not in SCHEDULERS:
             raise SystemExit(f"moeflow simulate layer: --schedules has {s!r}; choose from "
                              f"{', '.join(sorted(SCHEDULERS))}")
-    a2a = "direct" if args.a2a == "auto" else args.a2a     # the layer's default all-to-all
+    algorithms = tuple(args.algorithms.split(","))     # bench layer's rows, config@algorithm
+    if args.a2a != "auto":                 # --a2a (bench layer's --compare flag) for every row
+        if algorithms != ("direct",):
+            raise SystemExit("moeflow simulate layer: give --algorithms or --a2a, not both")
+        algorithms = (args.a2a,)
     # capacity_padding="auto" trims on CPU and pads on CUDA (auto: where bench layer would run;
     # a CUDA run is predicted without a GPU here, so "cuda" is not checked for one)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     out = []
-    for case in cases_for(schedules, args.pipeline_degree):
+    for case in cases_for(schedules, args.pipeline_degree, algorithms):
         if case.num_experts % (args.nodes * per):
             raise SystemExit(f"moeflow simulate layer: bench layer's config {case.name} has "
                              f"{case.num_experts} experts, which do not divide among --nodes "
@@ -89,7 +98,7 @@ def _specs(args: argparse.Namespace):
             tokens=args.tokens, d_model=args.d_model, d_expert=args.d_expert,
             num_experts=case.num_experts, top_k=case.top_k,
             capacity_factor=case.capacity_factor, activation=case.activation,
-            schedule=case.schedule, pipeline_degree=case.pipeline_degree, a2a=a2a,
+            schedule=case.schedule, pipeline_degree=case.pipeline_degree, a2a=case.a2a,
             nodes=args.nodes, ranks_per_node=per,
             trim_padding=not cuda)))
     return out
