@@ -206,3 +206,18 @@ def test_engine_reports_collectives_in_different_orders():
     assert engine.run(ok) == 2.0
     with pytest.raises(RuntimeError, match="deadlocks"):
         engine.run({(0, "comm"): lane(0, "a", "b"), (1, "comm"): lane(1, "b", "a")})
+
+
+def test_local_size_makes_the_bench_layer_nodes(tmp_path):
+    from moeflow.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "layer", "--nproc", "4", "--local-size", "2", "--algorithms",
+                 "direct,pairwise", "--profile", "schemoe-32gpu", "--tokens", "64",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["world"] for r in rows} == {4}
+    assert {r["name"].split("@")[1] for r in rows} == {"direct", "pairwise"}
+    with pytest.raises(SystemExit, match="does not divide"):
+        main(["simulate", "layer", "--nproc", "4", "--local-size", "3", "--profile",
+              "schemoe-32gpu"])

@@ -71,6 +71,11 @@ def _specs(args: argparse.Namespace):
     if args.local_size is not None and per != args.local_size:
         raise SystemExit(f"moeflow simulate layer: --local-size {args.local_size} and "
                          f"--ranks-per-node {per} disagree; give one of them")
+    if args.local_size is not None and args.nodes == 1:      # bench layer's emulated nodes
+        if args.nproc % args.local_size:
+            raise SystemExit(f"moeflow simulate layer: --local-size {args.local_size} does not "
+                             f"divide --nproc {args.nproc}; give ranks per node that divide it")
+        args.nodes = args.nproc // args.local_size
     if per < 1:
         raise SystemExit(f"moeflow simulate layer: --ranks-per-node {per} must be >= 1")
     schedules = args.schedules.split(",")
