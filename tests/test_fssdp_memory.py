@@ -116,3 +116,24 @@ def test_explicit_memory_capacity_still_works():
     _forward(layer)
     assert layer.experts.memory_capacity == 2
     assert _layer().experts.memory_capacity == 8        # None: the experts it owns
+
+
+def test_cli_budget_reaches_every_gpt_layer():
+    from moeflow.commands.common import parse_overrides
+    from moeflow.config import ModelConfig
+    from moeflow.placement.layer_experts import FSSDPExperts
+    from tests.fssdp_layer_worker import small_gpt
+
+    over = parse_overrides(["placement=fssdp", 'fssdp={"materialize": "sparse", '
+                            '"overlap_degree": 2, "memory_budget_bytes": 4096}'], ModelConfig)
+    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
+                      num_experts=4, d_expert=8, **over)
+    assert cfg.moe_config(1).fssdp.memory_budget_bytes == 4096
+    model = small_gpt(Topology.single(), placement="fssdp",
+                      fssdp=dict(materialize="sparse", overlap_degree=2,
+                                 memory_budget_bytes=20000))
+    model(torch.randint(0, 32, (2, 8)))[0].sum().backward()
+    layers = [m for m in model.modules() if isinstance(m, FSSDPExperts)]
+    assert len(layers) == 2
+    for ex in layers:      # float64 experts of 2 x 16 x 12 elements: 6144 bytes a replica
+        assert ex.memory_capacity == 20000 // memory.slot_bytes(ex.numel, 8) == 3
