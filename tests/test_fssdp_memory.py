@@ -137,3 +137,29 @@ def test_cli_budget_reaches_every_gpt_layer():
     assert len(layers) == 2
     for ex in layers:      # float64 experts of 2 x 16 x 12 elements: 6144 bytes a replica
         assert ex.memory_capacity == 20000 // memory.slot_bytes(ex.numel, 8) == 3
+
+
+def test_checkpoint_keeps_the_agreed_m(tmp_path):
+    """A resumed run plans its first P' with the m the saved run had agreed on (its window
+    has loads), not with m = 0, so it continues as the uninterrupted run would."""
+    from moeflow import checkpoint
+    from moeflow.placement.layer_experts import FSSDPExperts
+    from tests.fssdp_layer_worker import small_gpt
+
+    def gpt():
+        return small_gpt(Topology.single(), placement="fssdp",
+                         fssdp=dict(materialize="sparse", overlap_degree=2,
+                                    memory_budget_bytes=20000))
+
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randint(0, 32, (2, 8)))[0].sum().backward()
+    opt.step()
+    checkpoint.save(str(tmp_path / "ckpt"), model, opt, 1)
+    fresh = gpt()
+    before = [m.memory_capacity for m in fresh.modules() if isinstance(m, FSSDPExperts)]
+    assert before == [None, None]
+    checkpoint.load(str(tmp_path / "ckpt"), fresh, torch.optim.AdamW(fresh.parameters()))
+    after = [m for m in fresh.modules() if isinstance(m, FSSDPExperts)]
+    assert [m.memory_capacity for m in after] == [3, 3]
+    assert all(len(m.window) == 1 for m in after)
