@@ -282,8 +282,8 @@ def _fit_to_checkpoint(path: str, state: dict[str, torch.Tensor],
 
 
 def _fssdp_meta(model: nn.Module) -> dict[str, torch.Tensor]:
-    """FSSDP's shard maps (after Algorithm 2's re-shards) and load windows (Algorithm 1),
-    the same on every rank: restoring them makes a resumed run continue exactly."""
+    """FSSDP's shard maps (after Algorithm 2's re-shards), load windows and budget-derived
+    memory capacities ``m`` (Algorithm 1), the same on every rank: restoring them makes a resumed run continue exactly."""
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, FSSDPExperts):
@@ -294,6 +294,9 @@ def _fssdp_meta(model: nn.Module) -> dict[str, torch.Tensor]:
                 win[:len(loads)] = torch.tensor(loads, dtype=torch.float64)
             out[f"fssdp/{name}/window"] = win
             out[f"fssdp/{name}/window_n"] = torch.tensor(len(loads))
+            if m.budgeted:          # Algorithm 1's m agreed from the memory budgets (-1: none)
+                cap = -1 if m.memory_capacity is None else m.memory_capacity
+                out[f"fssdp/{name}/memory_capacity"] = torch.tensor(cap, dtype=torch.int64)
     return out
 
 
@@ -317,6 +320,9 @@ def _restore_fssdp(path: str, model: nn.Module, optimizer) -> None:
             n = int(meta[f"fssdp/{name}/window_n"])
             m.window.load_state_dict({"w": m.options.window,
                                       "loads": meta[f"fssdp/{name}/window"][:n].tolist()})
+        cap = meta.get(f"fssdp/{name}/memory_capacity")
+        if cap is not None and int(cap) >= 0:   # until this job's first count exchange
+            m.memory_capacity = int(cap)
     owners = [meta.get(f"fssdp/{name}/owners") for name in layers]
     shared = len({id(m.slots) for m in layers.values()}) == 1 and len(layers) > 1
     if not shared or any(o is None for o in owners):

@@ -14,6 +14,7 @@ from moeflow import Topology, sync_gradients
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 from moeflow.init import seeded_normal
 from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.placement.memory import slot_bytes
 from tests import parity
 
 WORLD, LOCAL, STEPS, LR = 4, 2, 3, 0.02
@@ -46,6 +47,12 @@ VARIANTS = {
                                 fssdp=dict(materialize="sparse", overlap_degree=2,
                                            memory_capacity=2, calibrate=True,
                                            bandwidth_Bps=1e12, rematerialize=True)),
+    # Algorithm 1 with m from a memory budget (bytes, per rank: 1, 3, 2, 1 extra experts; the
+    # ranks agree on the least, m = 1 < t = 3: lines 6-11) and calibration after the gate
+    "fssdp_sparse_budget": dict(placement="fssdp",
+                                fssdp=dict(materialize="sparse", overlap_degree=3,
+                                           calibrate=True, bandwidth_Bps=1e12),
+                                budget_slots=(1, 3, 2, 1)),
     "fssdp_random_rm_r2": dict(placement="fssdp", pipeline_degree=2, schedule="optsche",
                                fssdp=dict(materialize="manual", rematerialize=True),
                                holders=RANDOM),
@@ -84,6 +91,13 @@ def dense(layer, grads: bool) -> dict:
 def run(name: str, topo: Topology, variant: dict) -> list[dict]:
     variant = dict(variant)
     holders = variant.pop("holders", None)
+    budget_slots = variant.pop("budget_slots", None)
+    if budget_slots is not None:        # this rank's budget: its slots and half a slot more
+        probe = parity.make_layer(name, Topology.single()).experts
+        numel = sum(p[0].numel() for p in probe.parameters())
+        per_slot = slot_bytes(numel, torch.float64.itemsize)
+        variant["fssdp"] = dict(variant["fssdp"], memory_budget_bytes=int(
+            (budget_slots[topo.rank] + 0.5) * per_slot))
     layer = parity.make_layer(name, topo, **variant)
     opt = torch.optim.AdamW(layer.parameters(), lr=LR)
     steps = []
@@ -104,6 +118,8 @@ def run(name: str, topo: Topology, variant: dict) -> list[dict]:
             rec["states"] = len(opt.state)
             rec["bytes"] = dict(layer.experts.bytes)
             rec["holders"] = [sorted(h) for h in layer.experts.last_placement.holders]
+            rec["m"] = layer.experts.memory_capacity
+            rec["branch"] = layer.experts.last_branch
         steps.append(rec)
     return steps
 

@@ -72,7 +72,8 @@ def test_one_copy_of_each_expert_and_its_state(results, variant):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("variant", ["fssdp_sparse", "fssdp_sparse_cal_rm"])
+@pytest.mark.parametrize("variant", ["fssdp_sparse", "fssdp_sparse_cal_rm",
+                                     "fssdp_sparse_budget"])
 def test_algorithm1_gives_every_rank_the_same_plan(results, variant):
     for case in w.CASES:
         if (case, variant) not in w.pairs():
@@ -83,6 +84,26 @@ def test_algorithm1_gives_every_rank_the_same_plan(results, variant):
     # from the second step on, the window's hot experts are replicated
     plans = results[0]["hot_expert_dropless", variant][1]["holders"]
     assert len(plans[5]) > 1
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", w.FULL_CASES)
+def test_memory_budget_sets_m_and_runs_the_slots_by_load_branch(results, case):
+    """m from the ranks' byte budgets (1, 3, 2, 1 extra experts): every rank agrees on the
+    least, so t = 3 > m = 1 and Algorithm 1 takes lines 6-11 on the real layer; each rank then
+    holds at most one expert it does not own (calibration included), and the parity with one
+    process is test_matches_reference_over_adamw_steps's fssdp_sparse_budget rows."""
+    for step in range(w.STEPS):
+        recs = [results[r][case, "fssdp_sparse_budget"][step] for r in range(w.WORLD)]
+        assert [g["m"] for g in recs] == [1] * w.WORLD
+        if step == 0:                   # no load window yet: P' = P
+            assert all(g["branch"] is None for g in recs)
+            continue
+        assert all(g["branch"] == "slots_by_load" for g in recs)
+        holders = recs[0]["holders"]
+        for d in range(w.WORLD):
+            assert sum(d in h and e // 2 != d for e, h in enumerate(holders)) <= 1
+        assert sum(len(h) - 1 for h in holders) >= 1      # some expert is replicated
 
 
 @pytest.mark.multirank

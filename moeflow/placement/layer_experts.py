@@ -47,8 +47,9 @@ from moeflow.errors import ConfigError
 from moeflow.experts.activations import build_activation
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
 from moeflow.placement.optimizers import mark_slots
-from moeflow.placement.materialize import (LoadWindow, calibrate, link_bandwidth,
-                                           overlap_degree, sparse_materialize)
+from moeflow.placement.materialize import (LoadWindow, algorithm1_branch, calibrate,
+                                           link_bandwidth, overlap_degree, sparse_materialize)
+from moeflow.placement.memory import capacity_from_budget, free_bytes, slot_bytes
 from moeflow.placement.options import FSSDPOptions
 from moeflow.placement.placement import Placement
 from moeflow.placement.timing import LazyInterval
@@ -209,8 +210,14 @@ class FSSDPExperts(nn.Module):
         if options.materialize == "sparse" and options.overlap_degree is None \
                 and self.bandwidth is None:
             self.bandwidth = link_bandwidth(options.links, world // local_size > 1)
+        # m: the option, or from a memory budget (agreed in each count exchange: None until
+        # the first one, when Algorithm 1 has no loads yet), or the number of owned experts
+        self.budgeted = (options.memory_budget_bytes is not None
+                         or options.memory_budget_fraction is not None)
         self.memory_capacity = (options.memory_capacity if options.memory_capacity is not None
-                                else len(self.slot_index))
+                                else None if self.budgeted else len(self.slot_index))
+        self.memory_free: int | None = None  # this rank's last free-memory measurement
+        self.last_branch: str | None = None  # Algorithm 1's branch for the last sparse P'
         self.non_moe = LazyInterval()       # block start (prefetch) -> layer start
         self.expert_phase = LazyInterval()  # the exchange + experts of the forward
         self.non_moe_s = 0.0                # the ranks' mean of the last measurements
@@ -250,7 +257,10 @@ class FSSDPExperts(nn.Module):
         if mode == "static" or loads is None:
             return self.owners                          # P' = P
         self.last_t = self.overlap()
-        return sparse_materialize(self.owners, loads, self.last_t, self.memory_capacity,
+        # a budget not yet measured (e.g. right after a checkpoint load): no extra memory
+        m = 0 if self.memory_capacity is None else self.memory_capacity
+        self.last_branch = algorithm1_branch(self.last_t, m, self.num_experts)
+        return sparse_materialize(self.owners, loads, self.last_t, m,
                                   self.local_size)      # Algorithm 1
 
     # -- spAG -------------------------------------------------------------------------------
@@ -317,9 +327,13 @@ class FSSDPExperts(nn.Module):
         placement, got = self._current
         extras = [round(self.non_moe.seconds() * 1e6), round(self.expert_phase.seconds() * 1e9
                                                              / max(1, self._my_load()))]
+        if self.budgeted:                # this rank's m from its budget, agreed below
+            extras.append(self._budget_capacity(got))
         kept = KeptChoices(experts, self.num_experts, capacity, self.group, self.world, extras)
         self.non_moe_s = float(kept.extras[:, 0].mean()) / 1e6
         self.token_s = float(kept.extras[:, 1].mean()) / 1e9
+        if self.budgeted:                # the smallest rank's m: every rank plans the same P'
+            self.memory_capacity = int(kept.extras[:, 2].min())
         loads = kept.every.sum(0)
         if self.options.calibrate and self.world > 1 and self.token_s > 0:
             better = calibrate(self.owners, placement, kept.every, self.overlap(),
@@ -345,6 +359,24 @@ class FSSDPExperts(nn.Module):
         self.last_placement = placement
         self.expert_phase.start(self.slots.device)
         return plan
+
+    def _budget_capacity(self, received: dict) -> int:
+        """This rank's ``m`` from its memory budget (:mod:`moeflow.placement.memory`): the
+        free memory is measured now, before the held experts are stacked, plus this
+        iteration's received replicas (freed before the next iteration's arrive)."""
+        o = self.options
+        free = free_bytes(self.slots.device)
+        if free is None and o.memory_budget_fraction is not None:
+            raise ConfigError(f"MoEConfig.fssdp.memory_budget_fraction="
+                              f"{o.memory_budget_fraction!r} needs the free memory, which "
+                              f"cannot be measured on {self.slots.device}: give "
+                              "memory_budget_bytes instead")
+        if free is not None:
+            free += sum(t.numel() * t.element_size() for t in received.values())
+        self.memory_free = free
+        m = capacity_from_budget(o.memory_budget_bytes, o.memory_budget_fraction, free,
+                                 slot_bytes(self.numel, self.slots.element_size()))
+        return min(m, self.num_experts)     # Algorithm 1 line 1 caps m at t <= |E| anyway
 
     def _held_dtype(self) -> torch.dtype:
         """The dtype of the materialized held experts. HECATE-RM under autocast (e.g. bf16):

@@ -179,6 +179,16 @@ def sparse_materialize(owners: Placement, loads, t: int, m, local_size: int,
     return owners.materialize(holders)
 
 
+def algorithm1_branch(t: int, m: int, num_experts: int) -> str:
+    """Which branch of Algorithm 1 :func:`sparse_materialize` takes for scalar ``t`` and ``m``:
+    ``"none"`` (``t = 0``: ``P' = P``), ``"replicate"`` (lines 3-5, ``t <= m``: the top-``t``
+    experts on every device, FasterMoE's shadowing) or ``"slots_by_load"`` (lines 6-11)."""
+    t = min(int(t), num_experts)
+    if t == 0:
+        return "none"
+    return "replicate" if t <= min(int(m), t) else "slots_by_load"
+
+
 def replicas_per_device(placement: Placement) -> np.ndarray:
     """Experts each device holds without owning them."""
     return np.array([len(placement.replicas(d)) for d in range(placement.world_size)])

@@ -33,7 +33,11 @@ class FSSDPOptions:
     ``overlap_degree`` is ``t`` (None: ``T_non-MoE * bw / expert_size`` from the measured time
     between the block's start and the layer, and ``bw`` = ``bandwidth_Bps``, or the inter-node
     point-to-point fit of the ``links`` JSON of ``moeflow bench links``); ``memory_capacity``
-    is ``m``, the replicas a rank may hold (None: as many as it owns); ``window`` is ``w``
+    is ``m``, the replicas a rank may hold, given directly; ``memory_budget_bytes`` (bytes)
+    or ``memory_budget_fraction`` (of the measured free memory) derive ``m`` instead, at each
+    count exchange, as the extra experts that fit in the budget, the minimum over the ranks
+    (:mod:`moeflow.placement.memory`); with none of the three, ``m`` is the number of experts
+    a rank owns. ``window`` is ``w``
     (HECATE: 5); ``calibrate`` re-plans after the gate with the real loads and keeps the new
     plan only if its predicted latency, extra spAG included, is lower.
 
@@ -46,6 +50,8 @@ class FSSDPOptions:
     early_gather: bool = True
     overlap_degree: int | None = None
     memory_capacity: int | None = None
+    memory_budget_bytes: int | None = None
+    memory_budget_fraction: float | None = None
     bandwidth_Bps: float | None = None
     links: str | None = None
     window: int = 5
@@ -67,6 +73,26 @@ class FSSDPOptions:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ConfigError(f"{o}.{name}={v!r} is invalid: give an integer >= 0 (a "
                                   "number of experts) or None to derive it")
+        v = self.memory_budget_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ConfigError(f"{o}.memory_budget_bytes={v!r} is invalid: give the bytes each "
+                              "rank may spend on materialized experts per layer (an integer "
+                              ">= 0), or None")
+        v = self.memory_budget_fraction
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0 < v <= 1):
+            raise ConfigError(f"{o}.memory_budget_fraction={v!r} is invalid: give a fraction "
+                              "of the measured free memory in (0, 1], or None")
+        given = [n for n in ("memory_capacity", "memory_budget_bytes", "memory_budget_fraction")
+                 if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ConfigError(f"{o}: {' and '.join(given)} are both set: m is either a count "
+                              "(memory_capacity) or derived from one budget (memory_budget_bytes "
+                              "or memory_budget_fraction); keep one")
+        if given and given[0] != "memory_capacity" and self.materialize != "sparse":
+            raise ConfigError(f"{o}.{given[0]} is invalid with materialize="
+                              f"{self.materialize!r}: the budget sets Algorithm 1's m; use "
+                              "materialize='sparse'")
         if isinstance(self.reshard_every, bool) or not isinstance(self.reshard_every, int) \
                 or self.reshard_every < 0:
             raise ConfigError(f"{o}.reshard_every={self.reshard_every!r} is invalid: give "
