@@ -660,7 +660,8 @@ class TrainConfig:
     """
 
     steps: int = 1000
-    batch_size: int = 16          # sequences per rank per step
+    batch_size: int = 16          # sequences per rank per micro-batch
+    grad_accum: int = 1           # micro-batches per optimizer step (gradient accumulation)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int | None = None   # None = min(30, steps // 10)
@@ -699,6 +700,10 @@ class TrainConfig:
             v = getattr(self, name)
             self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
                           "must be a positive integer")
+        v = self.grad_accum
+        self._require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "grad_accum",
+                      "must be an integer >= 1 (micro-batches of --batch-size sequences per "
+                      "optimizer step; 1: no accumulation)")
         if self.warmup_steps is None:
             self.warmup_steps = min(30, self.steps // 10)
         self._require(self.lr > 0, "lr", "must be > 0")

@@ -28,7 +28,9 @@ from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, check_sa
 # help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
 TRAIN_HELP = {
     "steps": "optimizer steps in all; a resumed run continues up to this step",
-    "batch_size": "sequences per rank per step",
+    "batch_size": "sequences per rank per micro-batch (a step is --grad-accum of them)",
+    "grad_accum": "micro-batches per optimizer step: gradients are accumulated over them and "
+                  "synchronised once (global batch: nproc / mp x batch-size x grad-accum)",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "the cosine decay ends at this fraction of --lr",
     "warmup_steps": "steps of linear learning-rate warm-up (default: min(30, steps // 10))",
