@@ -23,6 +23,8 @@ with a checkpoint there (exit status ``PREEMPTED_EXIT``).
 Gradient accumulation (``TrainConfig.grad_accum``, ``--grad-accum N``): a step runs N
 micro-batches of ``batch_size`` sequences, adds their gradients and synchronises, clips and
 steps once; the router biases (DeepSeek-V3) are updated once per step with the loads of all N.
+Activation recomputation (``TrainConfig.recompute``, ``--recompute full|moe_act``): every block
+under non-reentrant ``torch.utils.checkpoint``, or only the MoE experts' activations.
 
 Host synchronisation: a training step leaves its loss, auxiliary loss and balance loss on the
 device as tensors and clips gradients with tensor ops, so no step waits for the device except
@@ -123,6 +125,15 @@ def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology,
     return _world_mean((total / cfg.eval_batches).reshape(1), topo)[0]
 
 
+def build_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
+    """The model config the ranks build: ``recompute="moe_act"`` sets
+    ``MoEConfig.recompute`` in every MoE block (the run's ``config.json`` keeps the model
+    config as given: recomputation changes memory and time, not the function)."""
+    if train_cfg.recompute != "moe_act":
+        return model_cfg
+    return dataclasses.replace(model_cfg, moe={**(model_cfg.moe or {}), "recompute": "moe_act"})
+
+
 def micro_batches(corpus: Corpus, cfg: TrainConfig, seq_len: int, step: int,
                   dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``grad_accum`` micro-batches of optimizer step ``step`` on data-parallel rank
@@ -221,7 +232,9 @@ class Trainer:
         self.device = resolve_device(train_cfg.device, "TrainConfig.device")
         self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
         # replicas start equal (broadcast from rank 0 of each replica group)
-        self.model = prepare_model(GPT(model_cfg, topo).to(self.device), topo)
+        self.model = prepare_model(GPT(build_config(model_cfg, train_cfg), topo)
+                                   .to(self.device), topo)
+        self.model.checkpoint_blocks = train_cfg.recompute == "full"
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.start_step = 0           # the step this run started from (resumed: the checkpoint's)

@@ -95,3 +95,29 @@ def test_moe_recompute_is_validated(bad):
 def test_train_recompute_is_validated():
     with pytest.raises(ConfigError, match=r"^--recompute: TrainConfig.recompute='selective'"):
         TrainConfig(recompute="selective")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_trainer_recompute_modes_train_the_same_function(tmp_path):
+    from moeflow.launch import launch_local
+    from tests import recompute_cases
+
+    results = launch_local(recompute_cases.worker, 2, str(tmp_path), timeout_s=300)
+    for r in results.values():
+        ref = r["none"]
+        # forwards per MoE layer: the step-0 and final evaluations (1 batch each) and one per
+        # micro-batch of the 2 steps, plus one rerun per micro-batch under full recompute
+        layers = len(r["none"]["moe_recompute"])
+        assert ref["forwards"] == layers * (2 + 2)
+        assert r["moe_act"]["forwards"] == ref["forwards"]
+        assert r["moe_act"]["moe_recompute"] == ["moe_act"] * layers
+        assert r["full"]["forwards"] == ref["forwards"] + layers * 2   # one rerun per step
+        assert r["full_accum2"]["forwards"] == layers * (2 + 2 * 2 * 2)
+        # (micro-batches have their own capacity and balancing loss: compared with accum2)
+        for name, ref in (("full", r["none"]), ("moe_act", r["none"]),
+                          ("full_accum2", r["accum2"])):
+            assert r[name]["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
+            for n in ref["params"]:
+                torch.testing.assert_close(r[name]["params"][n], ref["params"][n], rtol=1e-4,
+                                           atol=1e-5, msg=f"{name}: {n}")

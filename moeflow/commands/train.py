@@ -29,6 +29,9 @@ from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, check_sa
 TRAIN_HELP = {
     "steps": "optimizer steps in all; a resumed run continues up to this step",
     "batch_size": "sequences per rank per micro-batch (a step is --grad-accum of them)",
+    "recompute": "activation recomputation: none, full (every block recomputed in backward, "
+                 "torch.utils.checkpoint) or moe_act (the MoE layers keep their exchanged "
+                 "tokens and recompute their experts' activations)",
     "grad_accum": "micro-batches per optimizer step: gradients are accumulated over them and "
                   "synchronised once (global batch: nproc / mp x batch-size x grad-accum)",
     "lr": "peak learning rate (AdamW)",
