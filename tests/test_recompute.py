@@ -121,3 +121,18 @@ def test_trainer_recompute_modes_train_the_same_function(tmp_path):
             for n in ref["params"]:
                 torch.testing.assert_close(r[name]["params"][n], ref["params"][n], rtol=1e-4,
                                            atol=1e-5, msg=f"{name}: {n}")
+
+
+def test_fssdp_refuses_recomputation():
+    from moeflow.commands.train import check_layout
+    from moeflow.config import ModelConfig
+
+    with pytest.raises(ConfigError, match=r"MoEConfig.recompute='moe_act'.*placement='fssdp'"):
+        mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, placement="fssdp",
+                     recompute="moe_act")
+    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
+                       d_expert=32, placement="fssdp")
+    for mode in ("full", "moe_act"):
+        with pytest.raises(ConfigError, match=rf"^--recompute: TrainConfig.recompute='{mode}' "
+                                              r"is invalid with placement='fssdp'"):
+            check_layout(mcfg, TrainConfig(recompute=mode), 2)

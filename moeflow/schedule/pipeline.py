@@ -73,18 +73,21 @@ class ScheduledExperts:
     def __init__(self, experts: torch.nn.Module, algo: AllToAll, codec: Codec,
                  backward_codec: Codec, scheduler: Scheduler, r: int, lane: CommLane,
                  timeline: Timeline | None, nonfinite: torch.Tensor | None = None,
-                 shared: torch.nn.Module | None = None, recompute: bool = False):
+                 shared: torch.nn.Module | None = None, recompute: bool = False,
+                 can_recompute: bool = True):
         self.experts, self.algo, self.codec = experts, algo, codec
         self.shared = shared             # shared experts (task S), or None
         self.backward_codec, self.scheduler, self.r = backward_codec, scheduler, r
         self.lane, self.timeline = lane, timeline
         self.nonfinite = nonfinite       # 0-dim counter, in place; None: not counted
         self.recompute = recompute       # keep the experts' inputs, not their graphs
+        self.can_recompute = can_recompute   # False: the experts exist during forward only
 
     def saves_inputs(self) -> bool:
         """Whether this forward keeps the experts' input rows and recomputes them in backward
         (module docstring, "Recomputation"): asked, or saved-tensor hooks are active."""
-        return self.recompute or _top_saved_tensors_default_hooks(False) is not None
+        return self.can_recompute and (self.recompute
+                                       or _top_saved_tensors_default_hooks(False) is not None)
 
     def _encode(self, codec: Codec, x: torch.Tensor):
         if self.nonfinite is not None and not codec.represents_nonfinite:

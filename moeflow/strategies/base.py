@@ -48,6 +48,9 @@ class ExpertStrategy:
 
     name = "ep"
     trims_padding = True    # capacity mode may send only the kept rows (capacity_padding)
+    # the experts can run again in backward from their saved input rows (MoEConfig.recompute,
+    # schedule/pipeline.py "Recomputation"); False where they exist only during the forward
+    recomputes_experts = True
 
     def __init__(self, layer) -> None:
         self.layer = layer
