@@ -47,6 +47,8 @@ BALANCE_LOSSES = ("all_choices", "first_choice")   # = moeflow.routing.losses.BA
 # moeflow/experts/structure.py for what each one computes.
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
 CAPACITY_PADDINGS = ("auto", "pad", "trim")
+MOE_RECOMPUTES = ("none", "moe_act")         # MoEConfig.recompute
+TRAIN_RECOMPUTES = ("none", "full", "moe_act")   # TrainConfig.recompute
 DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
 DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
 
@@ -266,6 +268,11 @@ class MoEConfig:
     # all-reduce of Algorithm 1's predictions (moeflow/parallel/parm/algorithm1.py). Each
     # first call checks the promise and raises a ConfigError naming this field if it fails.
     equal_rank_tokens: bool = False
+    # Activation memory of the experts (moeflow/schedule/pipeline.py, "Recomputation"):
+    # "none" keeps each expert's hidden activations for backward; "moe_act" keeps only the
+    # exchanged tokens (the experts' input rows) and recomputes the experts' activations in
+    # backward (Megatron-core's moe_act recompute; here the first matmul is recomputed too).
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
@@ -286,6 +293,12 @@ class MoEConfig:
                      and not isinstance(self.pipeline_degree, bool) and self.pipeline_degree > 0,
                      o, "pipeline_degree", self.pipeline_degree,
                      "must be a positive integer, or 'auto' (measured at the first forward)")
+        _require(self.recompute in MOE_RECOMPUTES, o, "recompute", self.recompute,
+                 "choose 'none' (keep the experts' activations) or 'moe_act' (keep the "
+                 "exchanged tokens, recompute the experts' activations in backward)")
+        _require(self.recompute == "none" or self.placement == "ep", o, "recompute",
+                 self.recompute, "placement='fssdp' materializes its experts per forward and "
+                 "releases them (HECATE-RM): use recompute='none' with FSSDP")
         _require(self.capacity_padding in CAPACITY_PADDINGS, o, "capacity_padding",
                  self.capacity_padding, "choose 'auto' (trim on CPU, pad elsewhere), 'pad' "
                  "(send all E*C capacity rows) or 'trim' (send only the kept rows)")
@@ -720,7 +733,11 @@ class TrainConfig:
     """
 
     steps: int = 1000
-    batch_size: int = 16          # sequences per rank per step
+    batch_size: int = 16          # sequences per rank per micro-batch
+    grad_accum: int = 1           # micro-batches per optimizer step (gradient accumulation)
+    # activation recomputation (docs/training.md): "full" runs every block under
+    # torch.utils.checkpoint (non-reentrant), "moe_act" sets MoEConfig.recompute="moe_act"
+    recompute: str = "none"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int | None = None   # None = min(30, steps // 10)
@@ -759,6 +776,10 @@ class TrainConfig:
             v = getattr(self, name)
             self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
                           "must be a positive integer")
+        v = self.grad_accum
+        self._require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "grad_accum",
+                      "must be an integer >= 1 (micro-batches of --batch-size sequences per "
+                      "optimizer step; 1: no accumulation)")
         if self.warmup_steps is None:
             self.warmup_steps = min(30, self.steps // 10)
         self._require(self.lr > 0, "lr", "must be > 0")
@@ -779,6 +800,9 @@ class TrainConfig:
             v = getattr(self, name)
             self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
                           "must be a positive integer (1: no Parm parallelism of that kind)")
+        self._require(self.recompute in TRAIN_RECOMPUTES, "recompute",
+                      "choose 'none', 'full' (recompute every block in backward) or 'moe_act' "
+                      "(keep the MoE layers' exchanged tokens, recompute their experts)")
         self._require(self.device in DEVICES, "device",
                       f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
         self._require(self.dtype in DTYPES, "dtype",

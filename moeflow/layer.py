@@ -258,7 +258,9 @@ class MoELayer(nn.Module):
         runner = ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite, self.shared,
-                                  inter_bytes)
+                                  inter_bytes,
+                                  recompute=cfg.recompute == "moe_act",
+                                  can_recompute=s.recomputes_experts)
         back, shared_y = s.exchange(t.mark(send, None), plan, runner, tokens, call)
         if self.shared is not None and shared_y is None:   # not overlapped by the strategy
             shared_y = self.shared(tokens)

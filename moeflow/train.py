@@ -20,6 +20,12 @@ pruned to the newest K; ranks restarted by torch's elastic agent resume from the
 complete checkpoint by themselves; SIGTERM / SIGUSR1 make every rank stop after the same step
 with a checkpoint there (exit status ``PREEMPTED_EXIT``).
 
+Gradient accumulation (``TrainConfig.grad_accum``, ``--grad-accum N``): a step runs N
+micro-batches of ``batch_size`` sequences, adds their gradients and synchronises, clips and
+steps once; the router biases (DeepSeek-V3) are updated once per step with the loads of all N.
+Activation recomputation (``TrainConfig.recompute``, ``--recompute full|moe_act``): every block
+under non-reentrant ``torch.utils.checkpoint``, or only the MoE experts' activations.
+
 Host synchronisation: a training step leaves its loss, auxiliary loss and balance loss on the
 device as tensors and clips gradients with tensor ops, so no step waits for the device except
 at logging intervals, where the accumulated statistics are averaged over ranks in one
@@ -119,6 +125,56 @@ def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, topo: Topology,
     return _world_mean((total / cfg.eval_batches).reshape(1), topo)[0]
 
 
+def build_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
+    """The model config the ranks build: ``recompute="moe_act"`` sets
+    ``MoEConfig.recompute`` in every MoE block (the run's ``config.json`` keeps the model
+    config as given: recomputation changes memory and time, not the function)."""
+    if train_cfg.recompute != "none" and model_cfg.placement == "fssdp":
+        raise ConfigError(f"--recompute: TrainConfig.recompute={train_cfg.recompute!r} is "
+                          "invalid with placement='fssdp': FSSDP materializes its experts for "
+                          "one forward and releases them (HECATE Section 3.2), so neither the "
+                          "block nor the experts can be rerun in backward; use --recompute none")
+    if train_cfg.recompute != "moe_act":
+        return model_cfg
+    return dataclasses.replace(model_cfg, moe={**(model_cfg.moe or {}), "recompute": "moe_act"})
+
+
+def micro_batches(corpus: Corpus, cfg: TrainConfig, seq_len: int, step: int,
+                  dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``grad_accum`` micro-batches of optimizer step ``step`` on data-parallel rank
+    ``dp_rank``: the step's ``grad_accum * batch_size`` sequences (drawn as one batch, so
+    ``--batch-size B --grad-accum N`` sees exactly the sequences of ``--batch-size N*B``), cut
+    into ``grad_accum`` consecutive parts of ``batch_size``."""
+    x, y = corpus.batch("train", cfg.batch_size * cfg.grad_accum, seq_len, cfg.seed, step,
+                        dp_rank)
+    return list(zip(x.split(cfg.batch_size), y.split(cfg.batch_size)))
+
+
+def accumulate_gradients(model: GPT, micro: list[tuple[torch.Tensor, torch.Tensor]],
+                         device: torch.device = torch.device("cpu"),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Forward and backward every micro-batch, adding ``(ce_i + aux_i) / N`` gradients into
+    ``.grad`` (no collective of its own: the caller synchronises once, after the last
+    micro-batch). With equal micro-batches the cross-entropy part is the gradient of the mean
+    over all ``N`` micro-batches' tokens, i.e. of the N-times batch; the MoE layers' capacity
+    and balancing loss are those of each micro-batch (docs/training.md, "Gradient
+    accumulation"). Returns ``[ce, aux_loss, balance_loss]``, means over the micro-batches,
+    as a float64 tensor on ``device`` (not read: no host synchronisation)."""
+    n = len(micro)
+    out = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y in micro:
+        with autocast(device, dtype):
+            _, ce = model(_to_device(x, device), _to_device(y, device))
+            aux = model.aux_loss
+        ((ce + aux) / n).backward()
+        balance = [torch.as_tensor(m.stat_tensors["balance_loss"], device=device).double()
+                   for m in model.moe_layers()]
+        out += torch.stack([ce.detach().double(), aux.detach().double().to(device),
+                            torch.stack(balance).sum() if balance
+                            else torch.zeros((), dtype=torch.float64, device=device)])
+    return out / n
+
+
 def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
     """The latest complete checkpoint of a run folder and its step (``FileNotFoundError`` if
     none). One cut short by a crash is skipped with a warning (:func:`checkpoint.find_latest`)."""
@@ -192,8 +248,10 @@ class Trainer:
         self.device = resolve_device(train_cfg.device, "TrainConfig.device")
         self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
         # replicas start equal (broadcast from rank 0 of each replica group)
-        self.model = prepare_model(GPT(fixed_shape_batches(model_cfg), topo).to(self.device),
-                                   topo)
+        self.model = prepare_model(
+            GPT(fixed_shape_batches(build_config(model_cfg, train_cfg)), topo).to(self.device),
+            topo)
+        self.model.checkpoint_blocks = train_cfg.recompute == "full"
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.start_step = 0           # the step this run started from (resumed: the checkpoint's)
@@ -359,29 +417,22 @@ class Trainer:
         return evaluate(self.model, self.corpus, self.cfg, self.topo, self.device, self.dtype)
 
     def train_step(self) -> torch.Tensor:
-        """One optimisation step; returns ``[loss, aux_loss, balance_loss]`` as a float64
-        tensor on the device (reading it is the caller's choice: it waits for the device)."""
+        """One optimisation step over ``grad_accum`` micro-batches; returns ``[loss, aux_loss,
+        balance_loss]`` (means over the micro-batches) as a float64 tensor on the device
+        (reading it is the caller's choice: it waits for the device)."""
         cfg, topo = self.cfg, self.topo
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, cfg)
-        x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.seq_len, cfg.seed,
-                                 self.step, topo.dp_rank)     # an MP group shares its batch
-        with autocast(self.device, self.dtype):
-            _, ce = self.model(_to_device(x, self.device), _to_device(y, self.device))
-            aux = self.model.aux_loss
+        micro = micro_batches(self.corpus, cfg, self.mcfg.seq_len, self.step, topo.dp_rank)
         self.opt.zero_grad(set_to_none=True)
-        (ce + aux).backward()
-        sync_gradients(self.model, topo)
+        stats = accumulate_gradients(self.model, micro, self.device, self.dtype)
+        sync_gradients(self.model, topo)           # once per optimizer step
         clip_gradients(self.model, topo, cfg.grad_clip)
         self.opt.step()
         update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
         maybe_reshard(self.model, self.opt, self.step)   # HECATE Alg. 2 (fssdp.reshard_every)
-        balance = [torch.as_tensor(m.stat_tensors["balance_loss"], device=self.device).double()
-                   for m in self.model.moe_layers()]
-        return torch.stack([ce.detach().double(), aux.detach().double().to(self.device),
-                            torch.stack(balance).sum() if balance
-                            else torch.zeros((), dtype=torch.float64, device=self.device)])
+        return stats
 
     def run(self, resume: bool = False, restart: int = 0) -> dict:
         """Train up to ``cfg.steps``. ``resume``: from the latest complete checkpoint.
@@ -410,7 +461,8 @@ class Trainer:
             self._write_config()
         if topo.distributed:
             dist.barrier()
-        tokens_per_step = topo.dp_size * cfg.batch_size * self.mcfg.seq_len
+        tokens_per_step = (topo.dp_size * cfg.batch_size * cfg.grad_accum
+                           * self.mcfg.seq_len)
         bar = None
         if self.progress:
             from tqdm import tqdm

@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from moeflow import Topology
 from moeflow.schedule.streams import CommLane
@@ -67,7 +68,16 @@ CASES = {
                              dict(placement="fssdp", **R2,
                                   fssdp=dict(materialize="manual", rematerialize=True,
                                              early_gather=True)), HOLDERS),
+    # activation recomputation (moeflow/schedule/pipeline.py, "Recomputation"): the layer
+    # under torch.utils.checkpoint (its forward rerun in backward), and moe_act
+    "ep_r2_optsche_checkpoint": (None, "capacity_k2", R2, None),
+    "ep_r2_optsche_checkpoint_reentrant": (None, "capacity_k2", R2, None),
+    "ep_r2_optsche_moe_act": (None, "capacity_k2", dict(recompute="moe_act", **R2), None),
+    "parm_baseline_esp2_r2_checkpoint": ((1, 2, 2, True), "expert_bias_capacity", R2, None),
 }
+# the cases whose layer runs under torch.utils.checkpoint: use_reentrant
+CHECKPOINTED = {"ep_r2_optsche_checkpoint": False, "ep_r2_optsche_checkpoint_reentrant": True,
+                "parm_baseline_esp2_r2_checkpoint": False}
 
 
 class Recorder:
@@ -178,7 +188,11 @@ def run_case(key: str) -> tuple[list[tuple], tuple]:
         rec.on = True
         for _ in range(2):                     # two steps: each step's order, and across them
             layer.prefetch()                   # HECATE FSSDP's early spAG; no-op otherwise
-            y = layer(x)
+            if key in CHECKPOINTED:
+                y = torch.utils.checkpoint.checkpoint(layer, x,
+                                                      use_reentrant=CHECKPOINTED[key])
+            else:
+                y = layer(x)
             parity.local_loss(y, g, layer).backward()
         rec.on = False
     layer.lane.close()

@@ -87,3 +87,16 @@ def test_the_early_spag_runs_on_the_lane(events):
         p2p = [t for _r, op, _c, t, _b in events[rank]["fssdp_prefetch_rm_r2"]
                if op == "batch_isend_irecv"]
         assert any(t.startswith(worker.LANE_THREAD) for t in p2p), (rank, p2p)
+
+
+@pytest.mark.multirank
+def test_recomputation_reruns_the_forward_collectives_once(events):
+    """Under torch.utils.checkpoint the layer's forward runs once more in backward: its
+    collectives are issued again (the per-group checks above hold them identical across ranks);
+    moe_act recomputes the experts only, so it issues exactly what the plain layer issues."""
+    for rank in range(WORLD):
+        plain = [e[:3] for e in events[rank]["ep_r2_optsche"]]
+        assert [e[:3] for e in events[rank]["ep_r2_optsche_moe_act"]] == plain
+        for key in ("ep_r2_optsche_checkpoint", "ep_r2_optsche_checkpoint_reentrant"):
+            ckpt = [e[:3] for e in events[rank][key]]
+            assert len(plain) < len(ckpt) < 2 * len(plain), key

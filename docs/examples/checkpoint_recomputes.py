@@ -6,7 +6,9 @@ activation checkpointing (counted by a hook on the router), per checkpointing mo
 Non-reentrant checkpointing recomputes the region once per backward graph task that unpacks
 one of its saved tensors; the layer's backward differentiates the experts' (and the shared
 experts') graphs with nested ``torch.autograd.grad`` calls (the ScheMoE task executor,
-moeflow/schedule/pipeline.py), each of which is such a task. See docs/hf.md.
+moeflow/schedule/pipeline.py), each of which is such a task, so the layer keeps only the
+experts' inputs while saved-tensor hooks are active and recomputes them in its backward: 2
+forwards in every case. See docs/hf.md.
 """
 
 from __future__ import annotations

@@ -21,14 +21,19 @@ from moeflow.commands.common import (add_device_arg, add_launch_args, parse_over
 from moeflow.config import DTYPES, ConfigError, ModelConfig, PRESETS, TrainConfig, model_preset
 from moeflow.data import Corpus, skipped_note
 from moeflow.launch import under_torchrun
-from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, check_same_model,
-                           latest_checkpoint, train_worker)
+from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, build_config,
+                           check_same_model, latest_checkpoint, train_worker)
 
 
 # help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
 TRAIN_HELP = {
     "steps": "optimizer steps in all; a resumed run continues up to this step",
-    "batch_size": "sequences per rank per step",
+    "batch_size": "sequences per rank per micro-batch (a step is --grad-accum of them)",
+    "recompute": "activation recomputation: none, full (every block recomputed in backward, "
+                 "torch.utils.checkpoint) or moe_act (the MoE layers keep their exchanged "
+                 "tokens and recompute their experts' activations)",
+    "grad_accum": "micro-batches per optimizer step: gradients are accumulated over them and "
+                  "synchronised once (global batch: nproc / mp x batch-size x grad-accum)",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "the cosine decay ends at this fraction of --lr",
     "warmup_steps": "steps of linear learning-rate warm-up (default: min(30, steps // 10))",
@@ -114,6 +119,7 @@ def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int,
                  local: int | None = None) -> None:
     """The expert-parallel (and Parm MP / ESP) layout the ranks will build, checked before
     they start. ``local``: ranks per node (default: all on one node)."""
+    build_config(mcfg, tcfg)                 # what --recompute composes with
     if tcfg.mp_size > 1 or tcfg.esp_size > 1:
         check_parm_sizes(mcfg, tcfg, world, local or world)
     esp = tcfg.esp_size if world % tcfg.esp_size == 0 else 1

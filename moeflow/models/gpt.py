@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ModelConfig
 from moeflow.init import seeded_normal
@@ -89,6 +90,9 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, topo) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        # activation recomputation (TrainConfig.recompute="full"): every block's forward runs
+        # under non-reentrant torch.utils.checkpoint and again in backward
+        self.checkpoint_blocks = False
         share_slots(fssdp_layers(self))          # HECATE Alg. 2: one slot tensor per rank
         self._init_dense()
 
@@ -130,7 +134,10 @@ class GPT(nn.Module):
                              f"{self.cfg.seq_len}; crop the input or raise seq_len")
         x = self.tok(idx) + self.pos(torch.arange(S, device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.ln_f(x) @ self.tok.weight.t()
         if targets is None:
             return logits, None

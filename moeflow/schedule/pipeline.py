@@ -17,11 +17,27 @@ give the same function; a chunk may be empty (r larger than a rank's rows is leg
 * Shared experts (``ScheduledExperts.shared``) run as the side task ``S`` on this rank's
   tokens: in forward on the layer input, in backward on the gradient of their output, each
   time while the first all-to-all of the pass is in flight (:mod:`.executor`).
+
+Recomputation. By default the forward keeps each chunk's expert graph (its hidden
+activations) for the backward's nested ``torch.autograd.grad``. It keeps only the experts'
+input rows (the exchanged tokens) instead, saved through ``ctx.save_for_backward``, and
+recomputes each chunk's experts inside backward task E right before differentiating them,
+when either
+
+* ``recompute`` is set (``MoEConfig.recompute="moe_act"``, Megatron-core's ``moe_act``
+  recompute: the exchanged tokens stay, the experts' activations are recomputed), or
+* saved-tensor hooks are active in forward (``torch.utils.checkpoint`` without reentrance,
+  ``save_on_cpu``): the hooks then see the expert inputs like any saved tensor. A nested graph
+  built under a non-reentrant checkpoint would make every nested ``autograd.grad`` of the
+  backward (one per chunk and one for the shared experts) a graph task of its own that
+  recomputes the whole checkpointed region again (3 forwards at r = 1, 6 at r = 4); with the
+  inputs saved, the region is recomputed once, by the layer's own backward node.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._C._autograd import _top_saved_tensors_default_hooks
 
 from moeflow.comm.alltoall.base import AllToAll
 from moeflow.comm.codecs.base import Codec
@@ -58,7 +74,8 @@ class ScheduledExperts:
                  backward_codec: Codec, scheduler: Scheduler, r: int, lane: CommLane,
                  timeline: Timeline | None, nonfinite: torch.Tensor | None = None,
                  shared: torch.nn.Module | None = None,
-                 inter_node_bytes: torch.Tensor | None = None):
+                 inter_node_bytes: torch.Tensor | None = None, recompute: bool = False,
+                 can_recompute: bool = True):
         self.experts, self.algo, self.codec = experts, algo, codec
         # 0-dim host counter, in place: bytes this rank put on inter-node links (forward and
         # backward exchanges of the payloads; None: not counted)
@@ -67,6 +84,14 @@ class ScheduledExperts:
         self.backward_codec, self.scheduler, self.r = backward_codec, scheduler, r
         self.lane, self.timeline = lane, timeline
         self.nonfinite = nonfinite       # 0-dim counter, in place; None: not counted
+        self.recompute = recompute       # keep the experts' inputs, not their graphs
+        self.can_recompute = can_recompute   # False: the experts exist during forward only
+
+    def saves_inputs(self) -> bool:
+        """Whether this forward keeps the experts' input rows and recomputes them in backward
+        (module docstring, "Recomputation"): asked, or saved-tensor hooks are active."""
+        return self.can_recompute and (self.recompute
+                                       or _top_saved_tensors_default_hooks(False) is not None)
 
     def _encode(self, codec: Codec, x: torch.Tensor):
         if self.nonfinite is not None and not codec.represents_nonfinite:
@@ -118,17 +143,24 @@ class ScheduledExperts:
             return None
         return _assemble(chunks, cp, source)
 
-    def forward(self, send: torch.Tensor, cp: ChunkPlan, keep_graph: bool = True,
+    def forward(self, send: torch.Tensor, cp: ChunkPlan, keep_graph: bool | str = True,
                 shared_in: torch.Tensor | None = None) -> tuple[torch.Tensor, list, dict]:
         """The returned rows, the experts' saved graphs, and ``{"y": shared experts' output,
-        "saved": their graph}`` (empty without shared experts)."""
+        "saved": their graph}`` (empty without shared experts). ``keep_graph="inputs"``:
+        ``saved`` holds each chunk's detached input rows instead of its graph, and
+        ``"saved"`` the shared experts' input (recomputed in :meth:`backward`)."""
         saved: list = [None] * self.r
         side_out: dict = {}
+        inputs_only = keep_graph == "inputs"
 
         def expert(i, x):
             g = cp.groupings[i]
-            if not keep_graph:
-                return g.ungroup(self.experts(g.group(x), g.counts, g.offsets)), x.numel()
+            if not keep_graph or inputs_only:
+                with torch.no_grad():
+                    y = g.ungroup(self.experts(g.group(x), g.counts, g.offsets))
+                if inputs_only:
+                    saved[i] = x.detach()
+                return y, x.numel()
             with torch.enable_grad():
                 inp = x.detach().requires_grad_()
                 out = g.ungroup(self.experts(g.group(inp), g.counts, g.offsets))
@@ -136,8 +168,11 @@ class ScheduledExperts:
             return out.detach(), inp.numel()
 
         def side(_i, _arg):                       # task S, forward
-            if not keep_graph:
-                side_out["y"] = self.shared(shared_in)
+            if not keep_graph or inputs_only:
+                with torch.no_grad():
+                    side_out["y"] = self.shared(shared_in)
+                if inputs_only:
+                    side_out["saved"] = shared_in.detach()
             else:
                 with torch.enable_grad():
                     inp = shared_in.detach().requires_grad_()
@@ -169,7 +204,13 @@ class ScheduledExperts:
         fix = getattr(self.experts, "reduce_input_grad", None)
 
         def expert(i, g):
-            inp, out = saved[i]
+            if isinstance(saved[i], torch.Tensor):      # the input rows: recompute the experts
+                gr = cp.groupings[i]
+                with torch.enable_grad():
+                    inp = saved[i].detach().requires_grad_()
+                    out = gr.ungroup(self.experts(gr.group(inp), gr.counts, gr.offsets))
+            else:
+                inp, out = saved[i]
             got = torch.autograd.grad(out, ([inp] + params)[first:], g, allow_unused=True)
             for j, pg in enumerate(got[1 - first:]):
                 if pg is not None:
@@ -182,7 +223,13 @@ class ScheduledExperts:
             return fix(torch.zeros_like(inp) if got[0] is None else got[0]), g.numel()
 
         def side(_i, _arg):                       # task S, backward
-            inp, out = side_saved.pop("saved")
+            got = side_saved.pop("saved")
+            if isinstance(got, torch.Tensor):             # the input: recompute them
+                with torch.enable_grad():
+                    inp = got.detach().requires_grad_()
+                    out = self.shared(inp)
+            else:
+                inp, out = got
             side_grads.extend(torch.autograd.grad(out, [inp] + shared_params, shared_grad,
                                                   allow_unused=True))
             return None, shared_grad.numel()
@@ -203,14 +250,19 @@ def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> 
 class _Scheduled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send, runner, cp, *params):
-        back, saved, _ = runner.forward(send, cp)
-        ctx.runner, ctx.cp, ctx.saved, ctx.params = runner, cp, saved, params
+        inputs_only = runner.saves_inputs()
+        back, saved, _ = runner.forward(send, cp, "inputs" if inputs_only else True)
+        ctx.runner, ctx.cp, ctx.params = runner, cp, params
+        ctx.inputs_only, ctx.saved = inputs_only, (None if inputs_only else saved)
+        if inputs_only:
+            ctx.save_for_backward(*saved)
         return back
 
     @staticmethod
     def backward(ctx, grad):
+        saved = list(ctx.saved_tensors) if ctx.inputs_only else ctx.saved
         grad_send, param_grads, _ = ctx.runner.backward(
-            grad.contiguous(), ctx.cp, ctx.saved, list(ctx.params),
+            grad.contiguous(), ctx.cp, saved, list(ctx.params),
             input_grad=ctx.needs_input_grad[0])
         return (grad_send, None, None, *param_grads)
 
@@ -221,17 +273,29 @@ class _ScheduledShared(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, send, shared_in, runner, cp, n_expert_params, *params):
-        back, saved, side = runner.forward(send, cp, shared_in=shared_in)
-        ctx.runner, ctx.cp, ctx.saved, ctx.side = runner, cp, saved, side
-        ctx.params, ctx.n = params, n_expert_params
+        inputs_only = runner.saves_inputs()
+        back, saved, side = runner.forward(send, cp, "inputs" if inputs_only else True,
+                                           shared_in=shared_in)
+        ctx.runner, ctx.cp, ctx.params, ctx.n = runner, cp, params, n_expert_params
+        ctx.inputs_only = inputs_only
+        if inputs_only:                 # the chunks' input rows, then the shared experts'
+            ctx.save_for_backward(*saved, side["saved"])
+            ctx.saved, ctx.side = None, None
+        else:
+            ctx.saved, ctx.side = saved, side
         return back, side["y"]
 
     @staticmethod
     def backward(ctx, grad, shared_grad):
         n = ctx.n
+        if ctx.inputs_only:
+            *saved, shared_in = ctx.saved_tensors
+            side_saved = {"saved": shared_in}
+        else:
+            saved, side_saved = ctx.saved, ctx.side
         grad_send, param_grads, side = ctx.runner.backward(
-            grad.contiguous(), ctx.cp, ctx.saved, list(ctx.params[:n]),
-            shared_grad.contiguous(), ctx.side, list(ctx.params[n:]),
+            grad.contiguous(), ctx.cp, saved, list(ctx.params[:n]),
+            shared_grad.contiguous(), side_saved, list(ctx.params[n:]),
             input_grad=ctx.needs_input_grad[0])
         return (grad_send, side[0], None, None, None, *param_grads, *side[1:])
 

@@ -52,6 +52,9 @@ class ExpertStrategy:
     # is the layer's (``stats["inter_node_bytes"]``); FSSDP's spAG and Parm's ESP collectives
     # are not counted, so those strategies do not report it
     counts_inter_node_bytes = True
+    # the experts can run again in backward from their saved input rows (MoEConfig.recompute,
+    # schedule/pipeline.py "Recomputation"); False where they exist only during the forward
+    recomputes_experts = True
 
     def __init__(self, layer) -> None:
         self.layer = layer

@@ -18,6 +18,9 @@ class FSSDP(ExpertStrategy):
     name = "fssdp"
     trims_padding = False
     counts_inter_node_bytes = False
+    # the held replicas (HECATE Section 3.2) are released after the forward (HECATE-RM) and
+    # stacked per forward: the experts cannot be rerun from their inputs in backward
+    recomputes_experts = False
 
     def experts(self):
         return self.layer.experts.begin()     # spAG(P, P') done

@@ -58,7 +58,8 @@ class ParmParts:
         scheduler, chunks and lane on the EP&ESP payloads (S2 with SAA: none of them)."""
         ep_esp = ScheduledExperts(self.partials, self.algo, runner.codec, runner.backward_codec,
                                   runner.scheduler, runner.r, runner.lane, runner.timeline,
-                                  runner.nonfinite)
+                                  runner.nonfinite, recompute=runner.recompute,
+                                  can_recompute=runner.can_recompute)
         if sched == "s1":
             return ep_esp_experts(send, plan, ep_esp, self.topo)
         check_saa(cfg, runner.r)         # the degree may have changed since construction
