@@ -9,7 +9,7 @@ each), and reports its step times and its peak RSS (``getrusage``'s ``ru_maxrss`
 RSS before the first step: the memory the training steps added at their peak (activations,
 gradients, AdamW's state, allocator slack). The slowest rank's time counts for a step.
 
-    python -m moeflow.bench.recompute --json docs/results/training/recompute-small-2rank.json
+    moeflow bench recompute --out docs/results/training/recompute-small-2rank.json
 """
 
 from __future__ import annotations
@@ -56,19 +56,27 @@ def rank_worker(preset: str, mode: str, batch_size: int, warmup: int, steps: int
     return {"times": times, "peak_added_bytes": peak - before, "rss_before": before}
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="small", help="model preset (default small)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="launches per mode, the modes interleaved within each (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per launch")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per launch")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
 def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
     from moeflow.launch import launch_local
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
     runs = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -93,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"args": vars(args), "torch": torch.__version__, "load_avg_end": os.getloadavg(),
            "summary": summary, "runs": runs}
     print(json.dumps(summary, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return out
 

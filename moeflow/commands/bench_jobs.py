@@ -1,6 +1,7 @@
-"""``moeflow bench parm-train`` and ``moeflow bench group-limited``: benchmarks whose options
-live beside their code (:mod:`moeflow.bench.parm_train`, :mod:`moeflow.bench.group_limited`),
-started the same way as every other bench."""
+"""``moeflow bench parm-train``, ``moeflow bench group-limited`` and ``moeflow bench
+recompute``: benchmarks whose options live beside their code (:mod:`moeflow.bench.parm_train`,
+:mod:`moeflow.bench.group_limited`, :mod:`moeflow.bench.recompute`), started the same way as
+every other bench."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 
 def register_bench(bsub) -> None:
-    from moeflow.bench import group_limited, parm_train
+    from moeflow.bench import group_limited, parm_train, recompute
 
     p = bsub.add_parser("parm-train", help="Parm's Table V analog: moeflow train step time per "
                                            "MP / ESP layout on an emulated cluster (as root)",
@@ -22,3 +23,9 @@ def register_bench(bsub) -> None:
                         description=group_limited.__doc__.splitlines()[0])
     group_limited.add_arguments(p)
     p.set_defaults(func=group_limited.run)
+
+    p = bsub.add_parser("recompute", help="memory and step time of moeflow train --recompute "
+                                          "none / full / moe_act (fresh launches, interleaved)",
+                        description=recompute.__doc__.splitlines()[0])
+    recompute.add_arguments(p)
+    p.set_defaults(func=lambda args: (recompute.run(args), 0)[1])
