@@ -21,7 +21,6 @@ def _params(trainer: Trainer) -> dict:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.slow
 def test_kill_between_write_and_publish_uses_the_previous_checkpoint(tmp_path):
     run = tmp_path / "killed"
     proc = multiprocessing.get_context("spawn").Process(

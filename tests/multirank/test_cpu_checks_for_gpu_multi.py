@@ -31,6 +31,7 @@ def test_two_rank_workers_match_the_reference_on_cpu(two_ranks, path):
     assert len(done) == per_rank * len(DTYPES) * 2, done
 
 
+@pytest.mark.slow      # the 2-rank spawn of the default run checks the same workers
 def test_parm_four_rank_layout_matches_the_reference_on_cpu():
     got = launch_local(gm.worker, 4, "cpu", ["float32"], ["parm"], timeout_s=300)
     assert got[0]["parm", "float32"]["shard"][1] == 2          # ESP shards: (2, 1, 2)

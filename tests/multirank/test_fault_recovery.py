@@ -11,7 +11,8 @@ from tests.helpers import fault_injection
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("capacity_factor", [1.25, None], ids=["capacity", "dropless"])
+@pytest.mark.parametrize("capacity_factor", [pytest.param(1.25, marks=pytest.mark.slow), None],
+                         ids=["capacity", "dropless"])
 def test_step_after_a_caught_error_matches_a_clean_layer(capacity_factor):
     for rank, res in launch_local(fault_injection.recover_worker, 2, capacity_factor,
                                   timeout_s=120).items():

@@ -304,6 +304,7 @@ def test_bench_memory_probe_sees_rematerialization_free_the_held_experts(launche
 
 
 @pytest.mark.multirank
+@pytest.mark.slow      # the default run checks every variant on 4 ranks (2 nodes x 2)
 def test_eight_ranks_match_the_reference():
     """8 ranks as 4 nodes x 2: EP, static FSSDP and Algorithm 1 (with calibration and RM)."""
     w.check_eight_ranks()

@@ -55,7 +55,9 @@ def test_hot_path_one_process():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("local_size", [2, 1], ids=["one-node", "two-nodes"])
+@pytest.mark.parametrize("local_size", [pytest.param(2, marks=pytest.mark.slow), 1],
+                         ids=["one-node", "two-nodes"])
+# the default run keeps two nodes: the same cases, with the inter-node stages not empty
 def test_hot_path_two_ranks(local_size):
     for results in launch_local(host_sync.hot_path_worker, 2, local_size, timeout_s=300).values():
         _check(results)

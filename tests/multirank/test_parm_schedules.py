@@ -149,6 +149,7 @@ def test_algorithm1_follows_the_paper_limits():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow      # the default run checks every schedule on the 4-rank layouts
 def test_eight_ranks_match_the_reference():
     """(N_MP, N_EP, N_ESP) = (2, 2, 2) on 8 ranks as 2 nodes x 4, ESP and EP in the node:
     baseline, S1, S2 (SAA) and S2 (AAS), capacity and dropless, against one process in float64

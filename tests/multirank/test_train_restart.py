@@ -1,6 +1,10 @@
 """``moeflow train --max-restarts N``: torch's elastic agent restarts the ranks after a failure
 and they resume by themselves from the latest complete checkpoint; the result equals the
-uninterrupted run's exactly. ``--keep-checkpoints K`` keeps the newest K."""
+uninterrupted run's exactly. ``--keep-checkpoints K`` keeps the newest K.
+
+The default run keeps one restart (a killed rank), one preemption (SIGTERM) and the async
+checkpoints; the other variants (SIGUSR1, a hung rank, no restarts, the FSSDP / Parm layouts)
+are marked slow: ``python -m pytest -m slow`` runs them."""
 
 from __future__ import annotations
 
@@ -60,7 +64,6 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_killed_rank_is_restarted_and_the_run_equals_the_uninterrupted_one(reference,
                                                                            tmp_path):
     out = tmp_path / "run"
@@ -117,8 +120,8 @@ def _wait_for_step(out: Path, proc, step: int, timeout: float = 300) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("signum", ["SIGTERM",
+                                    pytest.param("SIGUSR1", marks=pytest.mark.slow)])
 def test_signal_saves_at_the_reached_step_and_resume_equals_the_uninterrupted_run(
         reference, tmp_path, signum):
     import signal
@@ -169,7 +172,6 @@ def test_a_hung_rank_times_out_and_the_restart_finishes_the_run(reference, tmp_p
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_async_checkpoints_publish_every_save_and_equal_the_sync_run(reference, tmp_path):
     out = tmp_path / "run"
     done = _train(out, ["--async-checkpoint"], None, tmp_path)
