@@ -31,7 +31,7 @@ The codec stays the config's (lossless ``none`` by default) unless the config op
 (plain ``codec="auto"`` is refused by MoEConfig: ``none`` is the only lossless codec). Tuning
 changes speed only: the layer's parameters, gradients and random state are as before it, and
 the real forward that follows runs with the chosen settings (float64 parity in
-tests/test_autotune.py and tests/test_autotune_lossy.py).
+tests/multirank/test_autotune.py and tests/multirank/test_autotune_lossy.py).
 
 Time budget (``MoEConfig.autotune_budget_s``, default 30 s; None: unbounded): before each
 measured candidate, each further repetition and the profile stage, the ranks ask

@@ -5,7 +5,7 @@ The layer below the auto-tuner (``moeflow.autotune``), Parm's Algorithm 1 fits
 (``moeflow.placement.materialize``, HECATE section 4.2); the benchmark commands (``moeflow.bench``)
 build on it. It imports only torch, numpy, the standard library and the leaf modules
 ``moeflow.errors`` / ``moeflow.devices`` (the device clock and host-side collectives), never the
-layer, the schedule or the benchmarks (``tests/test_import_layers.py`` checks this).
+layer, the schedule or the benchmarks (``tests/unit/core/test_import_layers.py`` checks this).
 
 - :mod:`moeflow.measure.timing`: ranks start a repetition together; a repetition's time is the
   slowest rank's.

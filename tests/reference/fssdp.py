@@ -14,7 +14,7 @@ over them — holds exactly one copy of every expert and of its optimizer state 
    the sum, in ascending rank order, of the gradients of every copy (its own included); the
    replicas are then dropped.
 
-A standalone building block, kept as a test reference (tests/test_fssdp.py). The MoE layer's FSSDP
+A standalone building block, kept as a test reference (tests/multirank/test_fssdp.py). The MoE layer's FSSDP
 (``placement="fssdp"``: slot storage, early spAG, spRS in autograd, re-materialization) is
 :mod:`moeflow.placement.layer_experts`.
 """

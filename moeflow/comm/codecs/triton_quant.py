@@ -18,8 +18,8 @@ signs, int8's ``lo`` (or ``scale``) may be the other zero than torch's, whose ``
 pick one by position. The hardware e4m3 conversion (``tl.float8e4nv``) exists from compute
 capability 8.9 (Ada, Hopper) on; on older GPUs (sm_80 A100, sm_86) the kernels compile the
 integer path instead (:func:`hardware_fp8`), same bits. Tested under the interpreter and
-compiled for sm_90 (and the integer path for sm_80) without a GPU (``tests/test_triton_quant.py``,
-``tests/test_cuda_review.py``); not yet timed on a GPU.
+compiled for sm_90 (and the integer path for sm_80) without a GPU (``tests/unit/comm/test_triton_quant.py``,
+``tests/unit/cuda/test_cuda_review.py``); not yet timed on a GPU.
 """
 
 from __future__ import annotations

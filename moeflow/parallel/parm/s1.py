@@ -14,7 +14,7 @@ capacity ``C = ceil(f k (n / N_MP) / E)`` and which choices it drops are those o
 as a batch of its own, and the load-balancing loss is computed per part; the layer's
 ``aux_loss`` is the mean of the MP parts' losses (gathered, so replicated over the MP group as
 the output is, and differentiable). A single-process reference that runs each MP part as its
-own batch computes the same function (``tests/parm_sched_cases.py``).
+own batch computes the same function (``tests/helpers/parm_sched_cases.py``).
 """
 
 from __future__ import annotations

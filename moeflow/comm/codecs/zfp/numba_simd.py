@@ -4,7 +4,7 @@ cast (Lindstrom 2014, section 3.1), the lifting transform along x, y, z with con
 (section 3.2), the sequency reordering and negabinary map (section 3.3), and their inverses;
 and the bit-plane gather and scatter of the embedded coder (section 3.4) as vector mask moves.
 Sizes (``d`` or ``S``) may be literals or run-time integers (a switch LLVM folds where they are
-constant). Equal to the scalar definitions (``tests/test_zfp_numba_simd.py``); portable LLVM IR.
+constant). Equal to the scalar definitions (``tests/unit/zfp/test_zfp_numba_simd.py``); portable LLVM IR.
 See ``docs/codecs.md``.
 """
 

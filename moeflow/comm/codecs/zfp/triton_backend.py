@@ -4,7 +4,7 @@ One lane owns one block of 4 values: exponent, cast, lifting, negabinary, then t
 coded with :mod:`.fast1d`'s (n, plane) table into a 64-bit register, or-ed into the row's stream
 with 32-bit atomics; decoding mirrors it with the (n, bits left, next 8 bits) table. Blocks
 above 64 bits go to :mod:`.triton_nd` (``d = 1``). Tested under ``TRITON_INTERPRET=1``
-(``tests/test_zfp_triton.py``).
+(``tests/unit/zfp/test_zfp_triton.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ zfp's padding, casts, lifts, reorders and maps to negabinary, then runs the embe
 one flat loop of ``S + 32`` steps (each one group test and its run, or the end of a plane and
 the next plane's verbatim bits), or-ing its bits into the stream with 32-bit atomics. Decoding
 mirrors it with zfp's decoder rules. Tested under ``TRITON_INTERPRET=1`` and compiled for sm_90
-without a GPU (``tests/test_zfp_triton_nd.py``); see ``docs/codecs.md``.
+without a GPU (``tests/unit/zfp/test_zfp_triton_nd.py``); see ``docs/codecs.md``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tests on the emulated cluster (network namespaces; marked ``cluster``, need root)."""

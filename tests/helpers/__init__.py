@@ -1,0 +1,1 @@
+"""Test-only code used by the tests: rank workers (``*_worker.py``), shared cases (``*_cases.py``, ``parity.py``), fault injection, host-sync probes and the Triton / ZFP check scripts run in subprocesses. Importable by spawned ranks as ``tests.helpers.<module>``."""

@@ -1,0 +1,1 @@
+"""Tests that mostly spawn gloo ranks on this machine (marked ``multirank``)."""

@@ -1,0 +1,119 @@
+"""codec="auto:lossy" (issue 18): config checks, the codec error measurement, and on 2 gloo
+ranks in float64: budget 0 keeps the lossless layer exactly, a generous budget picks a codec
+within it on every rank alike (the same function as that codec fixed), the checkpoint keeps
+the choice and a changed budget re-tunes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow import ConfigError, MoEConfig, MoELayer
+from moeflow import autotune
+from moeflow.autotune.lossy import gentlest_first, codec_errors, lossy_candidates
+from moeflow.config import DEFAULT_LOSSY_ERROR_BUDGET
+from moeflow.launch import launch_local
+
+KW = dict(d_model=8, d_expert=8, num_experts=4)
+
+
+def test_config_opt_in_and_budget_checks():
+    cfg = MoEConfig(**KW, codec="auto:lossy")
+    assert autotune.auto_fields(cfg) == ("codec",)
+    assert cfg.effective_lossy_error_budget == DEFAULT_LOSSY_ERROR_BUDGET
+    zero = MoEConfig(**KW, codec="auto:lossy", lossy_error_budget=0)
+    assert zero.effective_lossy_error_budget == 0
+    ph = autotune.placeholder(MoEConfig(**KW, codec="auto:lossy", lossy_error_budget=0.1))
+    assert ph.codec == "none" and ph.lossy_error_budget is None
+    with pytest.raises(ConfigError, match=r"MoEConfig\.codec='auto'.*auto:lossy"):
+        MoEConfig(**KW, codec="auto")
+    with pytest.raises(ConfigError, match=r"lossy_error_budget=0\.1 .*codec='auto:lossy'"):
+        MoEConfig(**KW, lossy_error_budget=0.1)
+    for bad in (-1e-3, float("nan"), "1%", True):
+        with pytest.raises(ConfigError, match=r"lossy_error_budget=.*>= 0"):
+            MoEConfig(**KW, codec="auto:lossy", lossy_error_budget=bad)
+
+
+def test_lossy_candidates_are_the_lossy_codecs_that_take_the_dtype():
+    names = lossy_candidates(torch.float32, torch.device("cpu"))
+    assert "none" not in names and {"fp16", "bf16", "int8"} <= set(names)
+    assert "zfpy" not in names                       # zfp's reference: same bytes, slower
+    order = gentlest_first(["fp16", "int8", "bf16"], 64, torch.float32)
+    assert order == ["bf16", "fp16", "int8"]
+
+
+def test_codec_errors_are_measured_against_lossless_on_one_process():
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(**KW, seed=1)).double()
+    x = torch.randn(32, 8, dtype=torch.float64)
+    before = [p.detach().clone() for p in layer.parameters()]
+    with autotune._Preserved(layer):
+        err = codec_errors(layer, layer.cfg, x, ["none", "fp16", "bf16"])
+    assert err["none"] == 0.0
+    assert 0 < err["fp16"] < err["bf16"] < 0.05          # 11 vs 8 mantissa bits
+    assert layer.cfg.codec == "none" and type(layer.codec).__name__ == "NoCodec"
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+
+
+def test_single_rank_keeps_lossless():
+    layer = MoELayer(MoEConfig(**KW, codec="auto:lossy"))
+    ref = MoELayer(MoEConfig(**KW))
+    x = torch.randn(10, 8)
+    torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=0)
+    assert layer.tuned.codec == "none" and layer.tuned.codec_error == 0.0
+    assert layer.stats["autotune_codec_error"] == 0.0
+
+
+def test_auto_lossy_is_refused_where_the_tuner_cannot_run():
+    with pytest.raises(ConfigError, match="codec='auto:lossy' cannot be tuned"):
+        MoELayer(MoEConfig(**KW, codec="auto:lossy", placement="fssdp"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from tests.helpers.autotune_lossy_worker import worker
+
+    return launch_local(worker, 2, str(tmp_path_factory.mktemp("ckpt") / "c"), timeout_s=240)
+
+
+def _same(got: dict, ref: dict, what: str) -> None:
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=1e-12,
+                                   msg=lambda m: f"{what} {k}: {m}")
+
+
+@pytest.mark.multirank
+def test_zero_budget_is_the_lossless_layer(two_ranks):
+    for rank, res in two_ranks.items():
+        z = res["zero"]
+        assert z["choice"]["codec"] == "none" and z["choice"]["codec_error"] == 0.0
+        assert all(e > 0 for e in z["choice"]["codec_errors"].values())
+        # the exchange settings were tuned too; the function is the plain layer's
+        _same(z["got"], z["plain"], f"rank {rank}")
+
+
+@pytest.mark.multirank
+def test_generous_budget_picks_within_it_on_every_rank(two_ranks):
+    w0, w1 = two_ranks[0]["wide"], two_ranks[1]["wide"]
+    c0, c1 = w0["choice"], w1["choice"]
+    assert c0["codec"] == c1["codec"] and c0["codec_errors"] == c1["codec_errors"]
+    assert c0["codec_error"] <= c0["lossy_error_budget"] == 1.0
+    assert c0["codec_error"] == (0.0 if c0["codec"] == "none" else c0["codec_errors"][c0["codec"]])
+    # lossy codecs within the budget were timed beside "none"; the fastest measured won
+    timed = {m["codec"] for m in c0["candidates"]}
+    assert "none" in timed and len(timed) > 1
+    assert min(m["measured_ms"] for m in c0["candidates"]) == c0["measured_ms"]
+    assert w0["stats"]["autotune_codec_error"] == c0["codec_error"]
+    for rank, w in two_ranks.items():
+        assert w["wide"]["codec_class"] == w["wide"]["fixed_codec_class"]
+        _same(w["wide"]["got"], w["wide"]["ref"], f"rank {rank}")
+
+
+@pytest.mark.multirank
+def test_checkpoint_keeps_the_codec_and_a_new_budget_retunes(two_ranks):
+    for res in two_ranks.values():
+        r = res["resume"]
+        assert r["calls"] == 0 and r["codec"] == res["wide"]["choice"]["codec"]
+        assert r["codec_class"] == res["wide"]["codec_class"] and r["y_equal"]
+        assert res["other_budget_calls"] == 1

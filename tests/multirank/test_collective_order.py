@@ -1,0 +1,102 @@
+"""One collective order per rank (docs/design.md): NCCL requires every rank to issue the
+operations of one communicator in the same order, and collectives of different communicators
+issued from two threads in a rank-dependent order can deadlock. gloo tolerates both, so these
+tests record the order (tests/helpers/collective_order_worker.py) on 4 float64 ranks with random
+per-rank sleeps on the communication lane and on the issuing threads, and check:
+
+* per group: every member rank issued the identical sequence of (op, element count);
+* per rank: every collective issued while a communication lane has work in flight is issued
+  by the lane thread itself. Otherwise two threads issue into two communicators with no order
+  between them, which the sleeps make rank-dependent. This is the assertion that fails when
+  Parm's ESP-AllReduce (Fig. 3a, inside the experts task E) runs on the computing thread while
+  the lane still carries the next chunk's EP-AlltoAll (ScheMoE section 3.2's task queue).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moeflow.launch import launch_local
+from tests.helpers import collective_order_worker as worker
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def events():
+    return launch_local(worker.worker, WORLD, list(worker.CASES), timeout_s=240)
+
+
+def _by_group(evs: list[tuple]) -> dict[tuple, list[tuple]]:
+    out: dict[tuple, list[tuple]] = {}
+    for ranks, op, count, _thread, _busy in evs:
+        if op not in worker.P2P:        # point-to-point: each pair its own sizes and peers
+            out.setdefault(ranks, []).append((op, count))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_every_group_sees_one_order(events, case):
+    seqs = {rank: _by_group(events[rank][case]) for rank in range(WORLD)}
+    groups = {g for s in seqs.values() for g in s}
+    assert groups, f"{case}: no collective was recorded"
+    for group in groups:
+        members = [r for r in group if r < WORLD]
+        first = seqs[members[0]].get(group, [])
+        assert first, f"{case}: group {group} recorded nothing on rank {members[0]}"
+        for r in members[1:]:
+            assert seqs[r].get(group, []) == first, (
+                f"{case}: group {group} issued in a different order on rank {r} than on rank "
+                f"{members[0]}:\n{seqs[r].get(group)}\nvs\n{first}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_only_the_lane_issues_while_it_has_work(events, case):
+    lane_used = False
+    for rank in range(WORLD):
+        evs = events[rank][case]
+        bad = [(ranks, op, thread) for ranks, op, _c, thread, busy in evs
+               if busy and not thread.startswith(worker.LANE_THREAD)]
+        assert not bad, (f"{case}, rank {rank}: collectives issued off the communication lane "
+                         f"while it had work in flight: {bad}")
+        lane_used |= any(t.startswith(worker.LANE_THREAD) for *_x, t, _b in evs)
+    assert lane_used or case == "parm_s2_saa", f"{case}: the lane issued nothing"
+
+
+@pytest.mark.multirank
+def test_the_esp_all_reduce_is_a_lane_task(events):
+    """Parm's ESP-AllReduce (Fig. 3a, inside task E) is issued by the lane, once per chunk of
+    each forward (2 chunks x 2 steps), queued behind the all-to-alls issued before it."""
+    case = "parm_baseline_esp2_r2_optsche"
+    for rank in range(WORLD):
+        group = events[rank]["esp_group"][case]
+        assert len(group) == 2 and rank in group
+        threads = [t for ranks, op, _c, t, _b in events[rank][case]
+                   if ranks == group and op == "all_reduce"]
+        assert len(threads) == 4 and all(t.startswith(worker.LANE_THREAD) for t in threads), \
+            f"rank {rank}: ESP-AllReduce issued by {threads}"
+
+
+@pytest.mark.multirank
+def test_the_early_spag_runs_on_the_lane(events):
+    """HECATE's early spAG (Fig. 1c) is issued by the lane (its point-to-point batch), and
+    the computing thread issues nothing while it is in flight (checked above)."""
+    for rank in range(WORLD):
+        p2p = [t for _r, op, _c, t, _b in events[rank]["fssdp_prefetch_rm_r2"]
+               if op == "batch_isend_irecv"]
+        assert any(t.startswith(worker.LANE_THREAD) for t in p2p), (rank, p2p)
+
+
+@pytest.mark.multirank
+def test_recomputation_reruns_the_forward_collectives_once(events):
+    """Under torch.utils.checkpoint the layer's forward runs once more in backward: its
+    collectives are issued again (the per-group checks above hold them identical across ranks);
+    moe_act recomputes the experts only, so it issues exactly what the plain layer issues."""
+    for rank in range(WORLD):
+        plain = [e[:3] for e in events[rank]["ep_r2_optsche"]]
+        assert [e[:3] for e in events[rank]["ep_r2_optsche_moe_act"]] == plain
+        for key in ("ep_r2_optsche_checkpoint", "ep_r2_optsche_checkpoint_reentrant"):
+            ckpt = [e[:3] for e in events[rank][key]]
+            assert len(plain) < len(ckpt) < 2 * len(plain), key

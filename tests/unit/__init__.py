@@ -1,0 +1,1 @@
+"""Single-process tests, one folder per moeflow package (``core`` holds the top-level modules)."""
