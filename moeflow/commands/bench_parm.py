@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
 
@@ -85,7 +86,8 @@ def run_compare_deepspeed(args: argparse.Namespace, opts: dict) -> int:
     if args.top_k not in (1, 2):
         raise SystemExit(f"moeflow bench parm --compare deepspeed: --top-k {args.top_k} must be "
                          "1 or 2 (DeepSpeed's top-k > 2 gate drops by score, not GShard's order)")
-    mp, ep = pd.LAYOUT["mp"], pd.LAYOUT["ep"]
+    mp = pd.LAYOUT["mp"]
+    ep = pd.ep_for_world(int(os.environ.get("WORLD_SIZE", args.nproc)))    # torchrun sets it
     E = ep * args.experts_per_ep
     for t in args.tokens:
         for f in args.capacity_factors + [E / args.top_k]:
