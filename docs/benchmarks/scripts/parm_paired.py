@@ -53,6 +53,16 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
             f"({row['auto_choice']}) | {cell(s2_over_s1)} | "
             f"{('yes, ' + faster) if decided else ('n/a (N_MP=1)' if mp == 1 else 'no')} | "
             f"{right} |")
+    by_layout: dict[str, dict[str, list[float]]] = {}
+    for row in res["rows"]:
+        s, key = row["samples_ms"], f"{row['n_mp']},{row['n_ep']},{row['n_esp']}"
+        for v in ("s1", "s2", "auto"):
+            by_layout.setdefault(key, {}).setdefault(v, []).append(
+                statistics.median(paired(s["baseline"], s[v])))
+    for key, per in by_layout.items():
+        out.append(f"layout {key}: mean of the rows' median speedups over the baseline "
+                   + ", ".join(f"{v} {statistics.mean(r):.2f}x (rows {min(r):.2f}-{max(r):.2f})"
+                               for v, r in per.items()))
     return out, scored
 
 
