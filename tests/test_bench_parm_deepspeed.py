@@ -1,6 +1,6 @@
 """``moeflow bench parm --compare deepspeed`` without DeepSpeed: the skip, the argument checks.
 
-The comparison itself needs deepspeed (an optional peer, not a dependency) and 4 ranks; it is
+The comparison itself needs deepspeed (an optional peer, not a dependency) and 4 or 8 ranks; it is
 run by hand (docs/benchmarks/parm.md, "Against DeepSpeed-MoE"), not in CI."""
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ def register_bench(bsub) -> None:
                         "both sets' Algorithm 1 choices are recorded")
     add_device_arg(p)
     p.add_argument("--compare", choices=["deepspeed"], default=None,
-                   help="time DeepSpeed-MoE's own layer (same weights and gate, N_MP = N_EP = "
-                        "N_ESP = 2, 4 ranks) beside baseline / s1 / s2 / auto and check it "
+                   help="time DeepSpeed-MoE's own layer (same weights and gate, N_MP = N_ESP = 2 "
+                        "as one group, N_EP = world / 2: 4 or 8 ranks) beside baseline / s1 / s2 / auto and check it "
                         "computes the baseline's outputs; skipped with a message when deepspeed "
                         "is not importable (it is not a moeflow dependency)")
     p.add_argument("--out", default=None,
