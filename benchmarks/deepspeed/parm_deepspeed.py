@@ -6,7 +6,8 @@ benchmark only, never a dependency of moeflow), every rank builds ``deepspeed.mo
 with tensor-parallel experts (``enable_expert_tensor_parallelism=True``) over a small
 Megatron-style mpu made of moeflow's own groups, in the layout of Parm's Fig. 2:
 ``N_MP = N_EP = N_ESP = 2`` on 4 ranks, the MP group is the ESP group (the only ESP DeepSpeed
-has: expert tensor parallelism over the mpu's tensor-parallel group).
+has: expert tensor parallelism over the mpu's tensor-parallel group); on 8 ranks the same with
+``N_EP = 4`` (:func:`ep_for_world`), e.g. 4 nodes x 2, where the EP all-to-all crosses nodes.
 
 Aligned with moeflow's ``baseline`` layer on the same rank (so the outputs can be compared):
 
@@ -81,7 +82,22 @@ MOEFLOW_VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
                     ("auto", dict(parallel_schedule="auto"))]
 ORDER_081 = "deepspeed-0.8.1-order"
 TOLERANCE = 1e-5      # float32: |y_moeflow - y_deepspeed| <= 1e-5 max(1, max|y|), and of dL/dx
-LAYOUT = dict(mp=2, ep=2, esp=2)          # Parm Fig. 2: N_MP = N_EP = N_ESP = 2, 4 ranks
+LAYOUT = dict(mp=2, esp=2)      # Parm Fig. 2: N_MP = N_ESP = 2; N_EP: ep_for_world
+
+
+def ep_for_world(world_size: int) -> int:
+    """N_EP of the compared layout on ``world_size`` ranks: the MP group is the ESP group (the
+    only ESP DeepSpeed has, Parm Fig. 2), so N_EP = world / N_ESP (2 on 4 ranks as in Fig. 2,
+    4 on 8 ranks as 4 nodes x 2, where the EP all-to-all crosses the nodes)."""
+    esp = LAYOUT["esp"]
+    if world_size < 2 * esp or world_size % esp:
+        raise SystemExit(f"moeflow bench parm --compare deepspeed runs N_MP = N_ESP = {esp} with "
+                         f"the MP group as the ESP group: it needs a multiple of {esp} ranks, at "
+                         f"least {2 * esp}, not {world_size}; run it with --nproc 4 or 8, or "
+                         "under 4 / 8 torchrun / cluster ranks")
+    return world_size // esp
+
+
 SKIP_MESSAGE = ("moeflow bench parm --compare deepspeed: skipped, deepspeed is not importable. "
                 "Install it for this benchmark only (not a moeflow dependency), see "
                 "docs/benchmarks/parm.md, section 'Against DeepSpeed-MoE'.")
@@ -340,11 +356,8 @@ def compare_outputs(base: MoEConfig, topo: Topology, x: torch.Tensor) -> dict:
 def compare_worker(opts: dict) -> dict:
     world = Topology.from_env()
     device = resolve_device(opts.get("device", "cpu"))
-    mp, ep, esp = LAYOUT["mp"], LAYOUT["ep"], LAYOUT["esp"]
-    if world.world_size != ep * esp:       # the MP group is the ESP group (DeepSpeed)
-        raise SystemExit(f"moeflow bench parm --compare deepspeed runs Parm's Fig. 2 layout "
-                         f"(N_MP = N_EP = N_ESP = 2): it needs 4 ranks, not {world.world_size}; "
-                         "run it with --nproc 4 or under 4 torchrun / cluster ranks")
+    mp, esp = LAYOUT["mp"], LAYOUT["esp"]
+    ep = ep_for_world(world.world_size)
     topo = Topology.from_env(ep_size=ep, mp_size=mp, esp_size=esp, esp_in_node=True)
     fits = measure_parm_fits(topo, device=device)
     use_fits(topo, fits)

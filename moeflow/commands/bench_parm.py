@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
 
@@ -34,8 +35,8 @@ def register_bench(bsub) -> None:
                         "both sets' Algorithm 1 choices are recorded")
     add_device_arg(p)
     p.add_argument("--compare", choices=["deepspeed"], default=None,
-                   help="time DeepSpeed-MoE's own layer (same weights and gate, N_MP = N_EP = "
-                        "N_ESP = 2, 4 ranks) beside baseline / s1 / s2 / auto and check it "
+                   help="time DeepSpeed-MoE's own layer (same weights and gate, N_MP = N_ESP = 2 "
+                        "as one group, N_EP = world / 2: 4 or 8 ranks) beside baseline / s1 / s2 / auto and check it "
                         "computes the baseline's outputs; skipped with a message when deepspeed "
                         "is not importable (it is not a moeflow dependency)")
     p.add_argument("--out", default=None,
@@ -85,7 +86,8 @@ def run_compare_deepspeed(args: argparse.Namespace, opts: dict) -> int:
     if args.top_k not in (1, 2):
         raise SystemExit(f"moeflow bench parm --compare deepspeed: --top-k {args.top_k} must be "
                          "1 or 2 (DeepSpeed's top-k > 2 gate drops by score, not GShard's order)")
-    mp, ep = pd.LAYOUT["mp"], pd.LAYOUT["ep"]
+    mp = pd.LAYOUT["mp"]
+    ep = pd.ep_for_world(int(os.environ.get("WORLD_SIZE", args.nproc)))    # torchrun sets it
     E = ep * args.experts_per_ep
     for t in args.tokens:
         for f in args.capacity_factors + [E / args.top_k]:

@@ -1,6 +1,6 @@
 """``moeflow bench parm --compare deepspeed`` without DeepSpeed: the skip, the argument checks.
 
-The comparison itself needs deepspeed (an optional peer, not a dependency) and 4 ranks; it is
+The comparison itself needs deepspeed (an optional peer, not a dependency) and 4 or 8 ranks; it is
 run by hand (docs/benchmarks/parm.md, "Against DeepSpeed-MoE"), not in CI."""
 
 from __future__ import annotations
@@ -62,6 +62,29 @@ def test_unknown_peer_is_rejected(capsys):
                                              (2048, 2, 4, 1.2, False), (64, 2, 4, 2.0, True)])
 def test_capacity_divides(tokens, k, E, f, ok):
     assert pd.capacity_divides(tokens, k, E, f, 2) is ok
+
+
+@pytest.mark.parametrize("world,ep", [(4, 2), (8, 4)])
+def test_ep_for_world_keeps_mp_as_esp(world, ep):
+    assert pd.ep_for_world(world) == ep
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_ep_for_world_rejects_worlds_without_an_ep_group(world):
+    with pytest.raises(SystemExit, match=f"not {world}"):
+        pd.ep_for_world(world)
+
+
+def test_capacity_check_uses_the_world_size_of_torchrun(monkeypatch, no_ranks):
+    # --tokens 40, f 1.5: E = 4 on 4 ranks gives ceil(2 * 1.5 * 40 / 4) = 30, which N_MP = 2
+    # splits; E = 8 on 8 ranks (N_EP = 4) gives 15, which it does not
+    monkeypatch.setattr(pd, "deepspeed_available", lambda: False)
+    args = [*SMALL, "--tokens", "40", "--capacity-factors", "1.5"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(args) == 0
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(SystemExit, match="--tokens 40 with capacity factor 1.5"):
+        main(args)
 
 
 def _result(version: str, labels: list[str]) -> dict:

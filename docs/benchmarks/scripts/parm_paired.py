@@ -1,0 +1,113 @@
+"""Paired (interleaved) ratios of `moeflow bench parm` result files, for docs/benchmarks/parm.md.
+
+Both `bench parm` and `bench parm --compare deepspeed` time their variants round-robin: step i
+of every variant ran in the same round, under the same load of the shared machine. This script
+divides the comparator's step i by the variant's step i (a speedup > 1 means the variant is
+faster) and prints, per row, the median of those per-round ratios and their min-max (the noise).
+
+S1 vs S2 (Parm Section V-B, Algorithm 1): a case is *decided* when every round agrees on which
+of S1 and S2 was faster (all per-round ratios s2/s1 on one side of 1); Algorithm 1's choice
+(the `auto` layer's, `auto_choice`) is scored only on decided cases with N_MP > 1 (at N_MP = 1
+S1 and S2 are the same schedule by Eq. 2), next to the line "always S1".
+
+Usage: python docs/benchmarks/scripts/parm_paired.py FILE.json [FILE.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def paired(a: list[float], b: list[float]) -> list[float]:
+    """Per-round ratios a_i / b_i (comparator over variant: > 1 = the variant is faster)."""
+    return [x / y for x, y in zip(a, b)]
+
+
+def cell(r: list[float]) -> str:
+    return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+
+
+def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
+    out, scored = [], []
+    out.append("| N_MP,N_EP,N_ESP | k | B L | f | baseline ms | S1 | S2 | auto (choice) | "
+               "S1/S2 time, rounds | decided | Alg. 1 right |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in res["rows"]:
+        s = row["samples_ms"]
+        base = s["baseline"]
+        s2_over_s1 = paired(s["s2"], s["s1"])           # > 1: S1 faster
+        mp = row["n_mp"]
+        decided = mp > 1 and (min(s2_over_s1) > 1 or max(s2_over_s1) < 1)
+        faster = "s1" if statistics.median(s2_over_s1) > 1 else "s2"
+        right = ""
+        if decided:
+            right = "yes" if row["auto_choice"] == faster else "no"
+            scored.append({"faster": faster, "choice": row["auto_choice"], "n_mp": mp})
+        out.append(
+            f"| {row['n_mp']},{row['n_ep']},{row['n_esp']} | {row['top_k']} | "
+            f"{row['tokens_per_rank']} | {row['capacity_factor']} | "
+            f"{statistics.median(base):.0f} | {cell(paired(base, s['s1']))} | "
+            f"{cell(paired(base, s['s2']))} | {cell(paired(base, s['auto']))} "
+            f"({row['auto_choice']}) | {cell(s2_over_s1)} | "
+            f"{('yes, ' + faster) if decided else ('n/a (N_MP=1)' if mp == 1 else 'no')} | "
+            f"{right} |")
+    by_layout: dict[str, dict[str, list[float]]] = {}
+    for row in res["rows"]:
+        s, key = row["samples_ms"], f"{row['n_mp']},{row['n_ep']},{row['n_esp']}"
+        for v in ("s1", "s2", "auto"):
+            by_layout.setdefault(key, {}).setdefault(v, []).append(
+                statistics.median(paired(s["baseline"], s[v])))
+    for key, per in by_layout.items():
+        out.append(f"layout {key}: mean of the rows' median speedups over the baseline "
+                   + ", ".join(f"{v} {statistics.mean(r):.2f}x (rows {min(r):.2f}-{max(r):.2f})"
+                               for v, r in per.items()))
+    return out, scored
+
+
+def compare_rows(res: dict) -> list[str]:
+    labels = res["deepspeed_labels"] + ["baseline", "s1", "s2", "auto"]
+    ds = res["deepspeed_labels"][0]
+    out = [f"deepspeed {res['deepspeed_version']}, {res['topology']}; speedup over DeepSpeed's "
+           "layer per round, median (min-max)",
+           "| B L | f | DeepSpeed ms | " + " | ".join(labels[1:]) + " |",
+           "|---|---|---|" + "---|" * (len(labels) - 1)]
+    for row in res["rows"]:
+        s = row["samples_ms"]
+        out.append(f"| {row['tokens_per_rank']} | {row['capacity_factor']} | "
+                   f"{statistics.median(s[ds]):.0f} | "
+                   + " | ".join(cell(paired(s[ds], s[v])) for v in labels[1:]) + " |")
+    for c in res.get("numeric_check", []):
+        for name in res["deepspeed_labels"]:
+            d = c[name]
+            out.append(f"numeric check B L {c['tokens_per_rank']} vs {name}: max|y diff| "
+                       f"{d['max_abs_diff_output']:.1e}, max|dx diff| "
+                       f"{d['max_abs_diff_input_grad']:.1e}: "
+                       + ("AGREE" if d["agrees"] else "DIFFER"))
+    return out
+
+
+def main(paths: list[str]) -> None:
+    scored_all = []
+    for path in paths:
+        res = json.load(open(path))
+        print(f"### {path}\n{res['topology']}")
+        if "deepspeed_version" in res:
+            print("\n".join(compare_rows(res)))
+        else:
+            lines, scored = bench_rows(res)
+            scored_all += scored
+            print("\n".join(lines))
+        print()
+    if scored_all:
+        right = sum(s["faster"] == s["choice"] for s in scored_all)
+        s1 = sum(s["faster"] == "s1" for s in scored_all)
+        s2_cases = [s for s in scored_all if s["faster"] == "s2"]
+        print(f"Algorithm 1 on decided N_MP > 1 cases: {right}/{len(scored_all)}; "
+              f"always S1: {s1}/{len(scored_all)}; cases where S2 was faster: {len(s2_cases)}, "
+              f"Algorithm 1 right on {sum(s['choice'] == 's2' for s in s2_cases)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
