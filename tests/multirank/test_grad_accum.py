@@ -58,7 +58,6 @@ def _close(a: dict, b: dict) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ep", "parm_esp", "fssdp"])
 def test_accumulated_step_equals_the_n_times_batch(results, layout):
     for rank in results.values():
@@ -77,7 +76,6 @@ N_FWD_ALLREDUCES = {"ep": 0, "parm_esp": cases.CFG.n_layers, "fssdp": 0}
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_balancing_loss_is_per_micro_batch(results):
     for rank in results.values():
         r = rank["ep_aux"]
@@ -88,7 +86,6 @@ def test_balancing_loss_is_per_micro_batch(results):
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_trainer_updates_router_bias_once_per_step_and_logs_per_step(tmp_path):
     results = launch_local(cases.trainer_worker, 2, str(tmp_path), timeout_s=300)
     for r in results.values():

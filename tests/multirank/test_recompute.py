@@ -98,7 +98,6 @@ def test_train_recompute_is_validated():
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_trainer_recompute_modes_train_the_same_function(tmp_path):
     from moeflow.launch import launch_local
     from tests.helpers import recompute_cases
