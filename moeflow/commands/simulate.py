@@ -20,6 +20,7 @@ import torch
 from moeflow.bench.layer import case_routing, cases_for
 from moeflow.commands.bench import add_layer_args
 from moeflow.commands.common import run_meta
+from moeflow.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -41,10 +42,21 @@ def register(sub) -> None:
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --nproc, so nodes x ranks = bench layer's "
                         "world)")
-    g.add_argument("--routing", default="bench", choices=("bench", "uniform"),
+    g.add_argument("--routing", default=None, choices=("bench", "uniform"),
                    help="bench (default): plan the expert ids each rank's router picks on "
                         "`bench layer`'s inputs, so the bytes and loads are the measured run's; "
                         "uniform: the expectation, tokens x top_k spread evenly over experts")
+    skew = g.add_mutually_exclusive_group()
+    skew.add_argument("--zipf", type=float, default=None, metavar="S",
+                      help="skewed loads: plan a routing sample whose expert popularity is "
+                           "Zipf(S), p_e ~ rank_e^-S, ranks shuffled as `bench hecate` does "
+                           "(0: uniform draws)")
+    skew.add_argument("--router-trace", default=None, metavar="FILE[:RUN[:LAYER]]",
+                      help="skewed loads: plan a routing sample drawn from a trained router's "
+                           "tokens per expert, the JSON of `python -m moeflow.bench.router_load "
+                           "--out` (run RUN, MoE layer LAYER, after training; default 0:0)")
+    g.add_argument("--routing-seed", type=int, default=0,
+                   help="seed of the --zipf / --router-trace routing sample (default 0)")
     g.add_argument("--measured", default=None, metavar="JSON",
                    help="a `moeflow bench layer --out` file of the same arguments: adds the "
                         "measured step and the ratio predicted / measured per row")
@@ -109,6 +121,31 @@ def _specs(args: argparse.Namespace):
     return out
 
 
+def _routing(args: argparse.Namespace, case, spec) -> tuple[list | None, str]:
+    """The routing sample to plan (None: the uniform expectation) and how it was made."""
+    from moeflow.simulate.loads import sample_routing, trace_popularity, zipf_popularity
+
+    skewed = args.zipf is not None or args.router_trace is not None
+    if skewed and args.routing is not None:
+        raise SystemExit("moeflow simulate layer: --routing and --zipf / --router-trace both "
+                         "choose the routing; give one")
+    try:
+        if args.zipf is not None:
+            pop, how = zipf_popularity(spec.num_experts, args.zipf), f"zipf {args.zipf}"
+        elif args.router_trace is not None:
+            pop, how = trace_popularity(args.router_trace, spec.num_experts)
+            how = f"router trace {how}"
+        elif args.routing == "uniform":
+            return None, "uniform"
+        else:
+            return (case_routing(case, spec.world, args.tokens, args.d_model, args.d_expert),
+                    "bench")
+        return (sample_routing(pop, spec.world, spec.tokens, spec.top_k, args.routing_seed),
+                f"{how}, seed {args.routing_seed}")
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate layer: {e}") from None
+
+
 def _gantt(result: dict, path: str, title: str) -> None:
     from moeflow.schedule.executor import TaskRecord
     from moeflow.schedule.tasks import Task
@@ -136,6 +173,11 @@ def format_table(rows: list[dict]) -> str:
                         else f"{'-':>8} {'-':>9}"))
     lines.append("pred: predicted forward+backward of the slowest rank; comm: all-to-all time; "
                  "exposed: the computing lane waiting (step - compute)")
+    skew = [f"{r['name']} {r['load_max_over_mean']:.2f}" for r in rows
+            if r.get("load_max_over_mean", 1.0) > 1.0]
+    if skew:
+        lines.append("heaviest rank's expert rows / mean (" + rows[0]["routing"] + "): "
+                     + ", ".join(skew))
     return "\n".join(lines)
 
 
@@ -153,10 +195,9 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
             measured = {r["name"]: r for r in json.load(f)["results"]}
     rows = []
     for case, spec in specs:
-        routing = (case_routing(case, spec.world, args.tokens, args.d_model, args.d_expert)
-                   if args.routing == "bench" else None)
+        routing, how = _routing(args, case, spec)
         res = simulate_layer(spec, costs, routing)
-        res["name"], res["routing"] = case.name, args.routing
+        res["name"], res["routing"] = case.name, how
         if not case.grouped_mm:
             res["note"] = ("one matmul per expert in the measured run; simulated with the "
                            "grouped experts' fit")

@@ -12,8 +12,9 @@ expectation) cut by :func:`moeflow.schedule.chunks.chunk_counts`. Task times com
 One step is the layer's forward then its backward (what ``moeflow bench layer`` times):
 ``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``;
 then ``combine``'s backward, the 7r mirrored tasks (the same chunks and splits; ScheMoE
-Section 3.2), ``permute`` and ``route`` backward. Not modelled yet: codecs other than ``none``, the shared experts' task S, Parm's
-and HECATE's strategies, load imbalance beyond what a routing sample holds.
+Section 3.2), ``permute`` and ``route`` backward. Skewed loads are routing samples drawn from an
+expert popularity (:mod:`.loads`: Zipf, or a trained router's loads). Not modelled yet: codecs
+other than ``none``, the shared experts' task S, Parm's and HECATE's strategies.
 """
 
 from __future__ import annotations
@@ -254,6 +255,7 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
     start / end per rank and lane (seconds from the step's start)."""
     counts = count_matrix(spec, routing)
     mats = chunk_matrices(spec, counts)
+    rank_rows = counts.sum(0).reshape(spec.world, -1).sum(1)
     lanes: dict = {}
     for p in range(spec.world):
         lanes[(p, "compute")], lanes[(p, "comm")] = [], []
@@ -277,6 +279,11 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
             # the slowest rank's computing lane not computing: waiting for communication
             "exposed_comm_s": max(0.0, step - compute),
             "counts": counts.tolist(),
+            # rows each rank's experts receive (task E's input over the chunks), and the
+            # heaviest rank's over the mean: the imbalance the critical path carries
+            "expert_rows": [int(v) for v in rank_rows],
+            "load_max_over_mean": (float(rank_rows.max() / rank_rows.mean())
+                                   if rank_rows.sum() else 1.0),
             "a2a_bytes": {f"{k}^{i + 1}": [int(v) for v in
                                            ((m.sum(1) if k == "A1" else m.sum(0))
                                             * spec.d_model * spec.elem_bytes)]
