@@ -57,6 +57,10 @@ def register(sub) -> None:
                            "--out` (run RUN, MoE layer LAYER, after training; default 0:0)")
     g.add_argument("--routing-seed", type=int, default=0,
                    help="seed of the --zipf / --router-trace routing sample (default 0)")
+    g.add_argument("--comm-lanes", default="thread", choices=("thread", "link"),
+                   help="thread (default, the library): one communication thread runs every "
+                        "collective in issue order; link: a lane per link class (intra, inter), "
+                        "so the phases of successive hierarchical all-to-alls overlap")
     g.add_argument("--measured", default=None, metavar="JSON",
                    help="a `moeflow bench layer --out` file of the same arguments: adds the "
                         "measured step and the ratio predicted / measured per row")
@@ -111,13 +115,16 @@ def _specs(args: argparse.Namespace):
                              f"{args.nodes} x --ranks-per-node {per} ranks (bench layer could "
                              "not run this layout either); choose a layout whose ranks divide "
                              f"{case.num_experts}")
-        out.append((case, LayerSpec(
-            tokens=args.tokens, d_model=args.d_model, d_expert=args.d_expert,
-            num_experts=case.num_experts, top_k=case.top_k,
-            capacity_factor=case.capacity_factor, activation=case.activation,
-            schedule=case.schedule, pipeline_degree=case.pipeline_degree, a2a=case.a2a,
-            nodes=args.nodes, ranks_per_node=per,
-            trim_padding=not cuda)))
+        try:
+            out.append((case, LayerSpec(
+                tokens=args.tokens, d_model=args.d_model, d_expert=args.d_expert,
+                num_experts=case.num_experts, top_k=case.top_k,
+                capacity_factor=case.capacity_factor, activation=case.activation,
+                schedule=case.schedule, pipeline_degree=case.pipeline_degree, a2a=case.a2a,
+                nodes=args.nodes, ranks_per_node=per,
+                trim_padding=not cuda, comm_lanes=args.comm_lanes)))
+        except ConfigError as e:
+            raise SystemExit(f"moeflow simulate layer: config {case.name}: {e}") from None
     return out
 
 
@@ -161,20 +168,20 @@ def _gantt(result: dict, path: str, title: str) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'config':<28} {'world':>5} {'pred ms':>8} {'fwd ms':>7} {'bwd ms':>7} "
+    head = (f"{'config':<34} {'world':>5} {'pred ms':>8} {'fwd ms':>7} {'bwd ms':>7} "
             f"{'comm ms':>8} {'exposed':>8} {'meas ms':>8} {'pred/meas':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         meas = r.get("measured_step_ms")
-        lines.append(f"{r['name']:<28} {r['world']:>5} {r['step_s'] * 1e3:>8.2f} "
+        lines.append(f"{r['name']:<34} {r['world']:>5} {r['step_s'] * 1e3:>8.2f} "
                      f"{r['forward_s'] * 1e3:>7.2f} {r['backward_s'] * 1e3:>7.2f} "
                      f"{r['comm_s'] * 1e3:>8.2f} {r['exposed_comm_s'] * 1e3:>8.2f} "
                      + (f"{meas:>8.2f} {r['step_s'] * 1e3 / meas:>9.2f}" if meas
                         else f"{'-':>8} {'-':>9}"))
     lines.append("pred: predicted forward+backward of the slowest rank; comm: all-to-all time; "
                  "exposed: the computing lane waiting (step - compute)")
-    skew = [f"{r['name']} {r['load_max_over_mean']:.2f}" for r in rows
-            if r.get("load_max_over_mean", 1.0) > 1.0]
+    skew = list(dict.fromkeys(f"{r['name'].split('@')[0]} {r['load_max_over_mean']:.2f}"
+                              for r in rows if r.get("load_max_over_mean", 1.0) > 1.0))
     if skew:
         lines.append("heaviest rank's expert rows / mean (" + rows[0]["routing"] + "): "
                      + ", ".join(skew))

@@ -3,7 +3,9 @@ on modelled lanes (ScheMoE Section 4's two-lane model, on every rank, with colle
 
 :mod:`.costs` turns ``moeflow bench links`` / ``bench compute`` fits or a hardware profile into
 task times, :mod:`.engine` runs lanes, dependencies and collectives, :mod:`.layer` builds one
-expert-parallel layer's step from the schedulers and the dispatch planning code.
+expert-parallel layer's step from the schedulers and the dispatch planning code, :mod:`.exchange`
+the steps of each all-to-all (the hierarchical ones' intra- and inter-node phases), :mod:`.loads`
+skewed routing samples (Zipf, a trained router's loads).
 """
 
 from moeflow.simulate.costs import CostModel, cost_model

@@ -27,13 +27,17 @@ class SimTask:
     collective: str | None = None    # same key on every rank = one collective
     size: int = 0               # elements (compute) or bytes on the wire (comm), as recorded
     link: str | None = None     # the link class of a communication task
+    stage: str | None = None    # the step of an all-to-all ("all_to_all", "intra", "inter")
+    remote_bytes: int = 0       # bytes of it sent to other nodes
     start: float | None = None
     end: float | None = None
 
     def record(self) -> dict:
         return {"task": self.name, "rank": self.rank, "lane": self.lane, "phase": self.phase,
                 "start_s": self.start, "end_s": self.end, "size": self.size,
-                **({"link": self.link} if self.link else {})}
+                **({"link": self.link} if self.link else {}),
+                **({"stage": self.stage} if self.stage else {}),
+                **({"collective": self.collective} if self.collective else {})}
 
 
 def run(lanes: dict[tuple[int, str], list[SimTask]]) -> float:

@@ -12,14 +12,16 @@ expectation) cut by :func:`moeflow.schedule.chunks.chunk_counts`. Task times com
 One step is the layer's forward then its backward (what ``moeflow bench layer`` times):
 ``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``;
 then ``combine``'s backward, the 7r mirrored tasks (the same chunks and splits; ScheMoE
-Section 3.2), ``permute`` and ``route`` backward. Skewed loads are routing samples drawn from an
-expert popularity (:mod:`.loads`: Zipf, or a trained router's loads). Not modelled yet: codecs
-other than ``none``, the shared experts' task S, Parm's and HECATE's strategies.
+Section 3.2), ``permute`` and ``route`` backward. Hierarchical all-to-alls run as their
+intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.dispatch.phases`).
+Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a
+trained router's loads). Not modelled yet: codecs other than ``none``, the shared experts'
+task S, Parm's and HECATE's strategies.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -33,8 +35,11 @@ from moeflow.schedule.tasks import Task
 from moeflow.simulate import engine
 from moeflow.simulate.costs import CostModel
 from moeflow.simulate.engine import SimTask
+from moeflow.simulate.exchange import HIERARCHICAL, a2a_seconds, exchange_steps, node_pairs
 
-A2AS = ("direct", "pairwise")          # the all-to-alls with a link model here
+__all__ = ["LayerSpec", "a2a_seconds", "count_matrix", "simulate_layer", "lane_orders"]
+A2AS = ("direct", "pairwise") + HIERARCHICAL        # the all-to-alls with a link model here
+COMM_LANES = ("thread", "link")
 COMM_TASKS = ("counts", "A1", "A2")     # the collectives of one step
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
@@ -58,6 +63,10 @@ class LayerSpec:
     ranks_per_node: int = 1
     trim_padding: bool = True       # capacity mode sends only kept rows (the CPU default)
     dtype: str = "fp32"
+    # "thread": the executor's one communication thread runs every collective in issue order
+    # (the library); "link": a lane per link class, so phases of successive all-to-alls on
+    # different links overlap (what a stream per link class would allow; not the library's)
+    comm_lanes: str = "thread"
 
     def __post_init__(self) -> None:
         for name in ("tokens", "d_model", "d_expert", "num_experts", "top_k",
@@ -77,6 +86,17 @@ class LayerSpec:
         if self.a2a not in A2AS:
             raise ConfigError(f"LayerSpec.a2a={self.a2a!r} has no link model in the simulator "
                               f"yet; choose one of {', '.join(A2AS)}")
+        if self.a2a in HIERARCHICAL and self.nodes < 2:
+            raise ConfigError(f"LayerSpec.a2a={self.a2a!r} needs several nodes (it splits into "
+                              f"intra- and inter-node phases); the layout is {self.nodes} node "
+                              f"x {self.ranks_per_node} ranks: give nodes >= 2 or a2a='direct'")
+        if self.a2a == "node_dedup" and self.pipeline_degree != 1:
+            raise ConfigError(f"LayerSpec.pipeline_degree={self.pipeline_degree} cannot be "
+                              "combined with a2a='node_dedup' (its exchange is not pipelined, "
+                              "as in the library): use pipeline_degree=1")
+        if self.comm_lanes not in COMM_LANES:
+            raise ConfigError(f"LayerSpec.comm_lanes={self.comm_lanes!r} is invalid; choose "
+                              f"one of {', '.join(COMM_LANES)}")
         if self.schedule not in SCHEDULERS:
             raise ConfigError(f"LayerSpec.schedule={self.schedule!r} is not a registered "
                               f"scheduler; choose one of {', '.join(sorted(SCHEDULERS))}")
@@ -127,39 +147,6 @@ def chunk_matrices(spec: LayerSpec, counts: np.ndarray) -> list[np.ndarray]:
     return [c.reshape(W, W, e_local).sum(2) for c in chunk_counts(counts, spec.pipeline_degree)]
 
 
-def _link_class(spec: LayerSpec, a: int, b: int) -> str:
-    return "intra" if a // spec.ranks_per_node == b // spec.ranks_per_node else "inter"
-
-
-def a2a_seconds(spec: LayerSpec, costs: CostModel, mat_bytes: np.ndarray) -> tuple[float, str]:
-    """Seconds of one all-to-all whose ``mat_bytes[src][dst]`` bytes move, and its link class.
-
-    ``direct``: one collective over the EP group, the fit of its link class at the largest
-    per-rank buffer (sent or received; a collective ends with its slowest member).
-    ``pairwise``: P-1 rounds of one send/recv each (ScheMoE Eq. 15), a round as long as its
-    slowest pair's p2p over that pair's link class."""
-    W = spec.world
-    if W == 1:
-        return 0.0, "self"          # a one-rank exchange is a local copy (no collective)
-    if spec.a2a == "direct":
-        cls = ("intra" if spec.nodes == 1 else "inter" if spec.ranks_per_node == 1
-               else "world")
-        per_rank = np.maximum(mat_bytes.sum(1), mat_bytes.sum(0))
-        return costs.link(cls, "all_to_all").predict(float(per_rank.max())), cls
-    total = 0.0
-    classes = set()
-    for s in range(1, W):
-        rnd = 0.0
-        for p in range(W):
-            q = (p + s) % W
-            cls = _link_class(spec, p, q)
-            classes.add(cls)
-            if mat_bytes[p, q]:
-                rnd = max(rnd, costs.link(cls, "p2p").predict(float(mat_bytes[p, q])))
-        total += rnd
-    return total, "+".join(sorted(classes))
-
-
 def counts_seconds(spec: LayerSpec, costs: CostModel) -> tuple[float, str]:
     """The count matrix's exchange before the forward's first chunk
     (:func:`moeflow.dispatch.plan.exchange_counts`): an all-gather of every rank's per-expert
@@ -167,11 +154,13 @@ def counts_seconds(spec: LayerSpec, costs: CostModel) -> tuple[float, str]:
     if spec.world == 1:
         return 0.0, "self"
     cls = ("intra" if spec.nodes == 1 else "inter" if spec.ranks_per_node == 1 else "world")
-    return costs.link(cls, "all_gather").predict(spec.world * spec.num_experts * 8), cls
+    # node_dedup gathers its tokens per destination node beside the counts
+    width = spec.num_experts + (spec.nodes if spec.a2a == "node_dedup" else 0)
+    return costs.link(cls, "all_gather").predict(spec.world * width * 8), cls
 
 
 def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase: str,
-                lanes: dict, last: dict) -> None:
+                lanes: dict, last: dict, dedup: tuple | None = None) -> None:
     """Queue one pass (forward or backward) on every rank's lanes; ``last[rank]`` is the last
     computing task queued before it (the pass waits for it)."""
     W, d, h, B = spec.world, spec.d_model, spec.d_expert, spec.elem_bytes
@@ -180,17 +169,18 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
     mats_fn = 3 if spec.activation == "swiglu" else 2
     fwd = phase == "forward"
     send_rows = sum(m.sum(1) for m in mats)           # per rank, rows of the send buffer
-    a2a = {}                                          # (kind, chunk) -> (seconds, link)
-    for i, m in enumerate(mats):
-        by = m * d * B
-        a2a[("A1", i)] = a2a_seconds(spec, costs, by)
-        a2a[("A2", i)] = a2a_seconds(spec, costs, by.T)
+    # (kind, chunk) -> per rank, the collectives of that all-to-all; A2 is the way back
+    # (the transposed matrix, AllToAll.start_combine), in both passes as the pipeline runs it
+    dedup = None if dedup is None else (*dedup, phase)      # node_dedup: (N[p][e], C[p][m])
+    a2a = {(kind, i): exchange_steps(spec, costs, m if kind == "A1" else m.T, kind == "A2",
+                                     phase, dedup)
+           for i, m in enumerate(mats) for kind in ("A1", "A2")}
+    # node_dedup's collectives run on the computing thread (strategies/node_dedup.py)
+    overlap = sched.overlap and spec.a2a != "node_dedup"
     for p in range(W):
-        comp, comm = lanes[(p, "compute")], lanes[(p, "comm")]
-
         def add(name, seconds, size=0, deps=(), lane="compute", runs_on="compute", **kw):
             t = SimTask(name, p, lane, runs_on, phase, seconds, list(deps), size=size, **kw)
-            (comp if runs_on == "compute" else comm).append(t)
+            lanes[(p, runs_on)].append(t)
             return t
 
         S = int(send_rows[p])
@@ -207,7 +197,8 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
             last[p] = add(name, sec, size, [last[p]] if last[p] else [])
         if fwd:
             sec, link = counts_seconds(spec, costs)
-            last[p] = add("counts", sec, spec.world * E * 8, [last[p]], lane="comm",
+            width = E + (spec.nodes if spec.a2a == "node_dedup" else 0)
+            last[p] = add("counts", sec, spec.world * width * 8, [last[p]], lane="comm",
                           collective="forward/counts", link=link)
         done: dict[Task, SimTask] = {}
         for task in sched.order(r):
@@ -228,11 +219,14 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
             done[task] = t
             if task.kind in ("C1", "C2"):
                 a = Task("A1" if task.kind == "C1" else "A2", i)
-                seconds, link = a2a[(a.kind, i)]
-                nbytes = (send if a.kind == "A1" else recv) * d * B
-                done[a] = add(str(a), seconds, nbytes, [t], lane="comm",
-                              runs_on="comm" if sched.overlap else "compute",
-                              collective=f"{phase}/{a}", link=link)
+                prev = t
+                for st in a2a[(a.kind, i)][p]:
+                    runs_on = ("compute" if not overlap else "comm"
+                               if spec.comm_lanes == "thread" else f"comm/{st.link}")
+                    prev = add(str(a), st.seconds, st.nbytes, [prev], lane="comm",
+                               runs_on=runs_on, collective=f"{phase}/{a}/{st.group}",
+                               link=st.link, stage=st.stage, remote_bytes=st.remote_bytes)
+                done[a] = prev
         tail = done[Task("D2", r - 1)]
         ends = [done[Task("D2", i)] for i in range(r)]
         if fwd:
@@ -253,15 +247,26 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
     """The predicted step (forward + backward) of ``spec``: step time (the slowest rank),
     forward / backward split, per-kind busy time, exposed communication, and every task's
     start / end per rank and lane (seconds from the step's start)."""
-    counts = count_matrix(spec, routing)
+    dedup = None
+    if spec.a2a == "node_dedup":
+        if routing is None:     # distinct nodes per token need ids: uniform draws, seed 0
+            from moeflow.simulate.loads import sample_routing
+            routing = sample_routing(np.full(spec.num_experts, 1.0 / spec.num_experts),
+                                     spec.world, spec.tokens, spec.top_k)
+        # node_dedup sends only kept rows (it refuses capacity_padding="pad")
+        counts = count_matrix(replace(spec, trim_padding=True), routing)
+        dedup = (counts, node_pairs(spec, routing))
+    else:
+        counts = count_matrix(spec, routing)
     mats = chunk_matrices(spec, counts)
     rank_rows = counts.sum(0).reshape(spec.world, -1).sum(1)
     lanes: dict = {}
     for p in range(spec.world):
-        lanes[(p, "compute")], lanes[(p, "comm")] = [], []
+        for lane in ("compute", "comm", "comm/intra", "comm/inter"):
+            lanes[(p, lane)] = []
     last = {p: None for p in range(spec.world)}
-    _pass_tasks(spec, costs, mats, "forward", lanes, last)
-    _pass_tasks(spec, costs, mats, "backward", lanes, last)
+    _pass_tasks(spec, costs, mats, "forward", lanes, last, dedup)
+    _pass_tasks(spec, costs, mats, "backward", lanes, last, dedup)
     step = engine.run(lanes)
     tasks = [t for v in lanes.values() for t in v]
     fwd_end = max(t.end for t in tasks if t.phase == "forward")
@@ -288,8 +293,23 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
                                            ((m.sum(1) if k == "A1" else m.sum(0))
                                             * spec.d_model * spec.elem_bytes)]
                           for i, m in enumerate(mats) for k in ("A1", "A2")},
+            # per rank, bytes put on inter-node links, forward + backward (the layer's
+            # stats["inter_node_bytes"]), and per all-to-all step the bytes each rank sends
+            "inter_node_bytes": [sum(t.remote_bytes for t in tasks if t.rank == p)
+                                 for p in range(spec.world)],
+            "step_bytes": _step_bytes(tasks, spec.world),
             "tasks": sorted((t.record() for t in tasks),
                             key=lambda rec: (rec["rank"], rec["start_s"]))}
+
+
+def _step_bytes(tasks: list[SimTask], world: int) -> dict[str, list[int]]:
+    """``"<phase>/<task>/<stage>"`` (e.g. ``forward/A1^1/inter``) -> bytes each rank sends."""
+    out: dict[str, list[int]] = {}
+    for t in tasks:
+        if t.stage is not None:
+            key = f"{t.phase}/{t.name}/{t.stage}"
+            out.setdefault(key, [0] * world)[t.rank] += t.size
+    return out
 
 
 def lane_orders(result: dict, rank: int, phase: str) -> dict[str, list[str]]:

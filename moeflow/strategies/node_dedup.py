@@ -14,9 +14,11 @@ Combine (the mirror)
      and sums them per received token: one partial sum per (token, node).
   4. The partial sums cross back (inter-node) and each token sums its nodes' partials.
 Inter-node rows per dispatch and per combine are (tokens x distinct destination nodes)
-instead of (tokens x k). The backward is the mirror, by autograd through differentiable
-all-to-alls: the gradients of the partial sums cross once per (token, node), and the
-gradients of the tokens and gates once per (token, node) the other way.
+instead of (tokens x k). The split sizes of the two exchanges are
+:func:`moeflow.dispatch.phases.node_dedup_phases` (which the step simulator models too). The
+backward is the mirror, by autograd through differentiable all-to-alls: the gradients of the
+partial sums cross once per (token, node), and the gradients of the tokens and gates once per
+(token, node) the other way.
 
 One count exchange per call (one host synchronisation, as dropless ``direct``): every rank
 all-gathers its choices per expert and its tokens per destination node, from which every
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.exchange import gather_device_counts
 from moeflow.dispatch import DispatchPlan, make_plan
+from moeflow.dispatch.phases import kept_choices, node_dedup_phases, token_nodes
 from moeflow.errors import ConfigError
 from moeflow.strategies.base import ExpertStrategy
 
@@ -129,11 +132,7 @@ class NodeDedup(ExpertStrategy):
         E = self.layer.cfg.num_experts
         p = make_plan(expert_ids, E, cap)
         if cap is not None:
-            T, k = expert_ids.shape
-            kept = (p.slot < p.send_rows).view(k, T).t()
-            expert_ids = torch.where(kept, expert_ids, E)
-            p.local_counts = expert_ids.new_zeros(E + 1).index_add_(
-                0, expert_ids.reshape(-1), torch.ones_like(expert_ids.reshape(-1)))[:E]
+            expert_ids, p.local_counts = kept_choices(expert_ids, p.slot, p.send_rows, E)
         return NodeDedupPlan(**{f: getattr(p, f) for f in p.__dataclass_fields__},
                              experts=expert_ids)
 
@@ -155,8 +154,7 @@ class NodeDedup(ExpertStrategy):
         g = lambda node, local: node * L + local        # noqa: E731
         ids = plan.experts
         # 1. the distinct destination nodes of every token; the one count exchange
-        hit = torch.zeros(T, N + 1, dtype=torch.bool, device=send.device)
-        hit = hit.scatter_(1, ids // En, True)[:, :N]     # column N: dropped choices
+        hit = token_nodes(ids, En, N)                   # dropped choices reach no node
         pair_counts = hit.sum(0).to(plan.local_counts.dtype)
         got = gather_device_counts(torch.cat([plan.local_counts, pair_counts]),
                                    topo.world_group, P)          # the host synchronisation
@@ -168,8 +166,8 @@ class NodeDedup(ExpertStrategy):
         n_pairs = int(C[me].sum())
         pair = torch.argsort(flat.logical_not().to(torch.int32), stable=True)[:n_pairs]
         pair_tok = torch.remainder(pair, T) if T else pair
-        send_a = [int(c) for c in C[me]]
-        recv_a = [int(C[g(src, l)][n]) for src in range(N)]
+        inter_phase, intra_phase = node_dedup_phases(NE, C, N, L, El, n, l)
+        send_a, recv_a = inter_phase.send, inter_phase.recv
         remote_a = [m != n for m in range(N)]
         inter = topo.inter_node_group
         rows_a = _AllToAll.apply(send.index_select(0, pair_tok), send_a, recv_a, inter,
@@ -181,11 +179,8 @@ class NodeDedup(ExpertStrategy):
         # 2. fan out inside the node: the choices on this node, by local expert
         on = (ids_a // En) == n
         key = torch.where(on, ids_a - n * En, En).reshape(-1)
-        block = lambda src, node, local: int(                     # noqa: E731
-            NE[src, node * En + local * El:node * En + (local + 1) * El].sum())
-        send_b = [sum(block(g(s, l), n, l2) for s in range(N)) for l2 in range(L)]
+        send_b, recv_b = intra_phase.send, intra_phase.recv
         sel = torch.argsort(key, stable=True)[:sum(send_b)]          # choice r*k + j
-        recv_b = [sum(block(g(s, l1), n, l) for s in range(N)) for l1 in range(L)]
         remote_b = [False] * L
         intra = topo.intra_node_group
         rows_b = x_r.index_select(0, torch.div(sel, k, rounding_mode="floor"))

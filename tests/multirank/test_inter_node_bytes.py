@@ -151,3 +151,23 @@ def test_one_node_sends_nothing_across():
     layer = mf.MoELayer(mf.MoEConfig(d_model=D_MODEL, d_expert=5, num_experts=E, top_k=K))
     layer(torch.randn(7, D_MODEL)).sum().backward()
     assert layer.stats["inter_node_bytes"] == 0.0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("algo", ["direct", "hier2d", "bilevel", "hier1d", "node_dedup"])
+def test_simulator_phases_cross_the_counted_bytes(results, algo):
+    """``moeflow simulate``'s phases of each all-to-all, planned from the same routing, put on
+    inter-node links what the layer counted and the wire carried (forward + backward)."""
+    from moeflow.measure.linkmodel import AlphaBeta
+    from moeflow.simulate import CostModel, LayerSpec, simulate_layer
+    from moeflow.simulate.costs import KINDS
+
+    fit = AlphaBeta(1e-4, 1e-9)
+    costs = CostModel({k: fit for k in KINDS},
+                      {(c, op): fit for c in ("intra", "inter", "world")
+                       for op in ("all_to_all", "all_gather")})
+    spec = LayerSpec(tokens=5, d_model=D_MODEL, d_expert=5, num_experts=E, top_k=K,
+                     capacity_factor=None, a2a=algo, nodes=2, ranks_per_node=2, dtype="fp64")
+    routing = [results[r][("dropless", algo)]["ids"] for r in range(4)]
+    sim = simulate_layer(spec, costs, routing)
+    assert sim["inter_node_bytes"] == [results[r][("dropless", algo)]["stat"] for r in range(4)]

@@ -4,7 +4,8 @@ Dispatch: an inter-node all-to-all among the ranks with the same local rank (ran
 to (n', l) everything bound for node n'), then an intra-node all-to-all (to the right local
 rank). Combine (``start_combine``): the reverse, intra-node first, then inter-node. Each rank
 talks to N-1 + L-1 peers instead of N*L - 1 (O(m + n) launches instead of O(mn)). Results are in
-source-rank order like every algorithm, so schedulers and codecs apply unchanged.
+source-rank order like every algorithm, so schedulers and codecs apply unchanged. The split sizes
+of the stages are :func:`moeflow.dispatch.phases.bilevel_phases`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from moeflow.comm.alltoall.base import Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hier2d import Hier2DAllToAll, _a2a
 from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
+from moeflow.dispatch.phases import bilevel_phases
 
 
 @register_alltoall("bilevel")
@@ -30,16 +32,14 @@ class BiLevelAllToAll(Hier2DAllToAll):
         lay = Layout.of(topo, send_splits, x.device, matrix)
         N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         # 1: to (n2, l) the blocks for every (n2, l2): contiguous already (destination order)
-        send1 = [sum(S[g(n, l)][g(n2, l2)] for l2 in range(L)) for n2 in range(N)]
-        recv1 = [sum(S[g(n1, l)][g(n, l2)] for l2 in range(L)) for n1 in range(N)]
-        got1 = _a2a(x, send1, recv1, topo.inter_node_group)
+        inter, intra = bilevel_phases(S, N, L, n, l)
+        got1 = _a2a(x, inter.send, inter.recv, topo.inter_node_group)
         # got1: (source node n1, dest local l2) -> regroup by dest local rank
         sizes1 = [S[g(n1, l)][g(n, l2)] for n1 in range(N) for l2 in range(L)]
         step2 = take(got1, sizes1, [n1 * L + l2 for l2 in range(L) for n1 in range(N)])
         # 2: to local rank l2 everything from every source node through us
-        send2 = [sum(S[g(n1, l)][g(n, l2)] for n1 in range(N)) for l2 in range(L)]
-        recv2 = [sum(S[g(n1, l1)][g(n, l)] for n1 in range(N)) for l1 in range(L)]
-        got2 = _a2a(step2, send2, recv2, topo.intra_node_group) if L > 1 else step2
+        got2 = (_a2a(step2, intra.send, intra.recv, topo.intra_node_group) if L > 1
+                else step2)
         # got2: (relay local l1, source node n1) -> source-rank order (n1, l1)
         sizes2 = [S[g(n1, l1)][g(n, l)] for l1 in range(L) for n1 in range(N)]
         out = take(got2, sizes2, [l1 * N + n1 for n1 in range(N) for l1 in range(L)])

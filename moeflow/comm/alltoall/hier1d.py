@@ -5,7 +5,8 @@
    all-to-all among leaders: N-1 large messages per node).
 3. Each leader regroups what it received by destination local rank, in source-rank order, and
    scatters it to its local ranks.
-Fewest inter-node messages, at the price of the leader relaying everything twice.
+Fewest inter-node messages, at the price of the leader relaying everything twice. The split sizes
+of the three steps are :func:`moeflow.dispatch.phases.hier1d_phases`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hier2d import _a2a
 from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
+from moeflow.dispatch.phases import hier1d_phases
 
 
 @register_alltoall("hier1d")
@@ -31,11 +33,10 @@ class Hier1DAllToAll(AllToAll):
         N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         P = N * L
         leader = l == 0
+        gather, inter, scatter = hier1d_phases(S, N, L, n, l)
         # 1: gather to the leader (an intra-node all-to-all where only the leader receives)
-        total = [sum(S[g(n, l1)]) for l1 in range(L)]
         if L > 1:
-            got = _a2a(x, [x.shape[0]] + [0] * (L - 1),
-                       total if leader else [0] * L, topo.intra_node_group)
+            got = _a2a(x, [x.shape[0]] + [0] * (L - 1), gather.recv, topo.intra_node_group)
         else:
             got = x
         if leader:
@@ -43,23 +44,17 @@ class Hier1DAllToAll(AllToAll):
             sizes = [S[g(n, l1)][d] for l1 in range(L) for d in range(P)]
             order = [l1 * P + g(n2, l2) for n2 in range(N) for l1 in range(L) for l2 in range(L)]
             step2 = take(got, sizes, order)
-            send2 = [sum(S[g(n, l1)][g(n2, l2)] for l1 in range(L) for l2 in range(L))
-                     for n2 in range(N)]
-            recv2 = [sum(S[g(n1, l1)][g(n, l2)] for l1 in range(L) for l2 in range(L))
-                     for n1 in range(N)]
-            got2 = _a2a(step2, send2, recv2, topo.inter_node_group)
+            got2 = _a2a(step2, inter.send, inter.recv, topo.inter_node_group)
             # got2: for source node n1, source l1, dest local l2; regroup by dest local rank
             sizes2 = [S[g(n1, l1)][g(n, l2)] for n1 in range(N) for l1 in range(L)
                       for l2 in range(L)]
             order2 = [(n1 * L + l1) * L + l2 for l2 in range(L) for n1 in range(N)
                       for l1 in range(L)]
             step3 = take(got2, sizes2, order2)
-            send3 = [sum(S[s][g(n, l2)] for s in range(P)) for l2 in range(L)]
         else:
-            step3, send3 = x.new_empty((0,) + tuple(x.shape[1:])), [0] * L
+            step3 = x.new_empty((0,) + tuple(x.shape[1:]))
         # 3: scatter from the leader
-        mine = sum(S[s][g(n, l)] for s in range(P))
-        out = (_a2a(step3, send3, [mine] + [0] * (L - 1), topo.intra_node_group) if L > 1
+        out = (_a2a(step3, scatter.send, scatter.recv, topo.intra_node_group) if L > 1
                else step3)
         return Pending(lambda: out)
 

@@ -7,7 +7,8 @@ Rank (n, l) = node n, local rank l; ranks are numbered g = n*L + l.
 3. Layout transform: reorder the received blocks from (l, n') to (n', l).
 4. Inter-node all-to-all among the ranks with the same local rank: node n' receives its blocks.
 The result is in source-rank order (n, l), as the interface requires. Only N-1 inter-node
-messages per rank (instead of P - L), each L times larger.
+messages per rank (instead of P - L), each L times larger. The split sizes of steps 2 and 4 are
+:func:`moeflow.dispatch.phases.hier2d_phases` (which the step simulator models too).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
+from moeflow.dispatch.phases import hier2d_phases
 
 
 def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -40,16 +42,13 @@ class Hier2DAllToAll(AllToAll):
         N, L, n, l, S, g = lay.N, lay.L, lay.n, lay.l, lay.S, lay.g
         # 1-2: to local rank l' go the blocks for (n', l'), n' ascending
         step1 = take(x, send_splits, [g(n2, l2) for l2 in range(L) for n2 in range(N)])
-        send1 = [sum(S[g(n, l)][g(n2, l2)] for n2 in range(N)) for l2 in range(L)]
-        recv1 = [sum(S[g(n, l1)][g(n2, l)] for n2 in range(N)) for l1 in range(L)]
-        got1 = _a2a(step1, send1, recv1, topo.intra_node_group) if L > 1 else step1
+        intra, inter = hier2d_phases(S, N, L, n, l)
+        got1 = _a2a(step1, intra.send, intra.recv, topo.intra_node_group) if L > 1 else step1
         # 3: received blocks are (source l1, dest node n2); regroup by dest node
         sizes1 = [S[g(n, l1)][g(n2, l)] for l1 in range(L) for n2 in range(N)]
         step2 = take(got1, sizes1, [l1 * N + n2 for n2 in range(N) for l1 in range(L)])
         # 4: to node n2 (same local rank) go the blocks of all our local sources
-        send2 = [sum(S[g(n, l1)][g(n2, l)] for l1 in range(L)) for n2 in range(N)]
-        recv2 = [sum(S[g(n1, l1)][g(n, l)] for l1 in range(L)) for n1 in range(N)]
-        out = _a2a(step2, send2, recv2, topo.inter_node_group)
+        out = _a2a(step2, inter.send, inter.recv, topo.inter_node_group)
         return Pending(lambda: out)
 
     def inter_node_rows(self, send_splits, matrix, combine=False) -> int:

@@ -1,0 +1,175 @@
+"""The collectives of one simulated all-to-all: per rank, its steps, their link and their bytes.
+
+``direct`` is one collective over the EP group, ``pairwise`` P-1 rounds of p2p (ScheMoE
+Eq. 15). The hierarchical exchanges are their phases, each an all-to-all over the ranks of one
+node (link class ``intra``) or over the ranks of equal local rank (``inter``), with the split
+sizes the algorithms themselves use (:mod:`moeflow.dispatch.phases`): ``hier2d`` (intra then
+inter), ``bilevel`` (inter then intra; its combine as hier2d), ``hier1d`` (gather to the leader,
+inter among leaders, scatter) and ``node_dedup`` (one row per (token, node) across nodes, with
+its k gates, and its k expert ids as int32 in a second inter-node collective; then one row per
+choice inside the node; the combine and the backward the mirror, without the ids). A phase over
+one rank per node (L = 1) skips its intra step, as the algorithms do.
+
+A phase's time is the link fit of its class at the largest buffer (sent or received) of its
+group's members: a collective ends with its slowest member (Parm Section IV's ``alpha + beta *
+volume``; the fits of ``moeflow bench links`` run every group of a class at once, so an
+inter-node phase's fit already shares the node's link among its local ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeflow.dispatch.capacity import capacity
+from moeflow.dispatch.phases import (INTER, INTRA, Phase, bilevel_phases, hier1d_phases,
+                                     hier2d_phases, kept_choices, node_dedup_phases,
+                                     token_nodes)
+from moeflow.dispatch.plan import make_plan
+from moeflow.simulate.costs import CostModel
+
+HIERARCHICAL = ("hier2d", "bilevel", "hier1d", "node_dedup")
+
+
+@dataclass
+class Step:
+    """One collective call of one rank inside an all-to-all."""
+
+    stage: str           # "all_to_all", "pairwise", "intra", "inter", "inter-ids"
+    link: str            # link class of the fit
+    seconds: float
+    nbytes: int          # bytes of this rank's send buffer
+    remote_bytes: int    # bytes of it bound for other nodes
+    group: str           # the collective: "world", or "<step>/node<n>", "<step>/local<l>"
+
+
+def _link_class(spec, a: int, b: int) -> str:
+    return "intra" if a // spec.ranks_per_node == b // spec.ranks_per_node else "inter"
+
+
+def a2a_seconds(spec, costs: CostModel, mat_bytes: np.ndarray) -> tuple[float, str]:
+    """Seconds of one all-to-all whose ``mat_bytes[src][dst]`` bytes move, and its link class.
+
+    ``direct``: one collective over the EP group, the fit of its link class at the largest
+    per-rank buffer (sent or received; a collective ends with its slowest member).
+    ``pairwise``: P-1 rounds of one send/recv each (ScheMoE Eq. 15), a round as long as its
+    slowest pair's p2p over that pair's link class."""
+    W = spec.world
+    if W == 1:
+        return 0.0, "self"          # a one-rank exchange is a local copy (no collective)
+    if spec.a2a == "direct":
+        cls = ("intra" if spec.nodes == 1 else "inter" if spec.ranks_per_node == 1
+               else "world")
+        per_rank = np.maximum(mat_bytes.sum(1), mat_bytes.sum(0))
+        return costs.link(cls, "all_to_all").predict(float(per_rank.max())), cls
+    total = 0.0
+    classes = set()
+    for s in range(1, W):
+        rnd = 0.0
+        for p in range(W):
+            q = (p + s) % W
+            cls = _link_class(spec, p, q)
+            classes.add(cls)
+            if mat_bytes[p, q]:
+                rnd = max(rnd, costs.link(cls, "p2p").predict(float(mat_bytes[p, q])))
+        total += rnd
+    return total, "+".join(sorted(classes))
+
+
+def _one_hop(spec, costs, mat_bytes: np.ndarray) -> dict[int, list[Step]]:
+    """``direct`` / ``pairwise``: every block crosses once, to its destination rank."""
+    W, L = spec.world, spec.ranks_per_node
+    seconds, link = a2a_seconds(spec, costs, mat_bytes)
+    out = {}
+    for p in range(W):
+        remote = sum(int(mat_bytes[p, q]) for q in range(W) if q // L != p // L)
+        out[p] = [Step(spec.a2a if spec.a2a == "pairwise" else "all_to_all", link, seconds,
+                       int(mat_bytes[p].sum()), remote, "world")]
+    return out
+
+
+def _phase_lists(spec, S: np.ndarray, combine: bool, dedup) -> dict[int, list[tuple]]:
+    """Per rank, ``(Phase, row_bytes, stage)`` of one exchange of the split matrix ``S``
+    (rows). ``dedup``: node_dedup's ``(NE, C, phase)``; its rows are wider where gates travel."""
+    N, L, d, B = spec.nodes, spec.ranks_per_node, spec.d_model, spec.elem_bytes
+    row = d * B
+    out = {}
+    for n in range(N):
+        for l in range(L):
+            p = n * L + l
+            if spec.a2a == "hier2d":
+                out[p] = [(ph, row, ph.link) for ph in hier2d_phases(S, N, L, n, l)]
+            elif spec.a2a == "bilevel":
+                out[p] = [(ph, row, ph.link) for ph in bilevel_phases(S, N, L, n, l, combine)]
+            elif spec.a2a == "hier1d":
+                out[p] = [(ph, row, ph.link) for ph in hier1d_phases(S, N, L, n, l)]
+            else:
+                NE, C, phase = dedup
+                k = spec.top_k
+                inter, intra = node_dedup_phases(NE, C, N, L, spec.num_experts // spec.world,
+                                                 n, l)
+                back = lambda ph: Phase(ph.link, ph.recv, ph.send)    # noqa: E731
+                gated = (d + k) * B            # the token with its k gate weights, one row
+                if phase == "forward" and not combine:        # dispatch
+                    out[p] = [(inter, gated, INTER), (inter, 4 * k, "inter-ids"),
+                              (intra, row, INTRA)]
+                elif phase == "forward":                      # combine: partial sums back
+                    out[p] = [(back(intra), row, INTRA), (back(inter), row, INTER)]
+                elif not combine:   # backward's first exchange: the partial sums' gradients
+                    out[p] = [(inter, row, INTER), (intra, row, INTRA)]
+                else:               # the gradients of the experts' inputs, tokens and gates
+                    out[p] = [(back(intra), row, INTRA), (back(inter), gated, INTER)]
+            if L == 1:              # a node of one rank: the algorithms skip the intra step
+                out[p] = [x for x in out[p] if x[0].link != INTRA]
+    return out
+
+
+def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forward",
+                   dedup=None) -> dict[int, list[Step]]:
+    """Per rank, the steps of one all-to-all of split matrix ``S`` (rows; ``combine``: the
+    way back, as :meth:`AllToAll.start_combine`), with their times from ``costs``."""
+    if spec.a2a not in HIERARCHICAL:
+        return _one_hop(spec, costs, S * spec.d_model * spec.elem_bytes)
+    N, L = spec.nodes, spec.ranks_per_node
+    lists = _phase_lists(spec, S, combine, dedup)
+    out: dict[int, list[Step]] = {p: [] for p in lists}
+    for j in range(max(len(v) for v in lists.values())):
+        groups: dict[str, list[tuple[int, int, int]]] = {}     # group -> (rank, send, buffer)
+        for p, steps in lists.items():
+            if j >= len(steps):
+                continue
+            ph, row, stage = steps[j]
+            n, l = divmod(p, L)
+            if ph.members == "leaders" and l != 0:
+                continue
+            key = f"node{n}" if ph.link == INTRA else f"local{l}"
+            buf = max(sum(ph.send), sum(ph.recv)) * row
+            groups.setdefault(key, []).append((p, sum(ph.send) * row, buf))
+        for key, members in groups.items():
+            p0 = members[0][0]
+            ph, row, stage = lists[p0][j]
+            seconds = costs.link(ph.link, "all_to_all").predict(float(max(b for *_, b in members)))
+            for p, nbytes, _ in members:
+                ph_p = lists[p][j][0]
+                me = p // L if ph.link == INTER else p % L
+                remote = ph_p.remote_rows(me) * row if ph.link == INTER else 0
+                out[p].append(Step(stage, ph.link, seconds, nbytes, remote, f"{j}/{key}"))
+    return out
+
+
+def node_pairs(spec, routing: list) -> np.ndarray:
+    """``C[p][m]``: tokens of rank p with a kept choice on node m (node_dedup's inter-node rows
+    per dispatch), from the routing as the strategy plans it (capacity drops reach no node)."""
+    E, N = spec.num_experts, spec.nodes
+    cap = (None if spec.capacity_factor is None
+           else capacity(spec.tokens, spec.top_k, E, spec.capacity_factor))
+    rows = []
+    for ids in routing:
+        ids = torch.as_tensor(np.asarray(ids), dtype=torch.int64)
+        if cap is not None:
+            plan = make_plan(ids, E, cap)
+            ids, _ = kept_choices(ids, plan.slot, plan.send_rows, E)
+        rows.append(token_nodes(ids, E // N, N).sum(0).numpy())
+    return np.stack(rows).astype(np.int64)

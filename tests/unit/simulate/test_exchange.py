@@ -1,0 +1,166 @@
+"""Hierarchical all-to-alls in the step simulator (moeflow.simulate.exchange): their phases carry
+the rows the library's algorithms send (checked against each algorithm's own count of the rows it
+puts on inter-node links, no ranks started), run on their link class's fit, in order, one
+collective per group, and with a lane per link class the phases of successive all-to-alls
+overlap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeflow.comm.alltoall.bilevel import BiLevelAllToAll
+from moeflow.comm.alltoall.hier1d import Hier1DAllToAll
+from moeflow.comm.alltoall.hier2d import Hier2DAllToAll
+from moeflow.dispatch.phases import bilevel_phases, hier1d_phases, hier2d_phases
+from moeflow.measure.linkmodel import AlphaBeta
+from moeflow.simulate import CostModel, LayerSpec, simulate_layer
+from moeflow.simulate.costs import KINDS
+from moeflow.simulate.loads import sample_routing, zipf_popularity
+from moeflow.topology import Topology
+
+ALGOS = {"hier2d": (Hier2DAllToAll, hier2d_phases), "bilevel": (BiLevelAllToAll, bilevel_phases),
+         "hier1d": (Hier1DAllToAll, hier1d_phases)}
+
+
+def _costs(intra=(1e-4, 1e-8), inter=(1e-3, 1e-7), world=(1e-3, 1e-7)) -> CostModel:
+    links = {}
+    for cls, ab in (("intra", intra), ("inter", inter), ("world", world)):
+        links[(cls, "all_to_all")] = AlphaBeta(*ab)
+        links[(cls, "all_gather")] = AlphaBeta(*ab)
+    return CostModel({k: AlphaBeta(1e-6, 1e-10) for k in KINDS}, links)
+
+
+def _spec(**kw) -> LayerSpec:
+    base = dict(tokens=256, d_model=16, d_expert=32, num_experts=8, top_k=2,
+                capacity_factor=None, nodes=2, ranks_per_node=2)
+    return LayerSpec(**{**base, **kw})
+
+
+@pytest.mark.parametrize("N,L", [(2, 2), (2, 3), (3, 2), (4, 1)])
+@pytest.mark.parametrize("name", list(ALGOS))
+def test_phases_cross_what_the_algorithm_counts(name, N, L):
+    """Each rank's inter-node phase sends to other nodes exactly the rows the algorithm's own
+    inter_node_rows counts (its stats["inter_node_bytes"]), for dispatch and combine; every
+    rank ends with its column of the matrix."""
+    cls, phases = ALGOS[name]
+    P = N * L
+    S = np.random.default_rng(N * 10 + L).integers(0, 9, size=(P, P)).tolist()
+    for combine in (False, True):
+        for r in range(P):
+            algo = cls(Topology(rank=r, world_size=P, local_size=L, ep_size=P))
+            n, l = divmod(r, L)
+            got = (phases(S, N, L, n, l, combine) if name == "bilevel"
+                   else phases(S, N, L, n, l))
+            inter = [ph for ph in got if ph.link == "inter"]
+            assert len(inter) == 1
+            assert inter[0].remote_rows(n) == algo.inter_node_rows(S[r], S, combine), (r, combine)
+            assert sum(got[-1].recv) == sum(S[s][r] for s in range(P))
+            assert sum(got[0].send) == sum(S[r]) or (name == "hier1d")
+        # what every rank sends in one phase, some rank receives
+        for j in range(len(got)):
+            all_ph = [(phases(S, N, L, *divmod(r, L), combine) if name == "bilevel"
+                       else phases(S, N, L, *divmod(r, L)))[j] for r in range(P)]
+            assert sum(sum(ph.send) for ph in all_ph) == sum(sum(ph.recv) for ph in all_ph)
+
+
+def test_hier2d_step_is_direct_with_two_phases():
+    """Sequential, r = 1, uniform counts: every exchange of 2 x 2 ranks moves a rank's whole
+    buffer intra-node, then inter-node; the step is direct's with the world fit replaced by
+    the two phase fits, for the 4 all-to-alls of forward + backward."""
+    c = _costs()
+    direct = simulate_layer(_spec(), c)
+    hier = simulate_layer(_spec(a2a="hier2d"), c)
+    buf = 256 * 2 * 16 * 4                  # a rank's T k rows of d_model fp32
+    assert direct["a2a_bytes"]["A1^1"] == [buf] * 4
+    one = (c.link("intra", "all_to_all").predict(buf) + c.link("inter", "all_to_all").predict(buf)
+           - c.link("world", "all_to_all").predict(buf))
+    assert hier["step_s"] - direct["step_s"] == pytest.approx(4 * one, rel=1e-9)
+    a1 = [t for t in hier["tasks"] if t["task"] == "A1^1" and t["rank"] == 0
+          and t["phase"] == "forward"]
+    assert [t["stage"] for t in a1] == ["intra", "inter"]
+    assert a1[0]["end_s"] <= a1[1]["start_s"]
+    # hier2d relays, but the node as a whole sends what direct sends across
+    assert sum(hier["inter_node_bytes"]) == sum(direct["inter_node_bytes"]) > 0
+
+
+def test_bilevel_dispatch_starts_inter_and_combines_as_hier2d():
+    sim = simulate_layer(_spec(a2a="bilevel"), _costs())
+    stages = lambda name: [t["stage"] for t in sim["tasks"]             # noqa: E731
+                           if t["task"] == name and t["rank"] == 3 and t["phase"] == "forward"]
+    assert stages("A1^1") == ["inter", "intra"] and stages("A2^1") == ["intra", "inter"]
+
+
+def test_hier1d_leaders_alone_cross():
+    sim = simulate_layer(_spec(a2a="hier1d"), _costs())
+    leaders = [sim["inter_node_bytes"][p] for p in (0, 2)]
+    assert sim["inter_node_bytes"][1] == sim["inter_node_bytes"][3] == 0 < min(leaders)
+    inter = {t["rank"] for t in sim["tasks"] if t.get("stage") == "inter"}
+    assert inter == {0, 2}
+
+
+@pytest.mark.parametrize("algo", ["hier2d", "bilevel", "hier1d", "node_dedup"])
+def test_thread_lane_orders_and_collectives(algo):
+    """One communication thread (the library): a rank's collectives never overlap and run in
+    issue order; the members of a phase's group start and end it together; a phase starts
+    after the one before it."""
+    r = 1 if algo == "node_dedup" else 2
+    sim = simulate_layer(_spec(a2a=algo, schedule="pipelined" if r > 1 else "sequential",
+                               pipeline_degree=r),
+                         _costs(), sample_routing(zipf_popularity(8, 1.0), 4, 256, 2))
+    comm = [t for t in sim["tasks"] if t["lane"] == "comm" and t["task"] != "counts"]
+    for p in range(4):
+        mine = sorted((t for t in comm if t["rank"] == p), key=lambda t: t["start_s"])
+        assert all(a["end_s"] <= b["start_s"] + 1e-15 for a, b in zip(mine, mine[1:]))
+    groups: dict = {}
+    for t in comm:
+        groups.setdefault(t["collective"], []).append(t)
+    for key, ts in groups.items():       # a node's 2 ranks, or the 2 ranks of a local rank
+        assert len(ts) == 2, key
+        assert len({t["start_s"] for t in ts}) == len({t["end_s"] for t in ts}) == 1, key
+    # a phase starts after the one before it, on every rank
+    for p in range(4):
+        for name in ("A1^1", "A2^1"):
+            steps = [t for t in comm if t["rank"] == p and t["task"] == name
+                     and t["phase"] == "backward"]
+            assert len(steps) >= 2 or algo == "hier1d"
+            assert all(a["end_s"] <= b["start_s"] for a, b in zip(steps, steps[1:]))
+
+
+def test_link_lanes_overlap_phases_of_successive_all_to_alls():
+    """A lane per link class: chunk 2's intra phase may run while chunk 1's inter phase does,
+    so the step is never longer than with one thread, and shorter when communication
+    dominates."""
+    kw = dict(a2a="hier2d", schedule="pipelined", pipeline_degree=4, tokens=2048)
+    c = _costs(intra=(1e-4, 1e-7), inter=(1e-4, 1e-7))
+    thread = simulate_layer(_spec(**kw), c)
+    link = simulate_layer(_spec(**kw, comm_lanes="link"), c)
+    assert link["step_s"] < thread["step_s"]
+    a1 = {(t["task"], t["stage"]): t for t in link["tasks"]
+          if t["rank"] == 0 and t["phase"] == "forward" and t["task"].startswith("A1")}
+    assert a1[("A1^2", "intra")]["start_s"] < a1[("A1^1", "inter")]["end_s"]
+    # each all-to-all's own phases stay in order
+    for i in range(1, 5):
+        assert a1[(f"A1^{i}", "intra")]["end_s"] <= a1[(f"A1^{i}", "inter")]["start_s"]
+
+
+def test_node_dedup_crosses_once_per_token_and_node():
+    """Top-2 over 2 nodes: a token whose two experts share a node crosses once, so fewer
+    bytes cross than with hier2d (every choice); the inter-node dispatch carries the k gates
+    per row and the k ids (int32) in a second collective; the backward has no ids."""
+    routing = sample_routing(zipf_popularity(8, 0.0), 4, 256, 2, seed=1)
+    dedup = simulate_layer(_spec(a2a="node_dedup"), _costs(), routing)
+    hier = simulate_layer(_spec(a2a="hier2d"), _costs(), routing)
+    assert 0 < sum(dedup["inter_node_bytes"]) < sum(hier["inter_node_bytes"])
+    b = dedup["step_bytes"]
+    pairs = np.array(b["forward/A1^1/inter-ids"]) // (2 * 4)
+    assert (np.array(b["forward/A1^1/inter"]) == pairs * (16 + 2) * 4).all()
+    assert (np.array(b["backward/A1^1/inter"]) == pairs * 16 * 4).all()
+    assert not any(k.startswith("backward") and k.endswith("inter-ids") for k in b)
+    # each rank's pairs: its tokens' distinct nodes (both nodes, or one)
+    assert all(256 <= n <= 2 * 256 for n in pairs)
+
+
+def test_node_dedup_refuses_pipelining():
+    with pytest.raises(Exception, match="pipeline_degree=2"):
+        _spec(a2a="node_dedup", pipeline_degree=2)
