@@ -57,6 +57,12 @@ def register(sub) -> None:
                            "--out` (run RUN, MoE layer LAYER, after training; default 0:0)")
     g.add_argument("--routing-seed", type=int, default=0,
                    help="seed of the --zipf / --router-trace routing sample (default 0)")
+    # --codec is bench layer's (its --compare flag), here applied to every row, as --a2a is
+    g.add_argument("--codec-backward", action="store_true",
+                   help="MoEConfig.codec_backward: with --codec NAME (every row's codec: its "
+                        "encode / decode as the C / D tasks, timed by the `codec:NAME` fit of "
+                        "`bench compute --codecs NAME`, and its bytes on the wire from the "
+                        "codec's size function), compress the backward's payloads too")
     g.add_argument("--comm-lanes", default="thread", choices=("thread", "link"),
                    help="thread (default, the library): one communication thread runs every "
                         "collective in issue order; link: a lane per link class (intra, inter), "
@@ -77,6 +83,9 @@ def _specs(args: argparse.Namespace):
     if args.compare is not None:
         raise SystemExit("moeflow simulate layer: --compare (a peer's layer) is not modelled; "
                          "drop it")
+    if args.codec.startswith("auto"):
+        raise SystemExit(f"moeflow simulate layer: --codec {args.codec} (tuned at run time) is "
+                         "not modelled; name a codec (none, fp16, int8, zfp, ...)")
     for name in ("tokens", "d_model", "d_expert", "nodes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"moeflow simulate layer: --{name.replace('_', '-')} "
@@ -122,7 +131,8 @@ def _specs(args: argparse.Namespace):
                 capacity_factor=case.capacity_factor, activation=case.activation,
                 schedule=case.schedule, pipeline_degree=case.pipeline_degree, a2a=case.a2a,
                 nodes=args.nodes, ranks_per_node=per,
-                trim_padding=not cuda, comm_lanes=args.comm_lanes)))
+                trim_padding=not cuda, comm_lanes=args.comm_lanes, codec=args.codec,
+                codec_backward=args.codec_backward)))
         except ConfigError as e:
             raise SystemExit(f"moeflow simulate layer: config {case.name}: {e}") from None
     return out

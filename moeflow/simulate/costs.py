@@ -5,7 +5,9 @@ states per collective (Section IV, ``t = alpha + beta * volume``): compute kinds
 ``moeflow bench compute`` JSON (``moeflow.compute/1``: ``t = alpha + beta * work``, work in
 FLOPs or bytes), collectives from a ``moeflow bench links`` JSON (``moeflow.links/1``: per link
 class and op), or both from a hardware profile's datasheet numbers
-(:mod:`moeflow.measure.profiles`), which have no alpha for compute.
+(:mod:`moeflow.measure.profiles`), which have no alpha for compute. Codecs (ScheMoE Section
+3.1's compression tasks C and D; Section 2.3: compression trades computing time for a smaller
+all-to-all volume) take their time from the ``codec:NAME`` fit.
 """
 
 from __future__ import annotations
@@ -40,6 +42,23 @@ class CostModel:
                               f"fit for kind {kind!r} (it has: {', '.join(sorted(self.compute))}"
                               "); re-run `moeflow bench compute --out FILE`")
         return self.compute[kind].predict(work)
+
+    def codec_time(self, name: str, in_bytes: float, wire_bytes: float) -> float:
+        """Seconds of one direction (encode, or decode) of codec ``name`` on a payload of
+        ``in_bytes`` (``wire_bytes`` compressed): half the ``codec:NAME`` fit of ``moeflow bench
+        compute`` (it times encode + decode of ``in_bytes`` together); from a datasheet profile,
+        memory traffic (the payload read, the compressed bytes written, or back)."""
+        if name == "none" or in_bytes <= 0:
+            return 0.0               # the payload passes through (ScheMoE's D/C tasks empty)
+        kind = f"codec:{name}"
+        if kind in self.compute:
+            return 0.5 * self.compute[kind].predict(in_bytes)
+        if self.source.get("compute", "").startswith("profile"):
+            return self.compute["elementwise"].predict(in_bytes + wire_bytes)
+        have = ", ".join(k for k in sorted(self.compute) if k.startswith("codec:")) or "none"
+        raise ConfigError(f"the compute model ({self.source.get('compute', '?')}) has no fit "
+                          f"for {kind!r} (codec fits: {have}); re-run `moeflow bench compute "
+                          f"--codecs {name} --out FILE`")
 
     def link(self, link_class: str, op: str) -> AlphaBeta:
         if (link_class, op) not in self.links:

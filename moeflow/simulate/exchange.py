@@ -90,11 +90,11 @@ def _one_hop(spec, costs, mat_bytes: np.ndarray) -> dict[int, list[Step]]:
     return out
 
 
-def _phase_lists(spec, S: np.ndarray, combine: bool, dedup) -> dict[int, list[tuple]]:
+def _phase_lists(spec, S: np.ndarray, combine: bool, dedup, row: int
+                 ) -> dict[int, list[tuple]]:
     """Per rank, ``(Phase, row_bytes, stage)`` of one exchange of the split matrix ``S``
     (rows). ``dedup``: node_dedup's ``(NE, C, phase)``; its rows are wider where gates travel."""
     N, L, d, B = spec.nodes, spec.ranks_per_node, spec.d_model, spec.elem_bytes
-    row = d * B
     out = {}
     for n in range(N):
         for l in range(L):
@@ -127,13 +127,15 @@ def _phase_lists(spec, S: np.ndarray, combine: bool, dedup) -> dict[int, list[tu
 
 
 def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forward",
-                   dedup=None) -> dict[int, list[Step]]:
+                   dedup=None, row_bytes: int | None = None) -> dict[int, list[Step]]:
     """Per rank, the steps of one all-to-all of split matrix ``S`` (rows; ``combine``: the
-    way back, as :meth:`AllToAll.start_combine`), with their times from ``costs``."""
+    way back, as :meth:`AllToAll.start_combine`), with their times from ``costs``.
+    ``row_bytes``: bytes per row on the wire (a codec's; default ``d_model`` elements)."""
+    row = spec.d_model * spec.elem_bytes if row_bytes is None else row_bytes
     if spec.a2a not in HIERARCHICAL:
-        return _one_hop(spec, costs, S * spec.d_model * spec.elem_bytes)
-    N, L = spec.nodes, spec.ranks_per_node
-    lists = _phase_lists(spec, S, combine, dedup)
+        return _one_hop(spec, costs, S * row)
+    L = spec.ranks_per_node
+    lists = _phase_lists(spec, S, combine, dedup, row)
     out: dict[int, list[Step]] = {p: [] for p in lists}
     for j in range(max(len(v) for v in lists.values())):
         groups: dict[str, list[tuple[int, int, int]]] = {}     # group -> (rank, send, buffer)

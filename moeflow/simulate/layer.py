@@ -15,8 +15,9 @@ then ``combine``'s backward, the 7r mirrored tasks (the same chunks and splits; 
 Section 3.2), ``permute`` and ``route`` backward. Hierarchical all-to-alls run as their
 intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.dispatch.phases`).
 Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a
-trained router's loads). Not modelled yet: codecs other than ``none``, the shared experts'
-task S, Parm's and HECATE's strategies.
+trained router's loads). Codecs: encode / decode as the C / D tasks, compressed rows on the
+wire (``Codec.wire_bytes``). Not modelled yet: the shared experts' task S, Parm's and HECATE's
+strategies.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.plan import make_plan
 from moeflow.errors import ConfigError
+from moeflow.registry import registry
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.schedule.schedulers import SCHEDULERS
 from moeflow.schedule.tasks import Task
@@ -42,6 +44,8 @@ A2AS = ("direct", "pairwise") + HIERARCHICAL        # the all-to-alls with a lin
 COMM_LANES = ("thread", "link")
 COMM_TASKS = ("counts", "A1", "A2")     # the collectives of one step
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class LayerSpec:
     # (the library); "link": a lane per link class, so phases of successive all-to-alls on
     # different links overlap (what a stream per link class would allow; not the library's)
     comm_lanes: str = "thread"
+    codec: str = "none"             # MoEConfig.codec: the forward's payloads
+    codec_backward: bool = False    # MoEConfig.codec_backward: the backward's too
 
     def __post_init__(self) -> None:
         for name in ("tokens", "d_model", "d_expert", "num_experts", "top_k",
@@ -94,6 +100,14 @@ class LayerSpec:
             raise ConfigError(f"LayerSpec.pipeline_degree={self.pipeline_degree} cannot be "
                               "combined with a2a='node_dedup' (its exchange is not pipelined, "
                               "as in the library): use pipeline_degree=1")
+        codecs = registry("codec")
+        if self.codec not in codecs:
+            raise ConfigError(f"LayerSpec.codec={self.codec!r} is not a registered codec; "
+                              f"choose one of {', '.join(sorted(codecs))}")
+        if self.a2a == "node_dedup" and self.codec != "none":
+            raise ConfigError(f"LayerSpec.codec={self.codec!r} cannot be combined with "
+                              "a2a='node_dedup' (its exchanges send raw rows, as in the "
+                              "library): use codec='none'")
         if self.comm_lanes not in COMM_LANES:
             raise ConfigError(f"LayerSpec.comm_lanes={self.comm_lanes!r} is invalid; choose "
                               f"one of {', '.join(COMM_LANES)}")
@@ -111,6 +125,17 @@ class LayerSpec:
     @property
     def elem_bytes(self) -> int:
         return _BYTES[self.dtype]
+
+    def pass_codec(self, phase: str):
+        """The codec of a pass's payloads (the backward's is ``none`` unless
+        ``codec_backward``, as :class:`moeflow.layer.MoELayer` builds them)."""
+        name = self.codec if phase == "forward" or self.codec_backward else "none"
+        return registry("codec")[name]()
+
+    def wire_row_bytes(self, phase: str) -> int:
+        """Bytes one ``d_model`` row takes on the wire in a pass: the codec's own size function
+        (``Codec.wire_bytes``), per row (every codec's size is linear in rows)."""
+        return int(self.pass_codec(phase).wire_bytes(1, self.d_model, _TORCH[self.dtype]))
 
 
 def count_matrix(spec: LayerSpec, routing: list | None = None) -> np.ndarray:
@@ -172,8 +197,10 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
     # (kind, chunk) -> per rank, the collectives of that all-to-all; A2 is the way back
     # (the transposed matrix, AllToAll.start_combine), in both passes as the pipeline runs it
     dedup = None if dedup is None else (*dedup, phase)      # node_dedup: (N[p][e], C[p][m])
+    codec = spec.pass_codec(phase)
+    wire = spec.wire_row_bytes(phase)               # bytes per row on the wire
     a2a = {(kind, i): exchange_steps(spec, costs, m if kind == "A1" else m.T, kind == "A2",
-                                     phase, dedup)
+                                     phase, dedup, wire)
            for i, m in enumerate(mats) for kind in ("A1", "A2")}
     # node_dedup's collectives run on the computing thread (strategies/node_dedup.py)
     overlap = sched.overlap and spec.a2a != "node_dedup"
@@ -184,6 +211,10 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
             return t
 
         S = int(send_rows[p])
+
+        def enc(rows: int) -> float:
+            """ScheMoE Section 3.1: C compresses a chunk's payload, D decompresses it."""
+            return costs.codec_time(codec.name, rows * d * B, rows * wire)
         el = lambda nbytes: costs.compute_time("elementwise", nbytes)   # noqa: E731
         outer = []
         if fwd:
@@ -205,14 +236,16 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
             i = task.chunk
             send, recv = int(mats[i][p].sum()), int(mats[i][:, p].sum())
             if task.kind == "C1":
-                sec, size = (el(2 * send * d * B) if r > 1 else 0.0), send * d
+                sec = (el(2 * send * d * B) if r > 1 else 0.0) + enc(send)
+                size = send * d
             elif task.kind == "E":
                 flops = 2 * recv * mats_fn * d * h
                 sec = costs.compute_time("experts" if fwd else "experts_backward",
                                          flops if fwd else 2 * flops)
                 size = recv * d
-            else:                      # codec none: D1, C2, D2 pass the buffer through
-                sec, size = 0.0, (recv if task.kind in ("D1", "C2") else send) * d
+            else:                      # D1, C2 on the expert side, D2 back on the tokens' side
+                rows = recv if task.kind in ("D1", "C2") else send
+                sec, size = enc(rows), rows * d
             pred = task.predecessor()
             deps = [done[pred]] if pred is not None else [last[p]]
             t = add(str(task), sec, size, deps)

@@ -12,11 +12,15 @@ from moeflow.schedule.executor import Timeline
 TOKENS, D, H, EXPERTS, TOP_K = 24, 8, 16, 4, 2
 CASES = [(cap, s, r) for cap in (1.25, None) for s in ("sequential", "pipelined", "optsche")
          for r in (2, 4)]
+# (capacity, schedule, r, codec, codec_backward): the compressed payloads' bytes on the wire
+CODEC_CASES = [(1.25, "optsche", 2, "int8", True), (None, "pipelined", 2, "fp16", False)]
 
 
-def run_case(topo: Topology, cap, schedule: str, r: int) -> dict:
+def run_case(topo: Topology, cap, schedule: str, r: int, codec: str = "none",
+             codec_backward: bool = False) -> dict:
     cfg = MoEConfig(d_model=D, d_expert=H, num_experts=EXPERTS, top_k=TOP_K,
-                    capacity_factor=cap, schedule=schedule, pipeline_degree=r, seed=3)
+                    capacity_factor=cap, schedule=schedule, pipeline_degree=r, seed=3,
+                    codec=codec, codec_backward=codec_backward)
     layer = MoELayer(cfg, topo)
     got = {}
 
@@ -34,4 +38,4 @@ def run_case(topo: Topology, cap, schedule: str, r: int) -> dict:
 
 def worker() -> dict:
     topo = Topology.from_env()
-    return {case: run_case(topo, *case) for case in CASES}
+    return {case: run_case(topo, *case) for case in CASES + CODEC_CASES}

@@ -30,16 +30,25 @@ def recorded():
     return launch_local(w.worker, 2, timeout_s=240)
 
 
-def _spec(cap, schedule, r) -> LayerSpec:
+def _spec(cap, schedule, r, codec="none", codec_backward=False) -> LayerSpec:
     return LayerSpec(tokens=w.TOKENS, d_model=w.D, d_expert=w.H, num_experts=w.EXPERTS,
                      top_k=w.TOP_K, capacity_factor=cap, schedule=schedule,
-                     pipeline_degree=r, ranks_per_node=2)
+                     pipeline_degree=r, ranks_per_node=2, codec=codec,
+                     codec_backward=codec_backward)
 
 
-@pytest.mark.parametrize("case", w.CASES, ids=lambda c: f"cap{c[0]}-{c[1]}-r{c[2]}")
+def _codec_costs() -> CostModel:
+    c = _costs()
+    c.compute.update({f"codec:{n}": AlphaBeta(1e-5, 1e-9) for n in ("int8", "fp16")})
+    return c
+
+
+@pytest.mark.parametrize("case", w.CASES + w.CODEC_CASES,
+                         ids=lambda c: f"cap{c[0]}-{c[1]}-r{c[2]}" + "".join(
+                             f"-{x}" for x in c[3:]))
 def test_lane_orders_and_bytes_match_the_executor(recorded, case):
     routing = [recorded[rank][case]["ids"] for rank in (0, 1)]
-    sim = simulate_layer(_spec(*case), _costs(), routing)
+    sim = simulate_layer(_spec(*case), _codec_costs(), routing)
     for rank in (0, 1):
         recs = recorded[rank][case]["records"]
         for phase in ("forward", "backward"):
