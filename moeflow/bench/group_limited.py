@@ -219,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=300))
     res = bench({k: v for k, v in vars(args).items() if k in OPTS})
     if torch.distributed.get_rank() == 0:
+        from moeflow.commands.common import run_meta   # command, date, load, commit
+        res.update(run_meta())
         report(res)
         if args.out:
             with open(args.out, "w") as f:
