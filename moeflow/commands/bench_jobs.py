@@ -18,8 +18,10 @@ def register_bench(bsub) -> None:
     parm_train.add_arguments(p)
     p.set_defaults(func=lambda args: parm_train.run(args, "moeflow " + shlex.join(sys.argv[1:])))
 
-    p = bsub.add_parser("group-limited", help="inter-node bytes of DeepSeek-V3's group-limited "
-                                              "routing vs plain top-k (under moeflow cluster run)",
+    p = bsub.add_parser("group-limited", help="inter-node bytes and step time of DeepSeek-V3's "
+                                              "node-limited routing vs plain top-k, per "
+                                              "all-to-all (--algorithms direct,node_dedup; "
+                                              "under moeflow cluster run)",
                         description=group_limited.__doc__.splitlines()[0])
     group_limited.add_arguments(p)
     p.set_defaults(func=group_limited.run)
