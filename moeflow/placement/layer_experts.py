@@ -41,8 +41,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from moeflow.comm.holder_groups import shared_holder_groups
 from moeflow.comm.sparse import (SparseAllGather, SparseReduceScatter, group_timeout,
                                  spag_send_bytes, sprs_send_bytes)
+from moeflow.placement.transport import time_transports
 from moeflow.errors import ConfigError
 from moeflow.experts.activations import build_activation
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
@@ -54,7 +56,10 @@ from moeflow.placement.options import FSSDPOptions
 from moeflow.placement.placement import Placement
 from moeflow.placement.timing import LazyInterval
 from moeflow.placement.token_plan import KeptChoices, fssdp_plan
-from moeflow.schedule.streams import CommLane, Handoff
+from moeflow.schedule.streams import Clock, CommLane, Handoff
+from moeflow.schedule.tasks import Task
+
+SPAG = "spAG"       # the early spAG's task kind in a Timeline
 
 
 class HeldFFN(ExpertFFN):
@@ -101,11 +106,16 @@ class HeldFFN(ExpertFFN):
         return super().forward(x, counts, None if offsets is None else offsets[:H])
 
 
-def _spag(p0: Placement, p1: Placement, numel: int, dtype, device, group, rank: int,
-          owned: dict[int, torch.Tensor]):
-    """``spAG(P, P')`` of the owned rows; returns (received replicas, (send, recv) bytes)."""
-    op = SparseAllGather(p0.owner_chunks(), p1.holder_chunks(), (numel,), dtype, group=group,
-                         device=device, verify=False)
+def _spag_op(p0: Placement, p1: Placement, numel: int, dtype, device, group,
+             transport: str = "p2p", groups=None) -> SparseAllGather:
+    """``spAG(P, P')`` built (with the broadcast transport: its holder sets' groups created,
+    a world collective, so on the caller's thread)."""
+    return SparseAllGather(p0.owner_chunks(), p1.holder_chunks(), (numel,), dtype, group=group,
+                           device=device, verify=False, transport=transport, groups=groups)
+
+
+def _run_spag(op: SparseAllGather, p0: Placement, rank: int, owned: dict[int, torch.Tensor]):
+    """Run a built spAG on the owned rows; returns (received replicas, (send, recv) bytes)."""
     got = op(owned)
     return {e: t for e, t in got.items() if p0.owners[e] != rank}, (op.send_bytes, op.recv_bytes)
 
@@ -130,9 +140,11 @@ class _Gather(torch.autograd.Function):
         grad = grad.to(store.slots.dtype).contiguous()
         chunks = {e: grad[i] for i, e in enumerate(ctx.held)}
         if store.world > 1:
+            transport, groups = store.transport_for(placement)
             op = SparseReduceScatter(placement.holder_chunks(), store.owners.owner_chunks(),
                                      (store.numel,), grad.dtype, group=store.group,
-                                     device=grad.device, verify=False)
+                                     device=grad.device, verify=False, transport=transport,
+                                     groups=groups)
             chunks = op(chunks)
             store.bytes["sprs"] = (op.send_bytes, op.recv_bytes)
         out = grad.new_zeros(store.slots.shape)     # the slot tensor may hold other layers
@@ -224,6 +236,13 @@ class FSSDPExperts(nn.Module):
         self.token_s = 0.0                  # expert-phase seconds per token (ranks' mean)
         self.last_t: int | None = None
         self.calibrated = 0                 # forwards whose calibration changed P'
+        # spAG / spRS transport (FSSDPOptions.transport); "auto" decides on the first P' that
+        # replicates an expert (:meth:`_choose_transport`)
+        self.transport = None if options.transport == "auto" else options.transport
+        self.transport_ms: tuple[float, float] | None = None    # auto's (p2p, broadcast)
+        self.holder_groups = None
+        if options.transport != "p2p" and world > 1:
+            self.holder_groups = shared_holder_groups(group, group_timeout(group))
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, owned={sorted(self.slot_index)}, "
@@ -268,14 +287,16 @@ class FSSDPExperts(nn.Module):
         rows = self.slots.detach()
         return {e: rows[i] for e, i in self.slot_index.items()}
 
-    def prefetch(self, lane: CommLane) -> None:
+    def prefetch(self, lane: CommLane, timeline=None) -> None:
         """Launch this iteration's ``spAG(P, P')`` on the layer's communication lane (Fig. 1c:
         before the block's attention). The forward waits for it, bounded by the group's
         timeout. A second call before that forward does nothing.
 
         Until :meth:`begin` has waited for it, this rank must issue no other collective from
         another thread (NCCL's one order per rank, docs/design.md): the GPT block runs only
-        its attention in between, which has none (FSSDP refuses tensor parallelism)."""
+        its attention in between, which has none (FSSDP refuses tensor parallelism).
+        ``timeline`` (a :class:`~moeflow.schedule.executor.Timeline`; benchmarks pass one):
+        record the spAG as a ``comm`` task ``SPAG`` of the forward (its lane's clock)."""
         if self._pending is not None or self.world == 1:
             return
         self.non_moe.start(self.slots.device)
@@ -284,23 +305,57 @@ class FSSDPExperts(nn.Module):
         hand = Handoff(lane, dev)
         ready = hand.ready()
         owned = self._owned_rows()
-        args = (self.owners, placement, self.numel, self.slots.dtype, dev, self.lane_group,
-                self.rank)
+        op = self._spag(placement, self.lane_group)     # groups created here, not on the lane
+
+        clock = Clock(dev)
 
         def task():
             hand.enter(ready, list(owned.values()))
-            got = _spag(*args, owned)
+            t0 = clock.stamp()
+            got = _run_spag(op, self.owners, self.rank, owned)
+            if timeline is not None:
+                timeline.add(Task(SPAG, 0), "forward", "comm", t0, clock.stamp(),
+                             got[1][0] + got[1][1])
             return got, hand.leave()
 
         self._pending = (placement, lane.submit(task, dev), hand)
+
+    def transport_for(self, placement: Placement) -> tuple[str, object]:
+        """(transport, holder groups) of spAG / spRS over ``placement``; with ``"auto"``, the
+        first placement that replicates an expert decides (collective: every rank has the
+        same ``P'``, so every rank reaches the decision together)."""
+        if self.transport is None and any(len(h) > 1 for h in placement.holders):
+            self._choose_transport(placement)
+        transport = self.transport or "p2p"
+        return transport, (self.holder_groups if transport == "broadcast" else None)
+
+    def _spag(self, placement: Placement, group) -> SparseAllGather:
+        transport, groups = self.transport_for(placement)
+        return _spag_op(self.owners, placement, self.numel, self.slots.dtype, self.slots.device,
+                        group, transport, groups)
+
+    def _choose_transport(self, placement: Placement) -> None:
+        """``transport="auto"``: time spAG + spRS over ``placement`` with each transport, on
+        this layer's real expert rows (interleaved, after a warm-up; the slowest rank's time
+        of each repetition), and keep the faster median. Once per layer, at the first
+        iteration that moves experts."""
+        p2p, bc = time_transports(self.owners, placement, self._owned_rows(), self.group,
+                                  self.holder_groups)
+        self.transport_ms = (1e3 * p2p, 1e3 * bc)
+        self.transport = "broadcast" if bc < p2p else "p2p"
+
+    def wait_prefetched(self) -> tuple[Placement, dict, tuple]:
+        """Wait for the early spAG (or run it now) without starting the layer: ``(P',
+        received replicas, (send, recv) bytes)`` (benchmarks time the spAG alone with it)."""
+        return self._gathered()
 
     def _gathered(self) -> tuple[Placement, dict, tuple]:
         if self.world == 1:                 # every expert is owned here: P' = P
             return self.next_placement(), {}, (0, 0)
         if self._pending is None:
             placement = self.next_placement()
-            got, nbytes = _spag(self.owners, placement, self.numel, self.slots.dtype,
-                                self.slots.device, self.group, self.rank, self._owned_rows())
+            got, nbytes = _run_spag(self._spag(placement, self.group), self.owners, self.rank,
+                                    self._owned_rows())
             return placement, got, nbytes
         placement, future, hand = self._pending
         self._pending = None
@@ -343,8 +398,8 @@ class FSSDPExperts(nn.Module):
                 extra = self.owners.materialize(
                     [{self.owners.owners[e]} | (set(better.holders[e]) - set(h))
                      for e, h in enumerate(placement.holders)])
-                more, nb = _spag(self.owners, extra, self.numel, self.slots.dtype,
-                                 self.slots.device, self.group, self.rank, self._owned_rows())
+                more, nb = _run_spag(self._spag(extra, self.group), self.owners, self.rank,
+                                     self._owned_rows())
                 got = {**got, **more}
                 self.bytes["spag_calibration"] = nb
                 placement = better
@@ -412,8 +467,8 @@ class FSSDPExperts(nn.Module):
     def refill(self, flat: torch.Tensor, nbytes: int, placement: Placement) -> None:
         """The second spAG of HECATE-RM: the freed held experts, back into their storage."""
         held = placement.held(self.rank)
-        got, nbytes_ag = _spag(self.owners, placement, self.numel, self.slots.dtype,
-                               self.slots.device, self.group, self.rank, self._owned_rows())
+        got, nbytes_ag = _run_spag(self._spag(placement, self.group), self.owners, self.rank,
+                                   self._owned_rows())
         flat.untyped_storage().resize_(nbytes)
         data = flat.data             # own version counter: the graph's saved views stay valid
         with torch.no_grad():
@@ -442,6 +497,10 @@ class FSSDPExperts(nn.Module):
             out.update({f"fssdp_load_rank{r}": float(n) for r, n in enumerate(loads)})
         out["spag_send_bytes"] = float(self.bytes.get("spag", (0, 0))[0])
         out["sprs_send_bytes"] = float(self.bytes.get("sprs", (0, 0))[0])
+        if self.transport is not None:
+            out["fssdp_transport_broadcast"] = float(self.transport == "broadcast")
+        if self.transport_ms is not None:
+            out["fssdp_auto_p2p_ms"], out["fssdp_auto_broadcast_ms"] = self.transport_ms
         placement = getattr(self, "last_placement", None)
         if placement is not None:        # every rank's volume follows from P, P' (Eq. 1-2)
             p0, p1, chunk = placement.owner_chunks(), placement.holder_chunks(), \
@@ -479,4 +538,4 @@ def _result(future: Future, timeout: float):
                            f"({timeout:.0f} s): a peer did not join") from err
 
 
-__all__ = ["FSSDPExperts", "HeldFFN"]
+__all__ = ["FSSDPExperts", "HeldFFN", "SPAG"]
