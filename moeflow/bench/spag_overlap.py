@@ -13,7 +13,8 @@ repetition with the ranks aligned and the slowest rank's time:
 
 ``hidden = (spag + attention - early) / spag`` from the medians is the share of the spAG that
 the early issue took off the critical path (1: fully hidden; 0: none; the three medians come
-from the same interleaved run). The ``early`` variant also records the spAG and the attention
+from the same interleaved run); the same per repetition (its three adjacent timings, paired)
+gives the spread, min / median / max. The ``early`` variant also records the spAG and the attention
 on a :class:`~moeflow.schedule.executor.Timeline` (the spAG as a ``comm`` task stamped on its
 lane, the attention as a ``compute`` task); ``timeline_overlap`` is
 :meth:`Timeline.overlap_fraction`, the share of the spAG's own interval during which the
@@ -104,12 +105,16 @@ def bench_worker(opts: dict) -> dict:
         _, experts, holders = blocks[transport]
         med = {v: statistics.median(times[transport, v]) for v in VARIANTS}
         hidden = (med["spag"] + med["attention"] - med["early"]) / med["spag"]
+        paired = [(s + a - e) / s for s, a, e in zip(*(times[transport, v] for v in VARIANTS))]
         moved = sum(len(h) - 1 for h in holders) * experts.expert_bytes
         for v in VARIANTS:
             ts = [1e3 * t for t in times[transport, v]]
             rows.append({"transport": transport, "variant": v, "ms": 1e3 * med[v],
                          "min_ms": min(ts), "max_ms": max(ts), "samples_ms": ts})
         rows.append({"transport": transport, "variant": "summary", "hidden": hidden,
+                     "hidden_paired_min": min(paired),
+                     "hidden_paired_median": statistics.median(paired),
+                     "hidden_paired_max": max(paired),
                      "timeline_overlap": statistics.median(overlap[transport]),
                      "timeline_overlap_samples": overlap[transport], "bytes_moved": moved})
     return {"topology": repr(topo), "options": opts, "rows": rows}
@@ -122,7 +127,9 @@ def format_result(res: dict) -> str:
     for r in res["rows"]:
         if r["variant"] == "summary":
             lines.append(f"{r['transport']:<10} hidden by early issue: {100 * r['hidden']:.0f}% "
-                         f"of the spAG (wall clock); timeline overlap "
+                         f"of the spAG (wall clock, medians; per repetition "
+                         f"{100 * r['hidden_paired_min']:.0f}..{100 * r['hidden_paired_median']:.0f}"
+                         f"..{100 * r['hidden_paired_max']:.0f}%); timeline overlap "
                          f"{100 * r['timeline_overlap']:.0f}%; "
                          f"{r['bytes_moved'] / 1e6:.1f} MB moved")
             continue
