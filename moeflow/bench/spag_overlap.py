@@ -20,6 +20,10 @@ lane, the attention as a ``compute`` task); ``timeline_overlap`` is
 :meth:`Timeline.overlap_fraction`, the share of the spAG's own interval during which the
 attention ran, median over repetitions of the ranks' mean. Both are reported: the timeline
 figure says how long the two ran side by side, the wall-clock one how much time that saved.
+
+``--backward`` (:func:`backward_worker`): the block's forward + backward with the spRS on the
+critical path against the spRS on the lane under the attention backward
+(``MoEConfig.fssdp.overlap_backward``, Section 3.2), interleaved.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from moeflow.topology import Topology
 VARIANTS = ("spag", "attention", "early")
 
 
-def _block(opts: dict, topo: Topology, transport: str):
+def _block(opts: dict, topo: Topology, transport: str, **fssdp):
     from moeflow.config import ModelConfig
     from moeflow.models.gpt import Block
 
@@ -50,7 +54,7 @@ def _block(opts: dict, topo: Topology, transport: str):
                       moe_every=1, num_experts=opts["experts_per_rank"] * world,
                       d_expert=opts["d_expert"], top_k=1, capacity_factor=None, seed=3,
                       placement="fssdp",
-                      fssdp=dict(materialize="manual", transport=transport))
+                      fssdp=dict(materialize="manual", transport=transport, **fssdp))
     block = Block(cfg, 0, topo)
     experts: FSSDPExperts = block.ffn.experts
     holders = random_holders(cfg.num_experts, world, experts.owners, opts["replicas"], seed=17)
@@ -120,7 +124,72 @@ def bench_worker(opts: dict) -> dict:
     return {"topology": repr(topo), "options": opts, "rows": rows}
 
 
+def backward_worker(opts: dict) -> dict:
+    """``--backward``: one block's forward + backward (early spAG, the loss ``out.square()
+    .mean()``) with the spRS on the critical path (``overlap_backward=False``) and on the
+    lane under the attention backward (``True``), interleaved; and the spRS alone (the same
+    ``P'``, gradient-sized chunks) for scale. Slowest rank, min / median / max, and the paired
+    ratio (sync / overlapped) per repetition."""
+    from moeflow.comm.sparse import SparseReduceScatter
+
+    topo = Topology.from_env()
+    dev = torch.device("cpu")
+    torch.manual_seed(1 + topo.rank)
+    blocks = {}
+    for overlap in (False, True):
+        block, experts, holders = _block(opts, topo, opts["transports"][0],
+                                         overlap_backward=overlap)   # same weights and P'
+        blocks[overlap] = (block, experts)
+    x = torch.randn(opts["batch"], opts["seq_len"], opts["d_model"])
+    _, ex = blocks[False]
+    p0, p1 = ex.owners.owner_chunks(), ex.owners.materialize(holders).holder_chunks()
+    sprs = SparseReduceScatter(p1, p0, (ex.numel,), ex.slots.dtype, group=topo.world_group,
+                               verify=False)
+    grads = {e: torch.randn(ex.numel) for e, h in enumerate(holders) if topo.rank in h}
+
+    def step(overlap: bool):
+        block, _ = blocks[overlap]
+        block.zero_grad(set_to_none=True)
+        block(x).square().mean().backward()
+
+    names = {"sync": lambda: step(False), "overlapped": lambda: step(True),
+             "spRS alone": lambda: sprs(grads)}
+    times = {n: [] for n in names}
+    for i in range(opts["warmup"] + opts["reps"]):
+        for name, fn in names.items():
+            watch = start_aligned(topo, dev)
+            fn()
+            t = slowest(watch.stop(), topo)
+            if i >= opts["warmup"]:
+                times[name].append(t)
+    ratio = [a / b for a, b in zip(times["sync"], times["overlapped"])]
+    rows = [{"variant": n, "ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+             "max_ms": 1e3 * max(ts), "samples_ms": [1e3 * t for t in ts]}
+            for n, ts in times.items()]
+    rows.append({"variant": "summary", "sync_over_overlapped": statistics.median(ratio),
+                 "sync_over_overlapped_min": min(ratio), "sync_over_overlapped_max": max(ratio),
+                 "sprs_on_lane": {"sync": blocks[False][1].sprs_on_lane,
+                                  "overlapped": blocks[True][1].sprs_on_lane}})
+    return {"topology": repr(topo), "options": opts, "backward": True, "rows": rows}
+
+
+def format_backward(res: dict) -> str:
+    lines = [res["topology"], f"{'forward + backward':<20} {'median ms':>10} {'min':>8} "
+                              f"{'max':>8}", "-" * 50]
+    for r in res["rows"]:
+        if r["variant"] == "summary":
+            lines.append(f"sync / overlapped (paired): {r['sync_over_overlapped']:.2f} "
+                         f"({r['sync_over_overlapped_min']:.2f}.."
+                         f"{r['sync_over_overlapped_max']:.2f})")
+            continue
+        lines.append(f"{r['variant']:<20} {r['ms']:>10.2f} {r['min_ms']:>8.2f} "
+                     f"{r['max_ms']:>8.2f}")
+    return "\n".join(lines)
+
+
 def format_result(res: dict) -> str:
+    if res.get("backward"):
+        return format_backward(res)
     lines = [res["topology"],
              f"{'transport':<10} {'variant':<10} {'median ms':>10} {'min':>8} {'max':>8}",
              "-" * 50]
@@ -138,4 +207,4 @@ def format_result(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["VARIANTS", "bench_worker", "format_result"]
+__all__ = ["VARIANTS", "backward_worker", "bench_worker", "format_result"]

@@ -175,6 +175,10 @@ def register_hecate_bench(bsub) -> None:
                    help="each expert gets 0..N extra holders (random, seeded)")
     o.add_argument("--transports", nargs="+", default=["p2p", "broadcast"],
                    choices=["p2p", "broadcast"], help="spAG transports to time")
+    o.add_argument("--backward", action="store_true",
+                   help="instead: forward + backward with the spRS on the critical path vs on "
+                        "the lane under the attention backward (fssdp.overlap_backward); the "
+                        "first --transports entry")
     o.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     o.add_argument("--reps", type=int, default=7, help="timed repetitions per variant")
     o.add_argument("--out", default=None, help="write the results as JSON here")
@@ -191,7 +195,7 @@ def run_spag(args: argparse.Namespace) -> int:
 
 
 def run_spag_overlap(args: argparse.Namespace) -> int:
-    from moeflow.bench.spag_overlap import bench_worker, format_result
+    from moeflow.bench.spag_overlap import backward_worker, bench_worker, format_result
 
     for name in ("d_model", "n_heads", "seq_len", "batch", "d_expert", "experts_per_rank",
                  "reps"):
@@ -204,7 +208,8 @@ def run_spag_overlap(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("d_model", "n_heads", "seq_len", "batch", "d_expert",
                                           "experts_per_rank", "replicas", "transports",
                                           "warmup", "reps")}
-    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
+    worker = backward_worker if args.backward else bench_worker
+    return report(run_on_ranks(worker, args, opts), args, format_result)
 
 
 def run_hecate(args: argparse.Namespace) -> int:

@@ -141,16 +141,49 @@ class _Gather(torch.autograd.Function):
         chunks = {e: grad[i] for i, e in enumerate(ctx.held)}
         if store.world > 1:
             transport, groups = store.transport_for(placement)
+            lane = store.lane if store.options.overlap_backward else None
             op = SparseReduceScatter(placement.holder_chunks(), store.owners.owner_chunks(),
-                                     (store.numel,), grad.dtype, group=store.group,
+                                     (store.numel,), grad.dtype,
+                                     group=store.group if lane is None else store.lane_group,
                                      device=grad.device, verify=False, transport=transport,
                                      groups=groups)
+            if lane is not None:        # on the lane: the attention backward runs meanwhile
+                store.launch_sprs(op, chunks, lane)
+                return None, None, None, None, None
             chunks = op(chunks)
             store.bytes["sprs"] = (op.send_bytes, op.recv_bytes)
         out = grad.new_zeros(store.slots.shape)     # the slot tensor may hold other layers
         for e, i in store.slot_index.items():
             out[i] = chunks[e]
         return out, None, None, None, None
+
+
+# spRS launched on a lane by ``overlap_backward`` and not yet added to the owners' gradients:
+# (store, op, future, handoff), in launch order. Drained (:func:`drain_backward`) by the next
+# FSSDP layer's backward before its first collective, and at the end of the backward.
+_BACKWARD_PENDING: list[tuple] = []
+
+
+def drain_backward() -> None:
+    """Wait for every spRS in flight and add the owners' rows to the slots' gradients."""
+    while _BACKWARD_PENDING:
+        store, op, future, hand = _BACKWARD_PENDING.pop(0)
+        store.finish_sprs(op, future, hand)
+
+
+class _DrainBackward(torch.autograd.Function):
+    """Identity at the layer's output; its backward (the layer's first) waits for the spRS of
+    the layers after it (``overlap_backward``): one collective in flight from another thread
+    at a time, as the early spAG (docs/design.md, one collective order per rank)."""
+
+    @staticmethod
+    def forward(ctx, back):
+        return back.view_as(back)
+
+    @staticmethod
+    def backward(ctx, grad):
+        drain_backward()
+        return grad
 
 
 class _Regather(torch.autograd.Function):
@@ -240,6 +273,8 @@ class FSSDPExperts(nn.Module):
         # replicates an expert (:meth:`_choose_transport`)
         self.transport = None if options.transport == "auto" else options.transport
         self.transport_ms: tuple[float, float] | None = None    # auto's (p2p, broadcast)
+        self.lane: CommLane | None = None   # the layer's lane (begin), for overlap_backward
+        self.sprs_on_lane = 0               # spRS run on the lane so far (overlap_backward)
         self.holder_groups = None
         if options.transport != "p2p" and world > 1:
             self.holder_groups = shared_holder_groups(group, group_timeout(group))
@@ -365,9 +400,11 @@ class FSSDPExperts(nn.Module):
         return placement, got, nbytes
 
     # -- the layer's hooks ------------------------------------------------------------------
-    def begin(self) -> HeldFFN:
+    def begin(self, lane: CommLane | None = None) -> HeldFFN:
         """Before routing: wait for this iteration's spAG (or run it now). The held experts
-        are bound by :meth:`plan`, after the optional calibration."""
+        are bound by :meth:`plan`, after the optional calibration. ``lane``: the layer's
+        communication lane (``overlap_backward`` runs the spRS there)."""
+        self.lane = lane
         self.non_moe.stop()
         placement, got, nbytes = self._gathered()
         self.bytes["spag"] = nbytes
@@ -458,11 +495,46 @@ class FSSDPExperts(nn.Module):
         placement, flat = self._current
         self._current = None
         self.held.bind({})
-        if not (self.options.rematerialize and back.requires_grad and self.world > 1):
-            return back
-        nbytes = flat.untyped_storage().nbytes()
-        flat.untyped_storage().resize_(0)
-        return _Regather.apply(back, self, [flat], nbytes, placement)
+        if self.options.rematerialize and back.requires_grad and self.world > 1:
+            nbytes = flat.untyped_storage().nbytes()
+            flat.untyped_storage().resize_(0)
+            back = _Regather.apply(back, self, [flat], nbytes, placement)
+        if self.options.overlap_backward and back.requires_grad and self.world > 1:
+            back = _DrainBackward.apply(back)   # backward: before _Regather's refill
+        return back
+
+    def launch_sprs(self, op: SparseReduceScatter, chunks: dict, lane: CommLane) -> None:
+        """``overlap_backward``: run the spRS on ``lane`` (HECATE Section 3.2: it overlaps the
+        attention backward); the owners' gradient rows are added by :func:`drain_backward`,
+        queued to run at the end of this backward at the latest."""
+        dev = self.slots.device
+        hand = Handoff(lane, dev)
+        ready = hand.ready()
+        tensors = list(chunks.values())
+
+        def task():
+            hand.enter(ready, tensors)
+            out = op(chunks)
+            return out, hand.leave()
+
+        _BACKWARD_PENDING.append((self, op, lane.submit(task, dev), hand))
+        self.sprs_on_lane += 1
+        torch.autograd.Variable._execution_engine.queue_callback(drain_backward)
+
+    def finish_sprs(self, op: SparseReduceScatter, future: Future, hand: Handoff) -> None:
+        """Wait for a launched spRS (bounded by the group's timeout) and add its sums to the
+        owned rows of ``slots.grad``: the same values the synchronous path returns to
+        autograd (each row gets one layer's sum; the other rows stay as they are)."""
+        timeout = group_timeout(self.lane_group).total_seconds()
+        out, done = _result(future, timeout, "spRS")
+        hand.consume(done, list(out.values()))
+        self.bytes["sprs"] = (op.send_bytes, op.recv_bytes)
+        grad = self.slots.grad
+        if grad is None:
+            grad = self.slots.grad = torch.zeros_like(self.slots)
+        with torch.no_grad():
+            for e, i in self.slot_index.items():
+                grad[i] += out[e]
 
     def refill(self, flat: torch.Tensor, nbytes: int, placement: Placement) -> None:
         """The second spAG of HECATE-RM: the freed held experts, back into their storage."""
@@ -530,12 +602,12 @@ class FSSDPExperts(nn.Module):
         return out
 
 
-def _result(future: Future, timeout: float):
+def _result(future: Future, timeout: float, what: str = "spAG"):
     try:
         return future.result(timeout=timeout)
     except TimeoutError as err:
-        raise TimeoutError(f"FSSDP spAG did not finish within the process group's timeout "
+        raise TimeoutError(f"FSSDP {what} did not finish within the process group's timeout "
                            f"({timeout:.0f} s): a peer did not join") from err
 
 
-__all__ = ["FSSDPExperts", "HeldFFN", "SPAG"]
+__all__ = ["FSSDPExperts", "HeldFFN", "SPAG", "drain_backward"]

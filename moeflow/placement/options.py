@@ -35,6 +35,9 @@ class FSSDPOptions:
     communication lane before the block's attention so that it overlaps it (Fig. 1c).
     ``transport``: how spAG / spRS move the experts (:data:`TRANSPORTS`; the choice ``auto``
     made is in ``layer.stats["fssdp_transport_broadcast"]``, with both measured times).
+    ``overlap_backward``: run the backward's spRS on the layer's communication lane, so that it
+    overlaps the block's attention backward (Section 3.2); the backward waits for it before
+    the next FSSDP layer's backward and at its end (timing changes only).
 
     Algorithm 1 (``materialize="sparse"``, :mod:`moeflow.placement.materialize`):
     ``overlap_degree`` is ``t`` (None: ``T_non-MoE * bw / expert_size`` from the measured time
@@ -65,6 +68,7 @@ class FSSDPOptions:
     calibrate: bool = False
     reshard_every: int = 0
     transport: str = "p2p"
+    overlap_backward: bool = False
 
     def __post_init__(self) -> None:
         o = "MoEConfig.fssdp"
@@ -77,7 +81,7 @@ class FSSDPOptions:
             raise ConfigError(f"{o}.materialize={self.materialize!r} is invalid: choose one of "
                               f"{', '.join(MATERIALIZATIONS)} ('static': P' = P; 'manual': the "
                               "holders set with FSSDPExperts.set_holders)")
-        for name in ("rematerialize", "early_gather", "calibrate"):
+        for name in ("rematerialize", "early_gather", "calibrate", "overlap_backward"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ConfigError(f"{o}.{name}={v!r} is invalid: must be true or false")

@@ -1,5 +1,6 @@
 """``moeflow bench spag`` (spAG / spRS per transport, interleaved) and ``moeflow bench
-spag-overlap`` (the early spAG against the attention forward) on 4 ranks: every row present,
+spag-overlap`` (the early spAG against the attention forward; ``--backward``: the spRS on
+the lane against the attention backward) on 4 ranks: every row present,
 spreads ordered, the overlap figures in range, the tables print."""
 
 from __future__ import annotations
@@ -47,3 +48,15 @@ def test_early_spag_overlap_rows(results):
         assert all(0.0 <= f <= 1.0 for f in s["timeline_overlap_samples"])
         assert s["bytes_moved"] > 0
     assert "hidden by early issue" in spag_overlap.format_result(res)
+
+
+@pytest.mark.multirank
+def test_backward_overlap_rows(results):
+    res = results[0]["backward"]
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert sorted(rows) == ["overlapped", "spRS alone", "summary", "sync"]
+    for v in ("sync", "overlapped", "spRS alone"):
+        assert 0 < rows[v]["min_ms"] <= rows[v]["ms"] <= rows[v]["max_ms"]
+    # only the overlapped block ran its spRS on the lane: warm-up 0 + 2 repetitions
+    assert rows["summary"]["sprs_on_lane"] == {"sync": 0, "overlapped": 2}
+    assert "sync / overlapped (paired)" in spag_overlap.format_result(res)

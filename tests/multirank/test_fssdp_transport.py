@@ -1,6 +1,8 @@
-"""MoEConfig.fssdp.transport (HECATE Section 3.1 / Section 5): the grouped-broadcast spAG /
-spRS and the "auto" choice give the point-to-point layer's outputs, gradients and parameters
-after AdamW steps in float64 on 4 ranks (early spAG and re-materialization on)."""
+"""MoEConfig.fssdp.transport (HECATE Section 3.1 / Section 5) and overlap_backward (Section
+3.2): the grouped-broadcast spAG / spRS, the "auto" choice and the spRS on the lane give the
+point-to-point layer's outputs, gradients and parameters after AdamW steps in float64 on 4
+ranks (early spAG and re-materialization on); a 2-layer GPT trains the same with the spRS on
+the lane."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def results():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("transport", ["broadcast", "auto"])
+@pytest.mark.parametrize("transport", ["broadcast", "auto", "p2p_overlap",
+                                       "broadcast_overlap"])
 def test_transport_matches_point_to_point(results, transport):
     for rank, got in results.items():
         for step, (a, b) in enumerate(zip(got["p2p"], got[transport])):
@@ -52,9 +55,36 @@ def test_experts_move_and_the_choice_is_recorded(results):
     assert auto[0]["fssdp_transport_broadcast"] == float(bc_ms < p2p_ms)
 
 
+@pytest.mark.multirank
+def test_overlapped_sprs_moves_the_same_bytes(results):
+    # a forward's stats hold the previous backward's spRS bytes: step 1 has step 0's
+    for got in results.values():
+        a, b = got["p2p"][-1]["stats"], got["p2p_overlap"][-1]["stats"]
+        assert b["sprs_send_bytes"] == a["sprs_send_bytes"]
+    assert sum(got["p2p_overlap"][-1]["stats"]["sprs_send_bytes"]
+               for got in results.values()) > 0
+    for got in results.values():        # the lane ran them (one per backward), p2p did not
+        assert got["p2p_overlap"][-1]["sprs_on_lane"] == tw.STEPS
+        assert got["broadcast_overlap"][-1]["sprs_on_lane"] == tw.STEPS
+        assert got["p2p"][-1]["sprs_on_lane"] == 0
+
+
+@pytest.mark.multirank
+def test_gpt_with_sprs_on_the_lane_trains_the_same(results):
+    for rank, got in results.items():
+        a, b = got["gpt"][False], got["gpt"][True]
+        assert a["sprs_on_lane"] == [0, 0] and b["sprs_on_lane"] == [2, 2]   # 2 steps
+        torch.testing.assert_close(b["losses"], a["losses"], **TOL)
+        for n, v in b["params"].items():
+            torch.testing.assert_close(v, a["params"][n], **TOL,
+                                       msg=lambda m: f"rank {rank} {n}: {m}")
+
+
 def test_transport_option_is_validated():
     assert FSSDPOptions().transport == "p2p"
     with pytest.raises(ConfigError, match=r"fssdp.transport='nccl' is invalid: choose one of "
                                           r"p2p, broadcast, auto"):
         FSSDPOptions(transport="nccl")
     assert FSSDPOptions.coerce({"transport": "auto"}).transport == "auto"
+    with pytest.raises(ConfigError, match=r"fssdp.overlap_backward='yes' is invalid"):
+        FSSDPOptions(overlap_backward="yes")
