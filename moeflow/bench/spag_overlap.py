@@ -128,8 +128,8 @@ def backward_worker(opts: dict) -> dict:
     """``--backward``: one block's forward + backward (early spAG, the loss ``out.square()
     .mean()``) with the spRS on the critical path (``overlap_backward=False``) and on the
     lane under the attention backward (``True``), interleaved; and the spRS alone (the same
-    ``P'``, gradient-sized chunks) for scale. Slowest rank, min / median / max, and the paired
-    ratio (sync / overlapped) per repetition."""
+    ``P'``, gradient-sized chunks) for scale, in alternating order (ABC, CBA, ...). Slowest
+    rank, min / median / max, and the paired ratio (sync / overlapped) per repetition."""
     from moeflow.comm.sparse import SparseReduceScatter
 
     topo = Topology.from_env()
@@ -156,7 +156,8 @@ def backward_worker(opts: dict) -> dict:
              "spRS alone": lambda: sprs(grads)}
     times = {n: [] for n in names}
     for i in range(opts["warmup"] + opts["reps"]):
-        for name, fn in names.items():
+        order = list(names.items())
+        for name, fn in (order if i % 2 == 0 else order[::-1]):   # ABC CBA: no order bias
             watch = start_aligned(topo, dev)
             fn()
             t = slowest(watch.stop(), topo)
