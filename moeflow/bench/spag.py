@@ -1,11 +1,15 @@
-"""``moeflow bench spag``: SparseAllGather as batched point-to-point (moeflow's, Section 3.1)
-against the paper prototype's grouped broadcasts (Section 5, "Implementation": one Broadcast
-per chunk from its owner to its holders, in a group per holder set), side by side.
+"""``moeflow bench spag``: HECATE's SparseAllGather and SparseReduceScatter with moeflow's two
+transports side by side (``MoEConfig.fssdp.transport``, :mod:`moeflow.comm.sparse`): batched
+point-to-point from the owner to each holder, and the paper prototype's grouped broadcasts /
+reduces (Section 5, "Implementation": one Broadcast per chunk from its owner in the group of its
+holders, spRS the mirror Reduce).
 
-The broadcast variant needs a process group per distinct holder set; the groups are created
-once before timing (``new_group`` is a world collective, which is why moeflow's FSSDP, whose
-``P'`` changes every iteration, uses point-to-point). Both variants move the same chunks; the
-time of a repetition is the slowest rank's; medians of round-robin repetitions.
+The broadcast transport's groups (one per distinct holder set, :mod:`moeflow.comm.holder_groups`)
+are created before timing, as FSSDP caches them after the first iteration. Both transports move
+the same chunks. Each repetition runs spAG p2p, spAG broadcast, spRS p2p, spRS broadcast one after
+the other (interleaved), with the ranks aligned; a repetition's time is the slowest rank's.
+Reported: min / median / max over repetitions, and the per-repetition ratio p2p / broadcast
+(paired: the same repetition), min / median / max.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import statistics
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from moeflow.comm.holder_groups import HolderGroups
+from moeflow.comm.sparse import SparseAllGather, SparseReduceScatter, group_timeout
 from moeflow.measure.timing import slowest, start_aligned
-from moeflow.comm.sparse import SparseAllGather, group_timeout
 from moeflow.placement.placement import Placement
 from moeflow.topology import Topology
+
+TRANSPORTS = ("p2p", "broadcast")
 
 
 def random_holders(num_experts: int, world: int, owners: Placement, replicas: int,
@@ -40,59 +46,56 @@ def bench_worker(opts: dict) -> dict:
     E = opts["experts_per_rank"] * world
     numel = opts["chunk_bytes"] // 4
     owners = Placement.even(E, world)
+    groups = HolderGroups(topo.world_group, group_timeout(topo.world_group))
+    dev = torch.device("cpu")
     rows = []
     for replicas in opts["replicas"]:
         holders = random_holders(E, world, owners, replicas, seed=11 + replicas)
-        p1 = owners.materialize(holders)
+        p0, p1 = owners.owner_chunks(), owners.materialize(holders).holder_chunks()
         mine = {e: torch.full((numel,), float(e)) for e in owners.owned(rank)}
-        p2p = SparseAllGather(owners.owner_chunks(), p1.holder_chunks(), (numel,),
-                              torch.float32, group=topo.world_group, verify=False)
-        groups = {}
-        for e, h in enumerate(holders):          # every rank creates every group, in order
-            key = tuple(sorted(h))
-            if len(key) > 1 and key not in groups:
-                groups[key] = dist.new_group(list(key))
-        bufs = {e: (mine[e] if e in mine else torch.empty(numel))
-                for e, h in enumerate(holders) if rank in h}
-        timeout = group_timeout(topo.world_group)
-
-        def broadcast():
-            works = [dist.broadcast(bufs[e], src=owners.owners[e], group=groups[tuple(sorted(h))],
-                                    async_op=True)
-                     for e, h in enumerate(holders) if len(h) > 1 and rank in h]
-            for w in works:
-                w.wait(timeout)
-
-        def point_to_point():
-            p2p(mine)
-
-        times = {"batched p2p": [], "grouped broadcast": []}
-        fns = {"batched p2p": point_to_point, "grouped broadcast": broadcast}
+        held = {e: torch.full((numel,), float(rank)) for e, h in enumerate(holders) if rank in h}
+        ops = {}
+        for t in TRANSPORTS:           # the broadcast groups are created here, untimed
+            g = groups if t == "broadcast" else None
+            ops["spAG", t] = (SparseAllGather(p0, p1, (numel,), torch.float32,
+                                              group=topo.world_group, verify=False,
+                                              transport=t, groups=g), mine)
+            ops["spRS", t] = (SparseReduceScatter(p1, p0, (numel,), torch.float32,
+                                                  group=topo.world_group, verify=False,
+                                                  transport=t, groups=g), held)
+        times = {key: [] for key in ops}
         for i in range(opts["warmup"] + opts["reps"]):
-            for name, fn in fns.items():
-                watch = start_aligned(topo, torch.device("cpu"))
-                fn()
+            for key, (op, chunks) in ops.items():
+                watch = start_aligned(topo, dev)
+                op(chunks)
                 t = slowest(watch.stop(), topo)
                 if i >= opts["warmup"]:
-                    times[name].append(t)
+                    times[key].append(t)
         moved = sum((len(h) - 1) * opts["chunk_bytes"] for h in holders)
-        base = statistics.median(times["batched p2p"])
-        for name, ts in times.items():
-            ms = 1e3 * statistics.median(ts)
-            rows.append({"max_replicas": replicas, "variant": name, "ms": ms,
-                         "vs_p2p": 1e3 * base / ms, "bytes_moved": moved,
-                         "samples_ms": [1e3 * t for t in ts]})
-        for g in groups.values():
-            dist.destroy_process_group(g)
-    return {"topology": repr(topo), "options": opts, "rows": rows}
+        for op in ("spAG", "spRS"):
+            base = times[op, "p2p"]
+            for t in TRANSPORTS:
+                ts = times[op, t]
+                ratio = [a / b for a, b in zip(base, ts)]
+                rows.append({"max_replicas": replicas, "op": op, "variant": t,
+                             "ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+                             "max_ms": 1e3 * max(ts),
+                             "p2p_over_this": statistics.median(ratio),
+                             "p2p_over_this_min": min(ratio), "p2p_over_this_max": max(ratio),
+                             "bytes_moved": moved, "samples_ms": [1e3 * x for x in ts]})
+    return {"topology": repr(topo), "options": opts, "groups_created": groups.created,
+            "rows": rows}
 
 
 def format_result(res: dict) -> str:
-    lines = [res["topology"], f"{'replicas':>8} {'variant':<18} {'ms':>9} {'p2p speed':>9} "
-                              f"{'MB moved':>9}", "-" * 58]
+    lines = [res["topology"], f"{'replicas':>8} {'op':<5} {'transport':<10} {'median ms':>9} "
+                              f"{'min':>7} {'max':>7} {'p2p/this (min..max)':>22} "
+                              f"{'MB moved':>9}", "-" * 86]
     for r in res["rows"]:
-        lines.append(f"{r['max_replicas']:>8} {r['variant']:<18} {r['ms']:>9.2f} "
-                     f"{r['vs_p2p']:>8.2f}x {r['bytes_moved'] / 1e6:>9.2f}")
+        lines.append(f"{r['max_replicas']:>8} {r['op']:<5} {r['variant']:<10} {r['ms']:>9.2f} "
+                     f"{r['min_ms']:>7.2f} {r['max_ms']:>7.2f} "
+                     f"{r['p2p_over_this']:>8.2f} ({r['p2p_over_this_min']:.2f}.."
+                     f"{r['p2p_over_this_max']:.2f}) {r['bytes_moved'] / 1e6:>9.2f}")
     return "\n".join(lines)
 
 

@@ -10,11 +10,18 @@ Here a placement is a sequence indexed by chunk of sets of group ranks.
 * ``spRS(P0, P1)``: requires every chunk on exactly one rank in ``P1`` and ``P1 ⊆ P0``;
   afterwards the rank of ``P1[c]`` holds the sum of the ``P0`` copies of ``c``.
 
-**Implementation: batched point-to-point** (``dist.batch_isend_irecv``), not the paper's grouped
-broadcasts and reduces (Section 5, "Implementation"). A broadcast to a holder set needs a
-process group for that set; ``P'`` changes every iteration, and creating a group is a collective
-over the whole world (and an NCCL communicator each), while point-to-point needs none and runs
-on gloo as on NCCL. The owner sums the replicas' gradients itself in ascending rank order, so
+**Two transports** (``transport=``). ``"p2p"`` (default): batched point-to-point
+(``dist.batch_isend_irecv``). ``"broadcast"``: the paper prototype's grouped broadcasts and
+reduces (Section 5, "Implementation"): spAG is one ``broadcast`` per replicated chunk from its
+owner in the group of its holders, spRS one ``reduce`` per chunk to its owner in the group of
+its ``P0`` holders. Such a group is a world collective to create (and an NCCL communicator
+each); :class:`~moeflow.comm.holder_groups.HolderGroups` creates each distinct holder set's
+group once, on every rank in the same order, and caches it. Every rank issues its broadcasts
+(reduces) in ascending chunk order, so the members of any two groups see them in one order.
+A reduce's summation order is the backend's, so the broadcast spRS equals the point-to-point
+one to rounding (float64 parity in tests/multirank/test_fssdp_transport.py), not bitwise.
+
+Point-to-point: The owner sums the replicas' gradients itself in ascending rank order, so
 spRS is deterministic and bitwise equal to a dense reference summed in that order. The price is
 that an owner sends (spAG) or receives (spRS) ``|P1[c]| - 1`` copies of its chunk directly
 instead of through a pipelined broadcast tree: the total volume is the paper's (Eq. 2 summed over
@@ -42,10 +49,14 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.holder_groups import HolderGroups
+
 ChunkPlacement = Sequence[Iterable[int]]
 
 # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns there)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+TRANSPORTS = ("p2p", "broadcast")
 
 
 class SparseCollectiveError(RuntimeError):
@@ -154,8 +165,13 @@ class _Sparse:
     kind = ""
 
     def __init__(self, p0: ChunkPlacement, p1: ChunkPlacement, shape, dtype: torch.dtype, *,
-                 group=None, device: torch.device | str = "cpu", verify: bool = True):
+                 group=None, device: torch.device | str = "cpu", verify: bool = True,
+                 transport: str = "p2p", groups: HolderGroups | None = None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{self.kind}: transport={transport!r} is invalid: choose one of "
+                             f"{', '.join(TRANSPORTS)}")
         self.group = group
+        self.transport = transport
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.p0, self.p1 = _check_pair(p0, p1, self.world, self.single)
@@ -168,8 +184,28 @@ class _Sparse:
         self.inputs = sorted(c for c, ranks in enumerate(self.p0) if self.rank in ranks)
         self.outputs = sorted(c for c, ranks in enumerate(self.p1) if self.rank in ranks)
         self.sends, self.recvs = self._plan()           # [(chunk, peer)], ascending
+        self.groups = None
+        if transport == "broadcast":     # collective: every rank creates the missing groups
+            self.groups = groups if groups is not None else HolderGroups(group, self.timeout)
+            self.groups.ensure(self._many)
         self.send_bytes = len(self.sends) * self.chunk_bytes
         self.recv_bytes = len(self.recvs) * self.chunk_bytes
+
+    @property
+    def _many(self) -> tuple:
+        """The placement with several holders per chunk: the groups' holder sets."""
+        return self.p1 if self.single == "P0" else self.p0
+
+    def _grouped(self) -> list[tuple[int, int, object]]:
+        """``(chunk, owner's global rank, group)`` of the replicated chunks this rank holds,
+        in ascending chunk order (one order on every rank: no cross-group deadlock)."""
+        one = self.p0 if self.single == "P0" else self.p1
+        return [(c, self.groups.global_rank(next(iter(one[c]))), self.groups.get(ranks))
+                for c, ranks in enumerate(self._many) if len(ranks) > 1 and self.rank in ranks]
+
+    def _wait_all(self, works) -> None:
+        for work in works:
+            wait_work(work, self.timeout, self.device)
 
     # pre-condition on this rank's tensors; an error message, or None
     def _check_inputs(self, chunks: dict) -> str | None:
@@ -246,12 +282,26 @@ class SparseAllGather(_Sparse):
         return sends, recvs
 
     def _run(self, chunks):
+        if self.transport == "broadcast":
+            return self._run_broadcast(chunks)
         out = dict(chunks)
         recv = []
         for c, src in self.recvs:
             out[c] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             recv.append((c, src, out[c]))
         self._exchange([(c, d, chunks[c].contiguous()) for c, d in self.sends], recv)
+        return out
+
+    def _run_broadcast(self, chunks):
+        out = dict(chunks)
+        works = []
+        for c, src, group in self._grouped():
+            if c in chunks:                   # the owner: broadcast its own tensor
+                out[c] = chunks[c].contiguous()
+            else:
+                out[c] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            works.append(dist.broadcast(out[c], src=src, group=group, async_op=True))
+        self._wait_all(works)
         return out
 
 
@@ -271,6 +321,8 @@ class SparseReduceScatter(_Sparse):
         return sends, recvs
 
     def _run(self, chunks):
+        if self.transport == "broadcast":
+            return self._run_reduce(chunks)
         got = {}
         recv = []
         for c, src in self.recvs:
@@ -289,7 +341,22 @@ class SparseReduceScatter(_Sparse):
             out[c] = acc
         return out
 
+    def _run_reduce(self, chunks):
+        out, works = {}, []
+        for c, dst, group in self._grouped():
+            # a copy: the backend may use a non-root's buffer as scratch, and the root's
+            # result must not overwrite the caller's tensor
+            buf = chunks[c].clone(memory_format=torch.contiguous_format)
+            works.append(dist.reduce(buf, dst=dst, op=dist.ReduceOp.SUM, group=group,
+                                     async_op=True))
+            if c in self.outputs:
+                out[c] = buf
+        self._wait_all(works)
+        for c in self.outputs:               # chunks held by their owner only
+            out.setdefault(c, chunks[c])
+        return out
 
-__all__ = ["SparseAllGather", "SparseReduceScatter", "SparseCollectiveError",
+
+__all__ = ["TRANSPORTS", "SparseAllGather", "SparseReduceScatter", "SparseCollectiveError",
            "allreduce_volume", "group_timeout", "wait_work", "sparsity_bound", "spag_send_bytes",
            "sprs_send_bytes"]

@@ -152,8 +152,8 @@ def register_hecate_bench(bsub) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(p, default_nproc=1)
     p.set_defaults(func=run_hecate)
-    q = bsub.add_parser("spag", help="HECATE spAG: batched point-to-point vs grouped "
-                                     "broadcasts (the paper's prototype)")
+    q = bsub.add_parser("spag", help="HECATE spAG / spRS: the point-to-point and the "
+                                     "grouped-broadcast transports, interleaved")
     q.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes of one expert")
     q.add_argument("--experts-per-rank", type=int, default=2, help="experts owned per rank")
     q.add_argument("--replicas", type=int, nargs="+", default=[1, 3],
@@ -163,6 +163,27 @@ def register_hecate_bench(bsub) -> None:
     q.add_argument("--out", default=None, help="write the results as JSON here")
     add_launch_args(q, default_nproc=1)
     q.set_defaults(func=run_spag)
+    o = bsub.add_parser("spag-overlap", help="HECATE's early spAG: how much of it the GPT "
+                                             "block's attention forward hides, per transport")
+    o.add_argument("--d-model", type=int, default=256, help="model width")
+    o.add_argument("--n-heads", type=int, default=4, help="attention heads")
+    o.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    o.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    o.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
+    o.add_argument("--experts-per-rank", type=int, default=2, help="experts owned per rank")
+    o.add_argument("--replicas", type=int, default=3,
+                   help="each expert gets 0..N extra holders (random, seeded)")
+    o.add_argument("--transports", nargs="+", default=["p2p", "broadcast"],
+                   choices=["p2p", "broadcast"], help="spAG transports to time")
+    o.add_argument("--backward", action="store_true",
+                   help="instead: forward + backward with the spRS on the critical path vs on "
+                        "the lane under the attention backward (fssdp.overlap_backward); the "
+                        "first --transports entry")
+    o.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    o.add_argument("--reps", type=int, default=7, help="timed repetitions per variant")
+    o.add_argument("--out", default=None, help="write the results as JSON here")
+    add_launch_args(o, default_nproc=1)
+    o.set_defaults(func=run_spag_overlap)
 
 
 def run_spag(args: argparse.Namespace) -> int:
@@ -171,6 +192,24 @@ def run_spag(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("chunk_bytes", "experts_per_rank", "replicas",
                                           "warmup", "reps")}
     return report(run_on_ranks(bench_worker, args, opts), args, format_result)
+
+
+def run_spag_overlap(args: argparse.Namespace) -> int:
+    from moeflow.bench.spag_overlap import backward_worker, bench_worker, format_result
+
+    for name in ("d_model", "n_heads", "seq_len", "batch", "d_expert", "experts_per_rank",
+                 "reps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"moeflow bench spag-overlap: --{name.replace('_', '-')} "
+                             f"{getattr(args, name)} must be >= 1")
+    if args.d_model % args.n_heads:
+        raise SystemExit(f"moeflow bench spag-overlap: --d-model {args.d_model} must be a "
+                         f"multiple of --n-heads {args.n_heads}")
+    opts = {k: getattr(args, k) for k in ("d_model", "n_heads", "seq_len", "batch", "d_expert",
+                                          "experts_per_rank", "replicas", "transports",
+                                          "warmup", "reps")}
+    worker = backward_worker if args.backward else bench_worker
+    return report(run_on_ranks(worker, args, opts), args, format_result)
 
 
 def run_hecate(args: argparse.Namespace) -> int:

@@ -41,8 +41,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from moeflow.comm.holder_groups import shared_holder_groups
 from moeflow.comm.sparse import (SparseAllGather, SparseReduceScatter, group_timeout,
                                  spag_send_bytes, sprs_send_bytes)
+from moeflow.placement.transport import time_transports
 from moeflow.errors import ConfigError
 from moeflow.experts.activations import build_activation
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
@@ -54,7 +56,10 @@ from moeflow.placement.options import FSSDPOptions
 from moeflow.placement.placement import Placement
 from moeflow.placement.timing import LazyInterval
 from moeflow.placement.token_plan import KeptChoices, fssdp_plan
-from moeflow.schedule.streams import CommLane, Handoff
+from moeflow.schedule.streams import Clock, CommLane, Handoff
+from moeflow.schedule.tasks import Task
+
+SPAG = "spAG"       # the early spAG's task kind in a Timeline
 
 
 class HeldFFN(ExpertFFN):
@@ -101,11 +106,16 @@ class HeldFFN(ExpertFFN):
         return super().forward(x, counts, None if offsets is None else offsets[:H])
 
 
-def _spag(p0: Placement, p1: Placement, numel: int, dtype, device, group, rank: int,
-          owned: dict[int, torch.Tensor]):
-    """``spAG(P, P')`` of the owned rows; returns (received replicas, (send, recv) bytes)."""
-    op = SparseAllGather(p0.owner_chunks(), p1.holder_chunks(), (numel,), dtype, group=group,
-                         device=device, verify=False)
+def _spag_op(p0: Placement, p1: Placement, numel: int, dtype, device, group,
+             transport: str = "p2p", groups=None) -> SparseAllGather:
+    """``spAG(P, P')`` built (with the broadcast transport: its holder sets' groups created,
+    a world collective, so on the caller's thread)."""
+    return SparseAllGather(p0.owner_chunks(), p1.holder_chunks(), (numel,), dtype, group=group,
+                           device=device, verify=False, transport=transport, groups=groups)
+
+
+def _run_spag(op: SparseAllGather, p0: Placement, rank: int, owned: dict[int, torch.Tensor]):
+    """Run a built spAG on the owned rows; returns (received replicas, (send, recv) bytes)."""
     got = op(owned)
     return {e: t for e, t in got.items() if p0.owners[e] != rank}, (op.send_bytes, op.recv_bytes)
 
@@ -130,15 +140,50 @@ class _Gather(torch.autograd.Function):
         grad = grad.to(store.slots.dtype).contiguous()
         chunks = {e: grad[i] for i, e in enumerate(ctx.held)}
         if store.world > 1:
+            transport, groups = store.transport_for(placement)
+            lane = store.lane if store.options.overlap_backward else None
             op = SparseReduceScatter(placement.holder_chunks(), store.owners.owner_chunks(),
-                                     (store.numel,), grad.dtype, group=store.group,
-                                     device=grad.device, verify=False)
+                                     (store.numel,), grad.dtype,
+                                     group=store.group if lane is None else store.lane_group,
+                                     device=grad.device, verify=False, transport=transport,
+                                     groups=groups)
+            if lane is not None:        # on the lane: the attention backward runs meanwhile
+                store.launch_sprs(op, chunks, lane)
+                return None, None, None, None, None
             chunks = op(chunks)
             store.bytes["sprs"] = (op.send_bytes, op.recv_bytes)
         out = grad.new_zeros(store.slots.shape)     # the slot tensor may hold other layers
         for e, i in store.slot_index.items():
             out[i] = chunks[e]
         return out, None, None, None, None
+
+
+# spRS launched on a lane by ``overlap_backward`` and not yet added to the owners' gradients:
+# (store, op, future, handoff), in launch order. Drained (:func:`drain_backward`) by the next
+# FSSDP layer's backward before its first collective, and at the end of the backward.
+_BACKWARD_PENDING: list[tuple] = []
+
+
+def drain_backward() -> None:
+    """Wait for every spRS in flight and add the owners' rows to the slots' gradients."""
+    while _BACKWARD_PENDING:
+        store, op, future, hand = _BACKWARD_PENDING.pop(0)
+        store.finish_sprs(op, future, hand)
+
+
+class _DrainBackward(torch.autograd.Function):
+    """Identity at the layer's output; its backward (the layer's first) waits for the spRS of
+    the layers after it (``overlap_backward``): one collective in flight from another thread
+    at a time, as the early spAG (docs/design.md, one collective order per rank)."""
+
+    @staticmethod
+    def forward(ctx, back):
+        return back.view_as(back)
+
+    @staticmethod
+    def backward(ctx, grad):
+        drain_backward()
+        return grad
 
 
 class _Regather(torch.autograd.Function):
@@ -224,6 +269,15 @@ class FSSDPExperts(nn.Module):
         self.token_s = 0.0                  # expert-phase seconds per token (ranks' mean)
         self.last_t: int | None = None
         self.calibrated = 0                 # forwards whose calibration changed P'
+        # spAG / spRS transport (FSSDPOptions.transport); "auto" decides on the first P' that
+        # replicates an expert (:meth:`_choose_transport`)
+        self.transport = None if options.transport == "auto" else options.transport
+        self.transport_ms: tuple[float, float] | None = None    # auto's (p2p, broadcast)
+        self.lane: CommLane | None = None   # the layer's lane (begin), for overlap_backward
+        self.sprs_on_lane = 0               # spRS run on the lane so far (overlap_backward)
+        self.holder_groups = None
+        if options.transport != "p2p" and world > 1:
+            self.holder_groups = shared_holder_groups(group, group_timeout(group))
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, owned={sorted(self.slot_index)}, "
@@ -268,14 +322,16 @@ class FSSDPExperts(nn.Module):
         rows = self.slots.detach()
         return {e: rows[i] for e, i in self.slot_index.items()}
 
-    def prefetch(self, lane: CommLane) -> None:
+    def prefetch(self, lane: CommLane, timeline=None) -> None:
         """Launch this iteration's ``spAG(P, P')`` on the layer's communication lane (Fig. 1c:
         before the block's attention). The forward waits for it, bounded by the group's
         timeout. A second call before that forward does nothing.
 
         Until :meth:`begin` has waited for it, this rank must issue no other collective from
         another thread (NCCL's one order per rank, docs/design.md): the GPT block runs only
-        its attention in between, which has none (FSSDP refuses tensor parallelism)."""
+        its attention in between, which has none (FSSDP refuses tensor parallelism).
+        ``timeline`` (a :class:`~moeflow.schedule.executor.Timeline`; benchmarks pass one):
+        record the spAG as a ``comm`` task ``SPAG`` of the forward (its lane's clock)."""
         if self._pending is not None or self.world == 1:
             return
         self.non_moe.start(self.slots.device)
@@ -284,23 +340,57 @@ class FSSDPExperts(nn.Module):
         hand = Handoff(lane, dev)
         ready = hand.ready()
         owned = self._owned_rows()
-        args = (self.owners, placement, self.numel, self.slots.dtype, dev, self.lane_group,
-                self.rank)
+        op = self._spag(placement, self.lane_group)     # groups created here, not on the lane
+
+        clock = Clock(dev)
 
         def task():
             hand.enter(ready, list(owned.values()))
-            got = _spag(*args, owned)
+            t0 = clock.stamp()
+            got = _run_spag(op, self.owners, self.rank, owned)
+            if timeline is not None:
+                timeline.add(Task(SPAG, 0), "forward", "comm", t0, clock.stamp(),
+                             got[1][0] + got[1][1])
             return got, hand.leave()
 
         self._pending = (placement, lane.submit(task, dev), hand)
+
+    def transport_for(self, placement: Placement) -> tuple[str, object]:
+        """(transport, holder groups) of spAG / spRS over ``placement``; with ``"auto"``, the
+        first placement that replicates an expert decides (collective: every rank has the
+        same ``P'``, so every rank reaches the decision together)."""
+        if self.transport is None and any(len(h) > 1 for h in placement.holders):
+            self._choose_transport(placement)
+        transport = self.transport or "p2p"
+        return transport, (self.holder_groups if transport == "broadcast" else None)
+
+    def _spag(self, placement: Placement, group) -> SparseAllGather:
+        transport, groups = self.transport_for(placement)
+        return _spag_op(self.owners, placement, self.numel, self.slots.dtype, self.slots.device,
+                        group, transport, groups)
+
+    def _choose_transport(self, placement: Placement) -> None:
+        """``transport="auto"``: time spAG + spRS over ``placement`` with each transport, on
+        this layer's real expert rows (interleaved, after a warm-up; the slowest rank's time
+        of each repetition), and keep the faster median. Once per layer, at the first
+        iteration that moves experts."""
+        p2p, bc = time_transports(self.owners, placement, self._owned_rows(), self.group,
+                                  self.holder_groups)
+        self.transport_ms = (1e3 * p2p, 1e3 * bc)
+        self.transport = "broadcast" if bc < p2p else "p2p"
+
+    def wait_prefetched(self) -> tuple[Placement, dict, tuple]:
+        """Wait for the early spAG (or run it now) without starting the layer: ``(P',
+        received replicas, (send, recv) bytes)`` (benchmarks time the spAG alone with it)."""
+        return self._gathered()
 
     def _gathered(self) -> tuple[Placement, dict, tuple]:
         if self.world == 1:                 # every expert is owned here: P' = P
             return self.next_placement(), {}, (0, 0)
         if self._pending is None:
             placement = self.next_placement()
-            got, nbytes = _spag(self.owners, placement, self.numel, self.slots.dtype,
-                                self.slots.device, self.group, self.rank, self._owned_rows())
+            got, nbytes = _run_spag(self._spag(placement, self.group), self.owners, self.rank,
+                                    self._owned_rows())
             return placement, got, nbytes
         placement, future, hand = self._pending
         self._pending = None
@@ -310,9 +400,11 @@ class FSSDPExperts(nn.Module):
         return placement, got, nbytes
 
     # -- the layer's hooks ------------------------------------------------------------------
-    def begin(self) -> HeldFFN:
+    def begin(self, lane: CommLane | None = None) -> HeldFFN:
         """Before routing: wait for this iteration's spAG (or run it now). The held experts
-        are bound by :meth:`plan`, after the optional calibration."""
+        are bound by :meth:`plan`, after the optional calibration. ``lane``: the layer's
+        communication lane (``overlap_backward`` runs the spRS there)."""
+        self.lane = lane
         self.non_moe.stop()
         placement, got, nbytes = self._gathered()
         self.bytes["spag"] = nbytes
@@ -343,8 +435,8 @@ class FSSDPExperts(nn.Module):
                 extra = self.owners.materialize(
                     [{self.owners.owners[e]} | (set(better.holders[e]) - set(h))
                      for e, h in enumerate(placement.holders)])
-                more, nb = _spag(self.owners, extra, self.numel, self.slots.dtype,
-                                 self.slots.device, self.group, self.rank, self._owned_rows())
+                more, nb = _run_spag(self._spag(extra, self.group), self.owners, self.rank,
+                                     self._owned_rows())
                 got = {**got, **more}
                 self.bytes["spag_calibration"] = nb
                 placement = better
@@ -403,17 +495,52 @@ class FSSDPExperts(nn.Module):
         placement, flat = self._current
         self._current = None
         self.held.bind({})
-        if not (self.options.rematerialize and back.requires_grad and self.world > 1):
-            return back
-        nbytes = flat.untyped_storage().nbytes()
-        flat.untyped_storage().resize_(0)
-        return _Regather.apply(back, self, [flat], nbytes, placement)
+        if self.options.rematerialize and back.requires_grad and self.world > 1:
+            nbytes = flat.untyped_storage().nbytes()
+            flat.untyped_storage().resize_(0)
+            back = _Regather.apply(back, self, [flat], nbytes, placement)
+        if self.options.overlap_backward and back.requires_grad and self.world > 1:
+            back = _DrainBackward.apply(back)   # backward: before _Regather's refill
+        return back
+
+    def launch_sprs(self, op: SparseReduceScatter, chunks: dict, lane: CommLane) -> None:
+        """``overlap_backward``: run the spRS on ``lane`` (HECATE Section 3.2: it overlaps the
+        attention backward); the owners' gradient rows are added by :func:`drain_backward`,
+        queued to run at the end of this backward at the latest."""
+        dev = self.slots.device
+        hand = Handoff(lane, dev)
+        ready = hand.ready()
+        tensors = list(chunks.values())
+
+        def task():
+            hand.enter(ready, tensors)
+            out = op(chunks)
+            return out, hand.leave()
+
+        _BACKWARD_PENDING.append((self, op, lane.submit(task, dev), hand))
+        self.sprs_on_lane += 1
+        torch.autograd.Variable._execution_engine.queue_callback(drain_backward)
+
+    def finish_sprs(self, op: SparseReduceScatter, future: Future, hand: Handoff) -> None:
+        """Wait for a launched spRS (bounded by the group's timeout) and add its sums to the
+        owned rows of ``slots.grad``: the same values the synchronous path returns to
+        autograd (each row gets one layer's sum; the other rows stay as they are)."""
+        timeout = group_timeout(self.lane_group).total_seconds()
+        out, done = _result(future, timeout, "spRS")
+        hand.consume(done, list(out.values()))
+        self.bytes["sprs"] = (op.send_bytes, op.recv_bytes)
+        grad = self.slots.grad
+        if grad is None:
+            grad = self.slots.grad = torch.zeros_like(self.slots)
+        with torch.no_grad():
+            for e, i in self.slot_index.items():
+                grad[i] += out[e]
 
     def refill(self, flat: torch.Tensor, nbytes: int, placement: Placement) -> None:
         """The second spAG of HECATE-RM: the freed held experts, back into their storage."""
         held = placement.held(self.rank)
-        got, nbytes_ag = _spag(self.owners, placement, self.numel, self.slots.dtype,
-                               self.slots.device, self.group, self.rank, self._owned_rows())
+        got, nbytes_ag = _run_spag(self._spag(placement, self.group), self.owners, self.rank,
+                                   self._owned_rows())
         flat.untyped_storage().resize_(nbytes)
         data = flat.data             # own version counter: the graph's saved views stay valid
         with torch.no_grad():
@@ -442,6 +569,10 @@ class FSSDPExperts(nn.Module):
             out.update({f"fssdp_load_rank{r}": float(n) for r, n in enumerate(loads)})
         out["spag_send_bytes"] = float(self.bytes.get("spag", (0, 0))[0])
         out["sprs_send_bytes"] = float(self.bytes.get("sprs", (0, 0))[0])
+        if self.transport is not None:
+            out["fssdp_transport_broadcast"] = float(self.transport == "broadcast")
+        if self.transport_ms is not None:
+            out["fssdp_auto_p2p_ms"], out["fssdp_auto_broadcast_ms"] = self.transport_ms
         placement = getattr(self, "last_placement", None)
         if placement is not None:        # every rank's volume follows from P, P' (Eq. 1-2)
             p0, p1, chunk = placement.owner_chunks(), placement.holder_chunks(), \
@@ -471,12 +602,12 @@ class FSSDPExperts(nn.Module):
         return out
 
 
-def _result(future: Future, timeout: float):
+def _result(future: Future, timeout: float, what: str = "spAG"):
     try:
         return future.result(timeout=timeout)
     except TimeoutError as err:
-        raise TimeoutError(f"FSSDP spAG did not finish within the process group's timeout "
+        raise TimeoutError(f"FSSDP {what} did not finish within the process group's timeout "
                            f"({timeout:.0f} s): a peer did not join") from err
 
 
-__all__ = ["FSSDPExperts", "HeldFFN"]
+__all__ = ["FSSDPExperts", "HeldFFN", "SPAG", "drain_backward"]

@@ -19,6 +19,11 @@ PLACEMENTS = ("ep", "fssdp")
 # "manual" uses the holders set on the layer (FSSDPExperts.set_holders: tests, benchmarks,
 # a user's own planner).
 MATERIALIZATIONS = ("static", "sparse", "manual")
+# How spAG / spRS move the experts (Section 3.1; Section 5 "Implementation"): "p2p" batched
+# point-to-point from the owner to each holder; "broadcast" one broadcast (spRS: reduce) per
+# replicated expert in a cached process group of its holders; "auto" times both once on the
+# first iteration that replicates an expert and keeps the faster (the same choice on every rank)
+TRANSPORTS = ("p2p", "broadcast", "auto")
 
 
 @dataclass
@@ -28,6 +33,11 @@ class FSSDPOptions:
     iteration"): free the materialized experts after the forward and gather them again for
     the backward. ``early_gather``: in the GPT block, launch the layer's spAG on its
     communication lane before the block's attention so that it overlaps it (Fig. 1c).
+    ``transport``: how spAG / spRS move the experts (:data:`TRANSPORTS`; the choice ``auto``
+    made is in ``layer.stats["fssdp_transport_broadcast"]``, with both measured times).
+    ``overlap_backward``: run the backward's spRS on the layer's communication lane, so that it
+    overlaps the block's attention backward (Section 3.2); the backward waits for it before
+    the next FSSDP layer's backward and at its end (timing changes only).
 
     Algorithm 1 (``materialize="sparse"``, :mod:`moeflow.placement.materialize`):
     ``overlap_degree`` is ``t`` (None: ``T_non-MoE * bw / expert_size`` from the measured time
@@ -57,14 +67,21 @@ class FSSDPOptions:
     window: int = 5
     calibrate: bool = False
     reshard_every: int = 0
+    transport: str = "p2p"
+    overlap_backward: bool = False
 
     def __post_init__(self) -> None:
         o = "MoEConfig.fssdp"
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{o}.transport={self.transport!r} is invalid: choose one of "
+                              f"{', '.join(TRANSPORTS)} ('p2p': point-to-point from the owner; "
+                              "'broadcast': a broadcast per expert in its holders' group; "
+                              "'auto': time both once and keep the faster)")
         if self.materialize not in MATERIALIZATIONS:
             raise ConfigError(f"{o}.materialize={self.materialize!r} is invalid: choose one of "
                               f"{', '.join(MATERIALIZATIONS)} ('static': P' = P; 'manual': the "
                               "holders set with FSSDPExperts.set_holders)")
-        for name in ("rematerialize", "early_gather", "calibrate"):
+        for name in ("rematerialize", "early_gather", "calibrate", "overlap_backward"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ConfigError(f"{o}.{name}={v!r} is invalid: must be true or false")
@@ -134,4 +151,4 @@ class FSSDPOptions:
         return cls(**value)
 
 
-__all__ = ["FSSDPOptions", "MATERIALIZATIONS", "PLACEMENTS"]
+__all__ = ["FSSDPOptions", "MATERIALIZATIONS", "PLACEMENTS", "TRANSPORTS"]

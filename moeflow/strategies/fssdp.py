@@ -23,7 +23,7 @@ class FSSDP(ExpertStrategy):
     recomputes_experts = False
 
     def experts(self):
-        return self.layer.experts.begin()     # spAG(P, P') done
+        return self.layer.experts.begin(self.layer.lane)     # spAG(P, P') done
 
     def plan(self, expert_ids, cap, device, call):
         return self.layer.experts.plan(expert_ids, cap)

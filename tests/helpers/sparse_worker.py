@@ -1,4 +1,5 @@
-"""Rank side of tests/multirank/test_sparse.py: spAG / spRS on random chunk placements, and their errors."""
+"""Rank side of tests/multirank/test_sparse.py: spAG / spRS on random chunk placements (both
+transports), and their errors."""
 
 from __future__ import annotations
 
@@ -37,14 +38,14 @@ WORST = ([[0], [1], [2], [0], [3]], [[0, 3], [1, 3], [2, 3], [0], [3]])
 CASES = {**{f"random{s}": random_case(s) for s in range(8)}, "worst": WORST}
 
 
-def run_cases(rank: int) -> dict:
+def run_cases(rank: int, transport: str = "p2p") -> dict:
     res = {}
     for name, (p0, p1) in CASES.items():
         seed = sum(map(ord, name))
-        ag = SparseAllGather(p0, p1, SHAPE, torch.float64)
+        ag = SparseAllGather(p0, p1, SHAPE, torch.float64, transport=transport)
         mine = {c: value(seed, rank, c) for c in range(len(p0)) if rank in p0[c]}
         gathered = ag(mine)
-        rs = SparseReduceScatter(p1, p0, SHAPE, torch.float64)
+        rs = SparseReduceScatter(p1, p0, SHAPE, torch.float64, transport=transport)
         grads = {c: value(seed + 1, rank, c) for c in range(len(p1)) if rank in p1[c]}
         reduced = rs(grads)
         res[name] = dict(seed=seed, gathered=gathered, reduced=reduced,
@@ -113,5 +114,6 @@ def run_errors(rank: int) -> dict:
 
 def worker() -> dict:
     rank = dist.get_rank()
-    return {"cases": run_cases(rank), "subgroup": run_subgroup(rank),
+    return {"cases": run_cases(rank), "broadcast": run_cases(rank, "broadcast"),
+            "subgroup": run_subgroup(rank),
             "errors": run_errors(rank)}

@@ -1,4 +1,5 @@
-"""spAG / spRS (HECATE Section 3.1) against dense references, their volumes vs Eq. 1-2, errors."""
+"""spAG / spRS (HECATE Section 3.1) against dense references, their volumes vs Eq. 1-2, errors;
+the grouped-broadcast transport against point-to-point."""
 
 from __future__ import annotations
 
@@ -43,6 +44,21 @@ def test_spag_sprs_match_dense_reference(results, name):
             for r in sorted(p1[c])[1:]:
                 ref += sw.value(seed + 1, r, c)
             assert torch.equal(t, ref), (name, rank, c)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(sw.CASES))
+def test_grouped_broadcast_transport_matches_point_to_point(results, name):
+    """transport="broadcast" (one broadcast / reduce per chunk in its holder set's group):
+    spAG bit for bit, spRS to float64 rounding (the backend's reduce order)."""
+    for rank in range(sw.WORLD):
+        p2p, bc = results[rank]["cases"][name], results[rank]["broadcast"][name]
+        assert sorted(bc["gathered"]) == sorted(p2p["gathered"])
+        for c, t in bc["gathered"].items():
+            assert torch.equal(t, p2p["gathered"][c]), (name, rank, c)
+        assert sorted(bc["reduced"]) == sorted(p2p["reduced"])
+        for c, t in bc["reduced"].items():
+            torch.testing.assert_close(t, p2p["reduced"][c], rtol=1e-13, atol=1e-15)
 
 
 @pytest.mark.multirank

@@ -1,0 +1,211 @@
+"""``moeflow bench spag-overlap``: how much of the early spAG the attention forward hides
+(HECATE Section 3.2 and Fig. 1c: FSSDP launches the block's SparseAllGather before the
+attention so that it overlaps it), for each spAG transport (``MoEConfig.fssdp.transport``).
+
+One GPT block (:class:`moeflow.models.gpt.Block`: attention, then an FSSDP MoE layer whose
+``P'`` is set by hand, every expert replicated on ``replicas`` random other ranks, seeded). Per
+transport, three variants are timed round-robin (interleaved with the other transport's), each
+repetition with the ranks aligned and the slowest rank's time:
+
+* ``spag``: ``prefetch()`` then wait for it (the spAG alone, on the layer's lane);
+* ``attention``: the block's ``attn(ln1(x))`` forward alone;
+* ``early``: ``prefetch()``, the attention forward, then wait for the spAG (the block's order).
+
+``hidden = (spag + attention - early) / spag`` from the medians is the share of the spAG that
+the early issue took off the critical path (1: fully hidden; 0: none; the three medians come
+from the same interleaved run); the same per repetition (its three adjacent timings, paired)
+gives the spread, min / median / max. The ``early`` variant also records the spAG and the attention
+on a :class:`~moeflow.schedule.executor.Timeline` (the spAG as a ``comm`` task stamped on its
+lane, the attention as a ``compute`` task); ``timeline_overlap`` is
+:meth:`Timeline.overlap_fraction`, the share of the spAG's own interval during which the
+attention ran, median over repetitions of the ranks' mean. Both are reported: the timeline
+figure says how long the two ran side by side, the wall-clock one how much time that saved.
+
+``--backward`` (:func:`backward_worker`): the block's forward + backward with the spRS on the
+critical path against the spRS on the lane under the attention backward
+(``MoEConfig.fssdp.overlap_backward``, Section 3.2), interleaved.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from moeflow.bench.spag import random_holders
+from moeflow.devices import host_all_reduce
+from moeflow.measure.timing import slowest, start_aligned
+from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.schedule.executor import Timeline
+from moeflow.schedule.streams import Clock
+from moeflow.schedule.tasks import Task
+from moeflow.topology import Topology
+
+VARIANTS = ("spag", "attention", "early")
+
+
+def _block(opts: dict, topo: Topology, transport: str, **fssdp):
+    from moeflow.config import ModelConfig
+    from moeflow.models.gpt import Block
+
+    world = topo.world_size
+    cfg = ModelConfig(vocab_size=64, seq_len=opts["seq_len"], d_model=opts["d_model"],
+                      n_layers=1, n_heads=opts["n_heads"], d_ff=4 * opts["d_model"],
+                      moe_every=1, num_experts=opts["experts_per_rank"] * world,
+                      d_expert=opts["d_expert"], top_k=1, capacity_factor=None, seed=3,
+                      placement="fssdp",
+                      fssdp=dict(materialize="manual", transport=transport, **fssdp))
+    block = Block(cfg, 0, topo)
+    experts: FSSDPExperts = block.ffn.experts
+    holders = random_holders(cfg.num_experts, world, experts.owners, opts["replicas"], seed=17)
+    experts.set_holders(holders)
+    return block, experts, holders
+
+
+def bench_worker(opts: dict) -> dict:
+    topo = Topology.from_env()
+    dev = torch.device("cpu")
+    torch.manual_seed(1 + topo.rank)
+    blocks = {t: _block(opts, topo, t) for t in opts["transports"]}
+    x = torch.randn(opts["batch"], opts["seq_len"], opts["d_model"])
+    clock = Clock(dev)
+
+    def attention(block):
+        return block.attn(block.ln1(x))
+
+    def run(transport: str, variant: str, timeline: Timeline | None):
+        block, experts, _ = blocks[transport]
+        lane = block.ffn.lane
+        if variant == "attention":
+            attention(block)
+            return
+        experts.prefetch(lane, timeline)
+        if variant == "early":
+            t0 = clock.stamp()
+            attention(block)
+            if timeline is not None:
+                timeline.add(Task("attention", 0), "forward", "compute", t0, clock.stamp(), 0)
+        experts.wait_prefetched()
+
+    times = {(t, v): [] for t in opts["transports"] for v in VARIANTS}
+    overlap = {t: [] for t in opts["transports"]}
+    for i in range(opts["warmup"] + opts["reps"]):
+        for transport in opts["transports"]:
+            for variant in VARIANTS:
+                timeline = Timeline() if variant == "early" else None
+                watch = start_aligned(topo, dev)
+                run(transport, variant, timeline)
+                t = slowest(watch.stop(), topo)
+                if i < opts["warmup"]:
+                    continue
+                times[transport, variant].append(t)
+                if timeline is not None:
+                    frac = timeline.overlap_fraction()
+                    overlap[transport].append(
+                        host_all_reduce([frac], "sum", topo.world_group)[0] / topo.world_size
+                        if topo.distributed else frac)
+    rows = []
+    for transport in opts["transports"]:
+        _, experts, holders = blocks[transport]
+        med = {v: statistics.median(times[transport, v]) for v in VARIANTS}
+        hidden = (med["spag"] + med["attention"] - med["early"]) / med["spag"]
+        paired = [(s + a - e) / s for s, a, e in zip(*(times[transport, v] for v in VARIANTS))]
+        moved = sum(len(h) - 1 for h in holders) * experts.expert_bytes
+        for v in VARIANTS:
+            ts = [1e3 * t for t in times[transport, v]]
+            rows.append({"transport": transport, "variant": v, "ms": 1e3 * med[v],
+                         "min_ms": min(ts), "max_ms": max(ts), "samples_ms": ts})
+        rows.append({"transport": transport, "variant": "summary", "hidden": hidden,
+                     "hidden_paired_min": min(paired),
+                     "hidden_paired_median": statistics.median(paired),
+                     "hidden_paired_max": max(paired),
+                     "timeline_overlap": statistics.median(overlap[transport]),
+                     "timeline_overlap_samples": overlap[transport], "bytes_moved": moved})
+    return {"topology": repr(topo), "options": opts, "rows": rows}
+
+
+def backward_worker(opts: dict) -> dict:
+    """``--backward``: one block's forward + backward (early spAG, the loss ``out.square()
+    .mean()``) with the spRS on the critical path (``overlap_backward=False``) and on the
+    lane under the attention backward (``True``), interleaved; and the spRS alone (the same
+    ``P'``, gradient-sized chunks) for scale, in alternating order (ABC, CBA, ...). Slowest
+    rank, min / median / max, and the paired ratio (sync / overlapped) per repetition."""
+    from moeflow.comm.sparse import SparseReduceScatter
+
+    topo = Topology.from_env()
+    dev = torch.device("cpu")
+    torch.manual_seed(1 + topo.rank)
+    blocks = {}
+    for overlap in (False, True):
+        block, experts, holders = _block(opts, topo, opts["transports"][0],
+                                         overlap_backward=overlap)   # same weights and P'
+        blocks[overlap] = (block, experts)
+    x = torch.randn(opts["batch"], opts["seq_len"], opts["d_model"])
+    _, ex = blocks[False]
+    p0, p1 = ex.owners.owner_chunks(), ex.owners.materialize(holders).holder_chunks()
+    sprs = SparseReduceScatter(p1, p0, (ex.numel,), ex.slots.dtype, group=topo.world_group,
+                               verify=False)
+    grads = {e: torch.randn(ex.numel) for e, h in enumerate(holders) if topo.rank in h}
+
+    def step(overlap: bool):
+        block, _ = blocks[overlap]
+        block.zero_grad(set_to_none=True)
+        block(x).square().mean().backward()
+
+    names = {"sync": lambda: step(False), "overlapped": lambda: step(True),
+             "spRS alone": lambda: sprs(grads)}
+    times = {n: [] for n in names}
+    for i in range(opts["warmup"] + opts["reps"]):
+        order = list(names.items())
+        for name, fn in (order if i % 2 == 0 else order[::-1]):   # ABC CBA: no order bias
+            watch = start_aligned(topo, dev)
+            fn()
+            t = slowest(watch.stop(), topo)
+            if i >= opts["warmup"]:
+                times[name].append(t)
+    ratio = [a / b for a, b in zip(times["sync"], times["overlapped"])]
+    rows = [{"variant": n, "ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+             "max_ms": 1e3 * max(ts), "samples_ms": [1e3 * t for t in ts]}
+            for n, ts in times.items()]
+    rows.append({"variant": "summary", "sync_over_overlapped": statistics.median(ratio),
+                 "sync_over_overlapped_min": min(ratio), "sync_over_overlapped_max": max(ratio),
+                 "sprs_on_lane": {"sync": blocks[False][1].sprs_on_lane,
+                                  "overlapped": blocks[True][1].sprs_on_lane}})
+    return {"topology": repr(topo), "options": opts, "backward": True, "rows": rows}
+
+
+def format_backward(res: dict) -> str:
+    lines = [res["topology"], f"{'forward + backward':<20} {'median ms':>10} {'min':>8} "
+                              f"{'max':>8}", "-" * 50]
+    for r in res["rows"]:
+        if r["variant"] == "summary":
+            lines.append(f"sync / overlapped (paired): {r['sync_over_overlapped']:.2f} "
+                         f"({r['sync_over_overlapped_min']:.2f}.."
+                         f"{r['sync_over_overlapped_max']:.2f})")
+            continue
+        lines.append(f"{r['variant']:<20} {r['ms']:>10.2f} {r['min_ms']:>8.2f} "
+                     f"{r['max_ms']:>8.2f}")
+    return "\n".join(lines)
+
+
+def format_result(res: dict) -> str:
+    if res.get("backward"):
+        return format_backward(res)
+    lines = [res["topology"],
+             f"{'transport':<10} {'variant':<10} {'median ms':>10} {'min':>8} {'max':>8}",
+             "-" * 50]
+    for r in res["rows"]:
+        if r["variant"] == "summary":
+            lines.append(f"{r['transport']:<10} hidden by early issue: {100 * r['hidden']:.0f}% "
+                         f"of the spAG (wall clock, medians; per repetition "
+                         f"{100 * r['hidden_paired_min']:.0f}..{100 * r['hidden_paired_median']:.0f}"
+                         f"..{100 * r['hidden_paired_max']:.0f}%); timeline overlap "
+                         f"{100 * r['timeline_overlap']:.0f}%; "
+                         f"{r['bytes_moved'] / 1e6:.1f} MB moved")
+            continue
+        lines.append(f"{r['transport']:<10} {r['variant']:<10} {r['ms']:>10.2f} "
+                     f"{r['min_ms']:>8.2f} {r['max_ms']:>8.2f}")
+    return "\n".join(lines)
+
+
+__all__ = ["VARIANTS", "backward_worker", "bench_worker", "format_result"]
