@@ -811,7 +811,7 @@ class TrainConfig:
                       "choose 'replicate' (every rank holds the dense weights whole) or 'fsdp' "
                       "(FSDP2 shards them over the data-parallel ranks)")
         self._require(self.dense_shard != "fsdp" or self.mp_size == 1, "dense_shard",
-                      f"is not combined with mp_size={self.mp_size} (--mp): Parm's tensor "
+                      f"FSDP2 is not combined with mp_size={self.mp_size} (--mp): Parm's tensor "
                       "parallelism already splits the dense weights over the MP group and "
                       "FSDP2 over the data-parallel ranks would need 2-D (DP x MP) parameters; "
                       "use --dense-shard replicate with --mp, or --mp 1 with --dense-shard fsdp")

@@ -169,7 +169,8 @@ def run(args: argparse.Namespace, command: str = "moeflow bench dense-shard") ->
     summary["ratios_fsdp_over_replicate"] = {
         k: fsdp[k]["median"] / rep_[k]["median"]
         for k in ("peak_rss_mib", "peak_added_mib", "dense_state_mib")}
-    out = {"command": command, "args": vars(args),
+    out = {"command": command,
+           "args": {k: v for k, v in vars(args).items() if k != "func"},
            "memory_source": "VmHWM / VmRSS of /proc/self/status (peak and current resident "
                             "set; torch has no CPU allocator statistics); state: bytes of the "
                             "tensors held",

@@ -44,6 +44,8 @@ LAYOUTS = {                       # name: (ModelConfig overrides, Topology.from_
     "ep2": ({}, dict(ep_size=2)),                 # experts replicated over 2 EP groups
     "ep4": ({}, dict(ep_size=4)),
     "fssdp": ({"placement": "fssdp"}, dict(ep_size=4)),     # HECATE FSSDP, a2a default
+    "esp2": ({}, dict(ep_size=2, esp_size=2)),   # Parm's expert sharding (its dense mesh)
+    "ep2_recompute": ({}, dict(ep_size=2)),      # every block under torch.utils.checkpoint
 }
 
 
@@ -75,6 +77,7 @@ def build(layout: str | None, fsdp: bool) -> tuple[GPT, torch.optim.Optimizer, T
     over, topo_kw = LAYOUTS[layout] if layout else ({}, None)
     topo = Topology.from_env(**topo_kw) if topo_kw else Topology.single()
     model = prepare_model(GPT(dataclasses.replace(CFG, **over), topo).double(), topo)
+    model.checkpoint_blocks = bool(layout and layout.endswith("_recompute"))
     if fsdp:
         shard_dense(model, topo)
     return model, make_optimizer(model, TRAIN), topo

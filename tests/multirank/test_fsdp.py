@@ -2,8 +2,8 @@
 the option's validation, and float64 parity with one unsharded process on 4 gloo ranks after
 AdamW steps with clipping, with checkpoints FSDP2 on -> off -> on between them
 (tests/helpers/fsdp_cases.py). The default run covers EP with experts replicated over two
-EP groups (the expert gradients still all-reduced by sync_gradients); EP over all 4 ranks and
-HECATE's FSSDP are slow variants."""
+EP groups (the expert gradients still all-reduced by sync_gradients); EP over all 4 ranks,
+HECATE's FSSDP, Parm's expert sharding (ESP 2) and activation recomputation are slow variants."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_dense_shard_values_are_validated():
                                           r"invalid: choose 'replicate' .* or 'fsdp'"):
         TrainConfig(dense_shard="zero3")
     with pytest.raises(ConfigError, match=r"^--dense-shard: TrainConfig.dense_shard='fsdp' is "
-                                          r"invalid: is not combined with mp_size=2 \(--mp\).*"
+                                          r"invalid: FSDP2 is not combined with mp_size=2 \(--mp\).*"
                                           r"use --dense-shard replicate with --mp, or --mp 1"):
         TrainConfig(dense_shard="fsdp", mp_size=2)
 
@@ -91,7 +91,7 @@ def test_fsdp_ep2_matches_one_process_across_checkpoint_layouts(tmp_path_factory
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["ep4", "fssdp"])
+@pytest.mark.parametrize("layout", ["ep4", "fssdp", "esp2", "ep2_recompute"])
 def test_fsdp_matches_one_process_slow_layouts(tmp_path_factory, layout):
     root, results, ref = _run(tmp_path_factory, layout)
     _check(root, results, ref, layout)
