@@ -19,8 +19,9 @@ preset, FSDP2 applied for ``fsdp``), runs ``warmup + steps`` training steps
 The largest rank's numbers count for a launch (step times: the slowest rank's, ranks aligned
 by a barrier before each step).
 
-    moeflow bench dense-shard --preset medium --nproc 4 --set n_layers=12 \\
-        --set num_experts=4 --set seq_len=256 --out docs/results/training/dense-shard-medium-4rank.json
+    moeflow bench dense-shard --preset medium --nproc 4 --set n_layers=12 --set num_experts=4 \\
+        --set d_expert=2048 --set seq_len=256 --batch-size 1 --steps 1 --repeats 2 \\
+        --out docs/results/training/dense-shard-medium-4rank.json
 """
 
 from __future__ import annotations
