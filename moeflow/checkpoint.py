@@ -17,6 +17,12 @@ on any other (more or fewer ranks, other EP / MP / ESP sizes), optimizer state i
   rows of each), so that an MP rank's piece is one block of it; checkpoints written before
   tensor parallelism stored it as ``(3 * d_model, d_model)`` and load into one process as such.
 
+* dense parameters sharded by FSDP2 (``parallel.fsdp``, ``TrainConfig.dense_shard="fsdp"``)
+  are DTensors ``Shard`` over the data-parallel mesh: stored whole under the same key as a
+  replicated tensor (DCP writes each shard once and reads any slice back), so a checkpoint
+  saved with FSDP2 loads without it and the other way round. ``qkv`` is sharded on its input
+  dimension, so its ``(3, d_model, d_model)`` view is an alias of the local shard.
+
 AdamW's moments are stored the same way as their parameters. :func:`load` first compares the
 checkpoint's entries with the model's and refuses, naming the entries, a checkpoint of another
 model (missing or extra tensors, other shapes) before reading anything.

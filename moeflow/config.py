@@ -49,6 +49,7 @@ STRUCTURES = ("vanilla", "fine_grained", "bigmac")
 CAPACITY_PADDINGS = ("auto", "pad", "trim")
 MOE_RECOMPUTES = ("none", "moe_act")         # MoEConfig.recompute
 TRAIN_RECOMPUTES = ("none", "full", "moe_act")   # TrainConfig.recompute
+DENSE_SHARDS = ("replicate", "fsdp")              # TrainConfig.dense_shard
 DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
 DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
 
@@ -757,6 +758,9 @@ class TrainConfig:
     mp_size: int = 1
     esp_size: int = 1
     esp_in_node: bool = True
+    # the dense (non-expert) part: replicated on every rank, or sharded by FSDP2 over the
+    # data-parallel ranks (moeflow.parallel.fsdp); the experts keep their EP / FSSDP layout
+    dense_shard: str = "replicate"
 
     # the moeflow train option of each field: --field-name, except these
     FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
@@ -803,6 +807,14 @@ class TrainConfig:
         self._require(self.recompute in TRAIN_RECOMPUTES, "recompute",
                       "choose 'none', 'full' (recompute every block in backward) or 'moe_act' "
                       "(keep the MoE layers' exchanged tokens, recompute their experts)")
+        self._require(self.dense_shard in DENSE_SHARDS, "dense_shard",
+                      "choose 'replicate' (every rank holds the dense weights whole) or 'fsdp' "
+                      "(FSDP2 shards them over the data-parallel ranks)")
+        self._require(self.dense_shard != "fsdp" or self.mp_size == 1, "dense_shard",
+                      f"FSDP2 is not combined with mp_size={self.mp_size} (--mp): Parm's tensor "
+                      "parallelism already splits the dense weights over the MP group and "
+                      "FSDP2 over the data-parallel ranks would need 2-D (DP x MP) parameters; "
+                      "use --dense-shard replicate with --mp, or --mp 1 with --dense-shard fsdp")
         self._require(self.device in DEVICES, "device",
                       f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
         self._require(self.dtype in DTYPES, "dtype",

@@ -23,6 +23,9 @@ with a checkpoint there (exit status ``PREEMPTED_EXIT``).
 Gradient accumulation (``TrainConfig.grad_accum``, ``--grad-accum N``): a step runs N
 micro-batches of ``batch_size`` sequences, adds their gradients and synchronises, clips and
 steps once; the router biases (DeepSeek-V3) are updated once per step with the loads of all N.
+FSDP2 (``TrainConfig.dense_shard="fsdp"``, ``--dense-shard fsdp``, :mod:`moeflow.parallel.fsdp`):
+the dense part's parameters, gradients and AdamW state are sharded over the data-parallel
+ranks; the experts keep their layout.
 Activation recomputation (``TrainConfig.recompute``, ``--recompute full|moe_act``): every block
 under non-reentrant ``torch.utils.checkpoint``, or only the MoE experts' activations.
 
@@ -57,6 +60,7 @@ from moeflow.devices import autocast, host_all_reduce, resolve_device, resolve_d
 from moeflow.launch import restart_count
 from moeflow.models import GPT
 from moeflow.parallel.grad_clip import clip_gradients
+from moeflow.parallel.fsdp import set_gradient_sync, shard_dense
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import prepare_model
 from moeflow.routing import update_router_biases
@@ -155,14 +159,15 @@ def accumulate_gradients(model: GPT, micro: list[tuple[torch.Tensor, torch.Tenso
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Forward and backward every micro-batch, adding ``(ce_i + aux_i) / N`` gradients into
     ``.grad`` (no collective of its own: the caller synchronises once, after the last
-    micro-batch). With equal micro-batches the cross-entropy part is the gradient of the mean
-    over all ``N`` micro-batches' tokens, i.e. of the N-times batch; the MoE layers' capacity
-    and balancing loss are those of each micro-batch (docs/training.md, "Gradient
-    accumulation"). Returns ``[ce, aux_loss, balance_loss]``, means over the micro-batches,
+    micro-batch; FSDP2's reduce-scatter runs in the last micro-batch's backward only). With
+    equal micro-batches the cross-entropy part is the gradient of the mean over all ``N``
+    micro-batches' tokens, i.e. of the N-times batch; the MoE layers' capacity and balancing
+    loss are those of each micro-batch (docs/training.md, "Gradient accumulation"). Returns ``[ce, aux_loss, balance_loss]``, means over the micro-batches,
     as a float64 tensor on ``device`` (not read: no host synchronisation)."""
     n = len(micro)
     out = torch.zeros(3, dtype=torch.float64, device=device)
-    for x, y in micro:
+    for i, (x, y) in enumerate(micro):
+        set_gradient_sync(model, i == n - 1)     # FSDP2: reduce-scatter once, at the last
         with autocast(device, dtype):
             _, ce = model(_to_device(x, device), _to_device(y, device))
             aux = model.aux_loss
@@ -252,6 +257,8 @@ class Trainer:
             GPT(fixed_shape_batches(build_config(model_cfg, train_cfg)), topo).to(self.device),
             topo)
         self.model.checkpoint_blocks = train_cfg.recompute == "full"
+        if train_cfg.dense_shard == "fsdp":        # FSDP2 on the dense part (parallel.fsdp)
+            shard_dense(self.model, topo)
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.start_step = 0           # the step this run started from (resumed: the checkpoint's)

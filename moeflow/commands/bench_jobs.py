@@ -1,6 +1,7 @@
-"""``moeflow bench parm-train``, ``moeflow bench group-limited`` and ``moeflow bench
-recompute``: benchmarks whose options live beside their code (:mod:`moeflow.bench.parm_train`,
-:mod:`moeflow.bench.group_limited`, :mod:`moeflow.bench.recompute`), started the same way as
+"""``moeflow bench parm-train``, ``moeflow bench group-limited``, ``moeflow bench
+recompute`` and ``moeflow bench dense-shard``: benchmarks whose options live beside their code
+(:mod:`moeflow.bench.parm_train`, :mod:`moeflow.bench.group_limited`,
+:mod:`moeflow.bench.recompute`, :mod:`moeflow.bench.dense_shard`), started the same way as
 every other bench."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 
 
 def register_bench(bsub) -> None:
-    from moeflow.bench import group_limited, parm_train, recompute
+    from moeflow.bench import dense_shard, group_limited, parm_train, recompute
 
     p = bsub.add_parser("parm-train", help="Parm's Table V analog: moeflow train step time per "
                                            "MP / ESP layout on an emulated cluster (as root)",
@@ -31,3 +32,10 @@ def register_bench(bsub) -> None:
                         description=recompute.__doc__.splitlines()[0])
     recompute.add_arguments(p)
     p.set_defaults(func=lambda args: (recompute.run(args), 0)[1])
+
+    p = bsub.add_parser("dense-shard", help="per-rank memory of moeflow train --dense-shard "
+                                            "replicate vs fsdp (fresh launches, interleaved)",
+                        description=dense_shard.__doc__.splitlines()[0])
+    dense_shard.add_arguments(p)
+    p.set_defaults(func=lambda args: (dense_shard.run(args, "moeflow "
+                                                      + shlex.join(sys.argv[1:])), 0)[1])

@@ -48,6 +48,9 @@ TRAIN_HELP = {
                "experts are replicated over nproc / (ep-size x esp) groups",
     "mp_size": "Parm: tensor-parallel (MP) group size: attention heads and the dense MLP are "
                "split over this many consecutive ranks, which share one batch",
+    "dense_shard": "the dense (non-expert) weights: replicate (whole on every rank) or fsdp "
+                   "(FSDP2 shards them, their gradients and AdamW state over the data-parallel "
+                   "ranks; not with --mp)",
     "esp_size": "Parm: expert-sharding (ESP) group size: each expert's hidden dimension is "
                 "split over this many ranks",
 }

@@ -4,7 +4,9 @@
 different norms and their replicated parameters would drift apart. Here the squared norm of the
 expert gradients is summed over the expert-parallel group (each expert counted once) and added
 to the replicated part (identical on every rank after sync_gradients). Tensor-parallel shards
-(Parm's MP) are summed over the MP group, each shard counted once.
+(Parm's MP) are summed over the MP group, each shard counted once. FSDP2's shards of the dense
+part (``parallel.fsdp``, DTensor gradients) are summed over their data-parallel mesh, each
+slice counted once, and scaled in place through their local tensors.
 
 Everything stays on the device: the norms are ``foreach`` kernels, the scale is
 ``min(1, max_norm / (norm + 1e-6))`` applied to every gradient as a tensor (multiplying by 1 when
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.experts.ffn import ESP_WHOLE_ATTR
+from moeflow.parallel.fsdp import is_fsdp_param
 from moeflow.parallel.grad_sync import is_expert_param
 from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
@@ -32,12 +35,21 @@ def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
 def global_grad_norm(model: nn.Module, topo: Topology) -> torch.Tensor:
     """The L2 norm of all gradients, each expert counted once: a 0-dim float32 tensor on the
     gradients' device (no host synchronisation)."""
-    rep, exp, tp = [], [], []
+    rep, exp, tp, fsdp = [], [], [], {}
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is None:
+            continue
+        if is_fsdp_param(p):        # FSDP2: this rank's slice, by the mesh that shards it
+            fsdp.setdefault(p.grad.device_mesh, []).append(p.grad.to_local().detach())
+        else:
             (exp if is_expert_param(p) else tp if tp_shard(p) else rep).append(p.grad.detach())
-    device = (rep or exp or tp)[0].device if rep or exp or tp else torch.device("cpu")
+    found = rep or exp or tp or next(iter(fsdp.values()), [])
+    device = found[0].device if found else torch.device("cpu")
     rep_sq, exp_sq = _squared_norm(rep, device), _squared_norm(exp, device)
+    for mesh, local in fsdp.items():
+        sq = _squared_norm(local, device)
+        dist.all_reduce(sq, group=mesh.get_group())
+        rep_sq = rep_sq + sq
     if tp:                        # Parm's MP: each tensor-parallel shard once
         tp_sq = _squared_norm(tp, device)
         dist.all_reduce(tp_sq, group=topo.mp_group)
@@ -65,5 +77,12 @@ def clip_gradients(model: nn.Module, topo: Topology, max_norm: float) -> torch.T
     return the norm before clipping as a 0-dim tensor (read it with ``float`` when logging)."""
     norm = global_grad_norm(model, topo)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        params = [p for p in model.parameters() if not is_fsdp_param(p)]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        local = [p.grad.to_local() for p in model.parameters()
+                 if is_fsdp_param(p) and p.grad is not None]
+        if local:                 # clip_grads_with_norm_'s scale, on FSDP2's local slices
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            with torch.no_grad():
+                torch._foreach_mul_(local, coef.to(local[0].device))
     return norm

@@ -20,6 +20,9 @@ The training loss is the mean over the N ranks of each rank's local loss, and ev
   group (the ranks with MP rank m) divided by ``dp_size`` (= N / mp_size). Replicated
   parameters need nothing new: each MP rank holds the same full gradient, so the world sum
   divided by N is that mean too.
+* a dense parameter sharded by FSDP2 (``parallel.fsdp``, a DTensor) needs nothing here: FSDP2
+  reduce-scatters its gradient in backward, averaged over the data-parallel mesh (the world:
+  FSDP2 is not combined with MP), which is the same sum over the world divided by N.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
+from moeflow.parallel.fsdp import is_fsdp_param
 from moeflow.parallel.replicas import CHECKED_ATTR, check_replicas
 from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
@@ -55,7 +59,7 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
         check_replicas(model, topo)
     replicated, experts, tp = [], [], []
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or is_fsdp_param(p):     # FSDP2 reduced it in backward
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -17,6 +17,10 @@ kinds of tensors are replicated (see ``grad_sync``):
   an MP group, equal over the data-parallel group (the ranks with the same MP rank); the source
   is that group's first rank, global rank ``mp_rank``.
 
+FSDP2's shards of the dense part (``parallel.fsdp``, DTensor parameters) differ on every rank
+by design; neither function touches them (:func:`prepare_model` runs before the model is
+sharded, so the shards are slices of equal weights).
+
 :func:`prepare_model` broadcasts both kinds from their source. :func:`check_replicas` compares
 them without moving them: one float64 checksum pair per tensor, all of them in one small
 ``all_reduce(MAX)`` over the world (expert checksums sit in the slot of their EP position, so
@@ -34,6 +38,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
+from moeflow.parallel.fsdp import is_fsdp_param
 from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
 
@@ -51,8 +56,10 @@ def _is_expert(t: torch.Tensor) -> bool:
 
 def _split(model: nn.Module, buffers: bool) -> tuple[list, list, list]:
     """(name, tensor) of the replicated, the expert and the tensor-parallel tensors, in module
-    order."""
-    named = list(model.named_parameters())
+    order. FSDP2's shards (DTensor parameters, ``parallel.fsdp``) are none of them: each rank
+    holds a different slice by design, cut from weights that were equal when they were
+    sharded."""
+    named = [(n, p) for n, p in model.named_parameters() if not is_fsdp_param(p)]
     if buffers:
         named += list(model.named_buffers())
     replicated = [(n, t) for n, t in named if not _is_expert(t) and tp_shard(t) is None]

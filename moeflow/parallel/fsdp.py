@@ -1,0 +1,135 @@
+"""FSDP2 for the dense part of the GPT: ``torch.distributed.fsdp.fully_shard`` on the
+non-expert modules over the data-parallel dimension (``TrainConfig.dense_shard="fsdp"``,
+``moeflow train --dense-shard fsdp``; docs/training.md, "Sharding the dense part with FSDP2").
+
+FSDP2 (torch >= 2.4; ZeRO-3 / PyTorch FSDP, Zhao et al., VLDB 2023, Section 3) turns each
+wrapped module's parameters into ``DTensor`` shards ``Shard(0)`` over a 1-D mesh: a rank keeps
+1/D of each dense weight, its gradient and its AdamW moments; a module's parameters are
+all-gathered before its forward (and again before its backward) and freed after, and the
+gradients are reduce-scattered in backward, averaged over the mesh. Here the mesh is the dense
+data-parallel dimension (:func:`dense_dp_mesh`): ``topo.dense_mesh["dp"]`` where Parm built one,
+else a ``("dp",)`` mesh over the world.
+
+What is sharded: every block (its attention, layer norms, dense MLP, and in an MoE block the
+router, the BigMac projections and the shared experts) and, at the root, the token and position
+embeddings (the tied head) and the final norm. The experts are not: their parameters
+(``EXPERT_PARAM_ATTR``: EP stacks, Parm's ESP shards, HECATE's FSSDP slot tensor) are passed
+as ``ignored_params``, so they stay plain tensors under expert parallelism / FSSDP, and
+:func:`~moeflow.parallel.grad_sync.sync_gradients` still averages them over the
+expert-data-parallel group. A parameter FSDP2 manages is a ``DTensor``
+(:func:`is_fsdp_param`): the gradient sync, the replica check, the clipping norm and the
+checkpoint recognise it by that.
+
+The column-parallel ``qkv`` weight is stored in checkpoints in its ``(3, d_model, d_model)``
+view (:mod:`moeflow.checkpoint`); it is sharded on its input dimension (``Shard(1)``) so that
+the view stays an alias of the local shard and DCP reads into it in place.
+
+Not combined with Parm's tensor parallelism (``mp_size > 1``): its weights are already split
+over the MP group and FSDP2 over DP would need 2-D (DP x MP) DTensor parameters
+(``TrainConfig`` refuses the combination, :func:`check_no_tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.errors import ConfigError
+from moeflow.experts.ffn import EXPERT_PARAM_ATTR
+from moeflow.topology import Topology
+
+_MESHES: dict[tuple, object] = {}
+
+
+def is_fsdp_param(p: torch.Tensor) -> bool:
+    """A parameter FSDP2 shards (a DTensor): FSDP2 reduces its gradient itself."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def check_no_tensor_parallel(topo: Topology) -> None:
+    """ConfigError naming the value and the fix when ``topo`` has Parm's MP (the same rule as
+    ``TrainConfig.dense_shard``'s validation, for callers of :func:`shard_dense`)."""
+    if topo.mp_size > 1:
+        raise ConfigError(f"shard_dense: FSDP2 of the dense part is invalid with the topology's "
+                          f"mp_size={topo.mp_size}: Parm's tensor parallelism already splits the "
+                          "dense weights over the MP group, and FSDP2 over the data-parallel "
+                          "ranks would need 2-D (DP x MP) parameters, which moeflow does not "
+                          "build; build the topology with mp_size=1 or keep the dense part "
+                          "replicated")
+
+
+def _device_type() -> str:
+    from moeflow.devices import group_backend
+
+    return "cuda" if "cuda:nccl" in (group_backend() or "") else "cpu"
+
+
+def dense_dp_mesh(topo: Topology):
+    """The 1-D data-parallel DeviceMesh of the dense layers: ``topo.dense_mesh["dp"]`` when
+    the topology has a dense mesh (Parm's layouts), else a ``("dp",)`` mesh over the world,
+    built once per world (collectively: every rank calls this in the same order) on a process
+    group of its own, so FSDP2's all-gathers and reduce-scatters never share a communicator
+    with the experts' all-to-alls."""
+    if topo.dense_mesh is not None:
+        return topo.dense_mesh["dp"]
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (id(dist.group.WORLD), topo.world_size)
+    if key not in _MESHES:
+        mesh = init_device_mesh(_device_type(), (topo.world_size,), mesh_dim_names=("dp",))
+        if _device_type() == "cuda":                 # form the communicator now, not lazily
+            dist.all_reduce(torch.zeros(1, device="cuda"), group=mesh.get_group())
+        _MESHES[key] = mesh
+    return _MESHES[key]
+
+
+def expert_params(module: nn.Module) -> set[nn.Parameter]:
+    """The expert parameters under ``module`` (kept out of FSDP2)."""
+    return {p for p in module.parameters() if getattr(p, EXPERT_PARAM_ATTR, False)}
+
+
+def _placement_fn(model: nn.Module):
+    """``Shard(1)`` for weights stored in checkpoints in a view that splits dimension 0
+    (``qkv``'s ``(3, d_model, d_model)``), FSDP2's default ``Shard(0)`` for the rest."""
+    from torch.distributed.tensor import Shard
+
+    from moeflow.parallel.tensor_parallel import ColumnParallelLinear
+
+    split = {id(m.weight) for m in model.modules()
+             if isinstance(m, ColumnParallelLinear) and len(m.spec.view) != m.weight.dim()}
+    return lambda p: Shard(1) if id(p) in split else None
+
+
+def shard_dense(model: nn.Module, topo: Topology) -> nn.Module:
+    """Apply FSDP2 to ``model``'s dense part (module docstring), in place; returns ``model``.
+
+    Call after :func:`~moeflow.parallel.replicas.prepare_model` (the replicas are equal, so
+    each rank's shard is its slice of the same weights) and before building the optimizer
+    (it must step the sharded parameters). A world of one has nothing to shard: the model is
+    returned as it is."""
+    check_no_tensor_parallel(topo)
+    if not topo.distributed:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = dense_dp_mesh(topo)
+    place = _placement_fn(model)
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh, ignored_params=expert_params(block) or None,
+                    shard_placement_fn=place)
+    fully_shard(model, mesh=mesh, ignored_params=expert_params(model) or None,
+                shard_placement_fn=place)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2's reduce-scatter after this backward on (the last micro-batch of a step) or off
+    (the others: the unsharded gradients accumulate and are reduced once); no-op without
+    FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
