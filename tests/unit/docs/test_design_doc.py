@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "design.md"
 
@@ -16,7 +18,21 @@ def _example() -> str:
     return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
 
 
-def test_plug_in_example_runs():
+@pytest.fixture
+def restored_registries():
+    """The example registers parts process-wide; remove them afterwards so that tests which
+    list the registered names (tests/unit/core/test_config.py) see only the built-in ones."""
+    from moeflow.registry import PACKAGES, registry
+
+    before = {kind: dict(registry(kind)) for kind in PACKAGES}
+    yield
+    for kind, parts in before.items():
+        reg = registry(kind)
+        reg.clear()
+        reg.update(parts)
+
+
+def test_plug_in_example_runs(restored_registries):
     namespace: dict = {"__name__": "design_example"}
     exec(compile(_example(), str(DOC), "exec"), namespace)
     import moeflow as mf
