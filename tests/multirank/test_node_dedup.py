@@ -1,7 +1,8 @@
 """``a2a="node_dedup"``: the node-deduplicated dispatch and combine equal the one-process
 float64 reference (outputs, input gradients, router and expert gradients, parameters after an
-SGD step) on 4 gloo ranks as 2 emulated nodes x 2 and on 8 ranks as 4 x 2, dropless and with
-capacity, and what it does not run with yet is refused with a ConfigError."""
+SGD step; the reference ``direct`` is tested against in test_layer_parity.py) on 4 gloo ranks
+as 2 emulated nodes x 2 and on 8 ranks as 4 x 2, dropless and with capacity, pipelined
+(r > 1, each scheduler), and what it does not run with yet is refused with a ConfigError."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import moeflow as mf
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
-from tests.helpers import parity
+from tests.helpers import node_dedup_cases, parity
 
 # dropless: top-2, all experts, a hot expert, DeepSeek-V3 group-limited routing, shared
 # experts with node-limited routing (topk_group=1: both choices on one node), BigMac, GPT-OSS;
@@ -38,6 +39,43 @@ def test_node_dedup_matches_reference_2x2(results_2x2, name):
         parity.assert_rank_matches(res[(name, 0)], ref, rank, 4, "node_dedup 2x2")
 
 
+# pipelined: chunks of consecutive tokens, each through the deduplicated exchange, in the
+# scheduler's order (OptSche at r = 2 by default; the others, and r = 3, marked slow). The
+# cases: dropless, capacity with drops, a rank with no tokens (empty chunks)
+PIPE_NAMES = ["dropless_k2", "capacity_k1_tight", "zero_token_rank"]
+PIPE_DEFAULT = [dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche")]
+PIPE_SLOW = [dict(a2a="node_dedup", pipeline_degree=2, schedule="sequential"),
+             dict(a2a="node_dedup", pipeline_degree=3, schedule="pipelined"),
+             dict(a2a="node_dedup", pipeline_degree=3, schedule="optsche")]
+
+
+def _check_pipelined(got: dict, variants: list[dict]) -> None:
+    for name in PIPE_NAMES:
+        ref = parity.reference(name, 4)
+        for i, v in enumerate(variants):
+            for rank, res in got.items():
+                parity.assert_rank_matches(res[(name, i)], ref, rank, 4, f"node_dedup {v}")
+
+
+@pytest.mark.multirank
+def test_node_dedup_pipelined_optsche_matches_reference():
+    from moeflow.schedule import SCHEDULERS
+    got = launch_local(node_dedup_cases.pipelined_worker, 4, PIPE_NAMES, PIPE_DEFAULT,
+                       timeout_s=300)
+    _check_pipelined(got, PIPE_DEFAULT)
+    want = [(t.kind, t.chunk) for t in SCHEDULERS["optsche"]().order(2)]
+    for res in got.values():        # the computing tasks ran in OptSche's order (Eq. 12)
+        assert res["order"] == want, res["order"]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_node_dedup_pipelined_other_schedulers_match_reference():
+    got = launch_local(node_dedup_cases.pipelined_worker, 4, PIPE_NAMES, PIPE_SLOW,
+                       timeout_s=600)
+    _check_pipelined(got, PIPE_SLOW)
+
+
 TOKENS_8 = (6, 11, 4, 9, 7, 0, 5, 8)    # 8 ranks' tokens (one rank has none)
 
 
@@ -62,7 +100,7 @@ TOPO = dict(rank=0, world_size=4, local_size=2, ep_size=4)
 
 
 @pytest.mark.parametrize("field,value", [("capacity_padding", "pad"), ("codec", "fp16"),
-                                         ("pipeline_degree", 2), ("schedule", "auto"),
+                                         ("schedule", "auto"),
                                          ("placement", "fssdp")])
 def test_node_dedup_refuses_what_it_does_not_run_yet(field, value):
     opts = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, capacity_factor=None,
