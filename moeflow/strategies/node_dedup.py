@@ -33,10 +33,11 @@ same graph on every rank.
 
 Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
 ``direct``; only kept choices travel, so capacity mode also learns its counts on the host once,
-like ``capacity_padding="trim"``), codec ``none``, any ``pipeline_degree`` and scheduler, every
-router, shared experts, BigMac and the other structures. Refused with a ConfigError at
-construction: ``capacity_padding="pad"``, other codecs, ``schedule="auto"``, Parm and FSSDP
-placements.
+like ``capacity_padding="trim"``), every codec (on the inter-node hops: one encoding per
+(token, node) in dispatch, per partial sum in combine; ``codec_backward`` for the gradients),
+any ``pipeline_degree`` and scheduler, every router, shared experts, BigMac and the other
+structures. Refused with a ConfigError at construction: ``capacity_padding="pad"``,
+``schedule="auto"``, Parm and FSSDP placements.
 """
 
 from __future__ import annotations
@@ -65,8 +66,6 @@ def check_config(cfg, topo) -> None:
         refuse("capacity_padding", cfg.capacity_padding,
                "node_dedup sends only the kept rows (the counts come to the host once, as "
                "'trim'); use capacity_padding='auto' or 'trim'")
-    if cfg.codec != "none":
-        refuse("codec", cfg.codec, "its exchanges send raw rows; use codec='none'")
     if cfg.schedule == "auto":
         refuse("schedule", cfg.schedule, "nothing is scheduled at degree 1; use "
                "schedule='sequential'")

@@ -24,3 +24,30 @@ def pipelined_worker(names: list[str], variants: list[dict]) -> dict:
     out["order"] = [(rec.task.kind, rec.task.chunk) for rec in layer.timeline.records
                     if rec.lane == "compute"]
     return out
+
+
+
+
+def codec_worker(names: list[str], codecs: list[str], a2as: tuple = ("node_dedup",)) -> dict:
+    """Every case with every codec (gradients encoded too) and all-to-all, at r = 2 with
+    OptSche, on 2 nodes x 2 (with each result, the step's inter-node bytes:
+    ``parity.run_rank``)."""
+    topo = Topology.from_env(local_size=2)
+    return {(name, codec, a2a): parity.run_rank(name, topo, a2a=a2a, codec=codec,
+                                                codec_backward=True, pipeline_degree=2,
+                                                schedule="optsche")
+            for name in names for codec in codecs for a2a in a2as}
+
+
+def relative_errors(got: dict, ref: dict, rank: int, world: int) -> dict[str, float]:
+    """Max |got - ref| / max |ref| of the output, the input gradient and the parameters after
+    the step (the rank's expert shard), as ``parity.assert_rank_matches`` compares them."""
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max()) if b.numel() else 0.0
+
+    lo, n = got["first_expert"], got["num_local"]
+    params = [rel(v, ref["params"][p][lo:lo + n] if p.startswith("experts.")
+                  else ref["params"][p]) for p, v in got["params"].items()]
+    return {"y": rel(got["y"], ref["y"][rank]),
+            "x_grad": rel(got["x_grad"], world * ref["x_grad"][rank]),
+            "params": max(params)}

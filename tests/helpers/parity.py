@@ -142,7 +142,9 @@ def run_rank(name: str, topo: Topology, **overrides) -> dict:
     grads, params = _snapshot(layer)
     return {"y": y.detach(), "x_grad": x.grad, "aux": layer.aux_loss.detach(),
             "grads": grads, "params": params, "first_expert": layer.experts.first_expert,
-            "num_local": layer.num_local}
+            "num_local": layer.num_local,
+            # bytes sent over inter-node links, forward and backward (None: not counted)
+            "inter_node_bytes": layer.stats.get("inter_node_bytes")}
 
 
 def rank_worker(names: list[str], ep_sizes: list[int]) -> dict:
