@@ -36,8 +36,9 @@ Supported: dropless and capacity mode (GShard's drops decided on the source rank
 like ``capacity_padding="trim"``), every codec (on the inter-node hops: one encoding per
 (token, node) in dispatch, per partial sum in combine; ``codec_backward`` for the gradients),
 any ``pipeline_degree`` and scheduler, every router, shared experts, BigMac and the other
-structures. Refused with a ConfigError at construction: ``capacity_padding="pad"``,
-``schedule="auto"``, Parm and FSSDP placements.
+structures, and the auto-tuner (``schedule`` / ``pipeline_degree`` "auto", and screened by
+``a2a="auto"`` on several nodes). Refused with a ConfigError at construction:
+``capacity_padding="pad"``, Parm and FSSDP placements.
 """
 
 from __future__ import annotations
@@ -66,9 +67,6 @@ def check_config(cfg, topo) -> None:
         refuse("capacity_padding", cfg.capacity_padding,
                "node_dedup sends only the kept rows (the counts come to the host once, as "
                "'trim'); use capacity_padding='auto' or 'trim'")
-    if cfg.schedule == "auto":
-        refuse("schedule", cfg.schedule, "nothing is scheduled at degree 1; use "
-               "schedule='sequential'")
     if cfg.placement != "ep":
         refuse("placement", cfg.placement, "it places whole experts; use placement='ep'")
     if topo.esp_size > 1 or topo.mp_size > 1:

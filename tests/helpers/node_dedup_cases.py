@@ -11,8 +11,9 @@ from tests.helpers import parity
 
 
 def pipelined_worker(names: list[str], variants: list[dict]) -> dict:
-    """Every case under every variant on 2 nodes x 2, and under ``"order"`` the computing
-    tasks (kind, chunk) of one forward at r = 2 with OptSche, as the timeline recorded them."""
+    """Every case under every variant on 2 nodes x 2; under ``"order"`` the computing tasks
+    (kind, chunk) of one forward at r = 2 with OptSche, as the timeline recorded them; under
+    ``"set_tuned"`` the dropless_k2 step of an all-"auto" layer fixed to node_dedup."""
     out = parity.variants_worker(names, variants, 2)
     topo = Topology.from_env(local_size=2)
     layer = parity.make_layer("dropless_k2", topo, a2a="node_dedup", pipeline_degree=2,
@@ -23,7 +24,19 @@ def pipelined_worker(names: list[str], variants: list[dict]) -> dict:
         layer(x)
     out["order"] = [(rec.task.kind, rec.task.chunk) for rec in layer.timeline.records
                     if rec.lane == "compute"]
+    out["set_tuned"] = parity.run_rank("dropless_k2", topo, choose_node_dedup, a2a="auto",
+                                       schedule="auto", pipeline_degree="auto")
     return out
+
+
+def choose_node_dedup(layer, x) -> None:
+    """Fix an ``a2a="auto"`` layer's tuning to node_dedup at r = 2 with OptSche (what a
+    checkpoint restore or the tuner's choice does), without measuring."""
+    from moeflow import autotune
+
+    layer.set_tuned(autotune.TunedChoice("node_dedup", "optsche", 2, None, None,
+                                         autotune.layout(layer.topo)))
+    assert layer.strategy.name == "node_dedup", layer.strategy
 
 
 
@@ -51,3 +64,32 @@ def relative_errors(got: dict, ref: dict, rank: int, world: int) -> dict[str, fl
     return {"y": rel(got["y"], ref["y"][rank]),
             "x_grad": rel(got["x_grad"], world * ref["x_grad"][rank]),
             "params": max(params)}
+
+
+def tuner_worker(name: str, what: str) -> dict:
+    """On 2 nodes x 2, ``what="screen"``: ``a2a="auto"`` tuned (unbounded budget: every usable
+    algorithm is screened), then its choice replaced by ``node_dedup`` and the parity step
+    run; ``what="schedule"``: ``a2a="node_dedup"`` with schedule and degree tuned (the
+    profiler and the chooser on it), then the parity step."""
+    import dataclasses
+
+    topo = Topology.from_env(local_size=2)
+    seen: dict = {}
+
+    def force(layer, x):
+        layer.tune(x)
+        seen["screened"] = sorted({c["a2a"] for c in layer.tuned.candidates})
+        layer.set_tuned(dataclasses.replace(layer.tuned, a2a="node_dedup"))
+        seen["strategy"] = layer.strategy.name
+
+    def tune_schedule(layer, x):
+        layer.tune(x)
+        seen["choice"] = (layer.cfg.a2a, layer.cfg.schedule, layer.cfg.pipeline_degree,
+                          layer.strategy.name)
+
+    if what == "screen":
+        res = parity.run_rank(name, topo, force, a2a="auto", autotune_budget_s=None)
+    else:
+        res = parity.run_rank(name, topo, tune_schedule, a2a="node_dedup", schedule="auto",
+                              pipeline_degree="auto", autotune_budget_s=None)
+    return dict(res, **seen)

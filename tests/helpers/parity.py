@@ -130,11 +130,14 @@ def _snapshot(layer: MoELayer) -> tuple[dict, dict]:
     return grads, params
 
 
-def run_rank(name: str, topo: Topology, **overrides) -> dict:
+def run_rank(name: str, topo: Topology, before=None, **overrides) -> dict:
     """One case on this rank; ``overrides`` change MoEConfig fields that must not change the
-    function (all-to-all algorithm, scheduler, pipelining degree)."""
+    function (all-to-all algorithm, scheduler, pipelining degree); ``before(layer, x)`` runs
+    ahead of the step (e.g. tuning)."""
     layer = make_layer(name, topo, **overrides)
     x, g = make_batch(name, topo.rank)
+    if before is not None:
+        before(layer, x)
     x.requires_grad_()
     y = layer(x, **_spec(name).get("call", {}))
     local_loss(y, g, layer).backward()

@@ -64,8 +64,12 @@ def test_node_dedup_pipelined_optsche_matches_reference():
                        timeout_s=300)
     _check_pipelined(got, PIPE_DEFAULT)
     want = [(t.kind, t.chunk) for t in SCHEDULERS["optsche"]().order(2)]
-    for res in got.values():        # the computing tasks ran in OptSche's order (Eq. 12)
+    ref = parity.reference("dropless_k2", 4)
+    for rank, res in got.items():   # the computing tasks ran in OptSche's order (Eq. 12)
         assert res["order"] == want, res["order"]
+        # an "auto" layer fixed to node_dedup (the tuner's choice or a restored one) swaps
+        # its strategy and computes the same function
+        parity.assert_rank_matches(res["set_tuned"], ref, rank, 4, "auto set to node_dedup")
 
 
 @pytest.mark.multirank
@@ -179,8 +183,44 @@ def test_node_dedup_needs_several_nodes():
         ALLTOALLS["node_dedup"](mf.Topology(rank=0, world_size=4, local_size=4, ep_size=4))
 
 
-def test_auto_does_not_screen_node_dedup():
+def test_auto_screens_node_dedup_where_it_runs():
+    """Screened on several nodes when the config lets its strategy run; not on one node, not
+    with capacity_padding="pad" (refused by node_dedup), not with Parm's ESP shards."""
     from moeflow.autotune.tuner import candidate_algorithms
-    cfg = mf.MoEConfig(d_model=8, d_expert=8, num_experts=8, top_k=2, a2a="auto")
-    got = candidate_algorithms(cfg, mf.Topology(**TOPO))
-    assert "node_dedup" not in got and "direct" in got
+    kw = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, a2a="auto")
+    got = candidate_algorithms(mf.MoEConfig(**kw), mf.Topology(**TOPO))
+    assert "node_dedup" in got and "direct" in got
+    one_node = mf.Topology(rank=0, world_size=4, local_size=4, ep_size=4)
+    assert "node_dedup" not in candidate_algorithms(mf.MoEConfig(**kw), one_node)
+    padded = mf.MoEConfig(**kw, capacity_factor=1.25, capacity_padding="pad")
+    assert "node_dedup" not in candidate_algorithms(padded, mf.Topology(**TOPO))
+    esp = mf.Topology(rank=0, world_size=4, local_size=2, ep_size=2, esp_size=2)
+    assert "node_dedup" not in candidate_algorithms(mf.MoEConfig(**kw), esp)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tuner_screens_node_dedup_and_its_choice_works():
+    name = "dropless_k2"
+    got = launch_local(node_dedup_cases.tuner_worker, 4, name, "screen", timeout_s=600)
+    ref = parity.reference(name, 4)
+    for rank, res in got.items():
+        assert "node_dedup" in res["screened"] and "direct" in res["screened"], res["screened"]
+        assert res["strategy"] == "node_dedup"
+        parity.assert_rank_matches(res, ref, rank, 4, "tuned, node_dedup forced")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tuner_picks_node_dedup_schedule():
+    """``a2a="node_dedup"`` with schedule and degree "auto": the profiler and the chooser run
+    on it (its backward is not scheduled: its time stays in the measured rest), every rank
+    fixes the same choice, and the step equals the reference."""
+    name = "dropless_k2"
+    got = launch_local(node_dedup_cases.tuner_worker, 4, name, "schedule", timeout_s=600)
+    ref = parity.reference(name, 4)
+    for rank, res in got.items():
+        a2a, schedule, r, strategy = res["choice"]
+        assert a2a == strategy == "node_dedup" and r in (1, 2, 4), res["choice"]
+        parity.assert_rank_matches(res, ref, rank, 4, f"node_dedup tuned to {schedule} r={r}")
+    assert len({res["choice"] for res in got.values()}) == 1   # every rank alike
