@@ -24,21 +24,23 @@ tasks of a schedule, the hops on the communication lane (the task mapping is in
 :mod:`moeflow.strategies.node_dedup_steps`). The backward is autograd's mirror of the chunks'
 graphs (not re-scheduled).
 
-One count exchange per call (one host synchronisation, as dropless ``direct``): every rank
-all-gathers, per chunk, its choices per expert and its tokens per destination node, from
+Trimmed: one count exchange per call (one host synchronisation, as dropless ``direct``):
+every rank all-gathers, per chunk, its choices per expert and its tokens per destination node, from
 which every split size follows on the host. It runs on the computing thread before the
 schedule; while the schedule runs, every collective is a lane task, in the schedule's order
 (docs/design.md, "One collective order per rank"); backward's run in autograd's order, the
 same graph on every rank.
 
 Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
-``direct``; only kept choices travel, so capacity mode also learns its counts on the host once,
-like ``capacity_padding="trim"``), every codec (on the inter-node hops: one encoding per
-(token, node) in dispatch, per partial sum in combine; ``codec_backward`` for the gradients),
-any ``pipeline_degree`` and scheduler, every router, shared experts, BigMac and the other
-structures, and the auto-tuner (``schedule`` / ``pipeline_degree`` "auto", and screened by
-``a2a="auto"`` on several nodes). Refused with a ConfigError at construction:
-``capacity_padding="pad"``, Parm and FSSDP placements.
+``direct``), trimmed (only kept pairs and choices travel: the count exchange above) or padded
+(``capacity_padding``: fixed splits from the ranks' token counts and capacities, no host read
+of device values: :mod:`moeflow.strategies.node_dedup_padded`), every codec (on the inter-node
+hops: one encoding per (token, node) in dispatch, per partial sum in combine;
+``codec_backward`` for the gradients), any ``pipeline_degree`` and scheduler, every router,
+shared experts, BigMac and the other structures, and the auto-tuner (``schedule`` /
+``pipeline_degree`` "auto", and screened by ``a2a="auto"`` on several nodes). Refused with a
+ConfigError at construction: Parm's MP/ESP and FSSDP placements (they place experts
+differently).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from moeflow.dispatch import DispatchPlan, make_plan
 from moeflow.errors import ConfigError
 from moeflow.schedule.executor import Stage, run_schedule
 from moeflow.strategies.base import ExpertStrategy
+from moeflow.strategies.node_dedup_padded import padded_stage
 from moeflow.strategies.node_dedup_steps import (AllToAll, ChunkLayout, CodedAllToAll, Hop,
                                                  take_in_graph)
 
@@ -63,10 +66,6 @@ def check_config(cfg, topo) -> None:
     def refuse(field: str, value, fix: str) -> None:
         raise ConfigError(f"MoEConfig.{field}={value!r} cannot be combined with "
                           f"a2a='node_dedup' yet: {fix}, {_FIX}")
-    if cfg.capacity_padding == "pad":
-        refuse("capacity_padding", cfg.capacity_padding,
-               "node_dedup sends only the kept rows (the counts come to the host once, as "
-               "'trim'); use capacity_padding='auto' or 'trim'")
     if cfg.placement != "ep":
         refuse("placement", cfg.placement, "it places whole experts; use placement='ep'")
     if topo.esp_size > 1 or topo.mp_size > 1:
@@ -77,7 +76,8 @@ def check_config(cfg, topo) -> None:
 
 @dataclass
 class NodeDedupPlan(DispatchPlan):
-    experts: torch.Tensor | None = None      # (T, k) expert ids of this rank's tokens
+    experts: torch.Tensor | None = None      # (T, k) expert ids (E: dropped by capacity)
+    positions: torch.Tensor | None = None    # capacity: (T, k) GShard slot of each kept choice
 
 
 class NodeDedup(ExpertStrategy):
@@ -100,11 +100,22 @@ class NodeDedup(ExpertStrategy):
         if cap is not None:
             T, k = expert_ids.shape
             kept = (p.slot < p.send_rows).view(k, T).t()
+            positions = (p.slot - expert_ids.t().reshape(-1) * cap).view(k, T).t()
             expert_ids = torch.where(kept, expert_ids, E)
             p.local_counts = expert_ids.new_zeros(E + 1).index_add_(
                 0, expert_ids.reshape(-1), torch.ones_like(expert_ids.reshape(-1)))[:E]
         return NodeDedupPlan(**{f: getattr(p, f) for f in p.__dataclass_fields__},
-                             experts=expert_ids)
+                             experts=expert_ids,
+                             positions=positions if cap is not None else None)
+
+    def _pads(self, device: torch.device) -> bool:
+        """Capacity mode's layout (``MoEConfig.capacity_padding``): padded, fixed splits and
+        no host read (:mod:`moeflow.strategies.node_dedup_padded`) for "pad", and for "auto"
+        where a host read is not free (GPUs, ``torch.compile``); else only the kept pairs,
+        their counts read once."""
+        mode = self.layer.cfg.capacity_padding
+        return mode == "pad" or (mode == "auto" and not (
+            device.type == "cpu" and not torch.compiler.is_compiling()))
 
     def permute(self, h: torch.Tensor, plan, weights: torch.Tensor) -> torch.Tensor:
         """The token and its k gate weights, one row: they travel together."""
@@ -116,6 +127,11 @@ class NodeDedup(ExpertStrategy):
     def exchange(self, send, plan: NodeDedupPlan, runner, tokens, call):
         """The r chunks of consecutive tokens, each through the whole deduplicated exchange,
         as the scheduler's tasks (:mod:`moeflow.strategies.node_dedup_steps`)."""
+        if plan.capacity is not None and self._pads(send.device):
+            stage = padded_stage(self, send, plan, runner, runner.r)
+            chunks = run_schedule(stage, runner.r, runner.scheduler, runner.lane,
+                                  runner.timeline, "forward", send.device)
+            return (chunks[0] if runner.r == 1 else torch.cat(chunks)), None
         topo, cfg = self.layer.topo, self.layer.cfg
         N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
         P, E, k, T = topo.world_size, cfg.num_experts, plan.top_k, plan.num_tokens

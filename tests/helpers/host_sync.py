@@ -42,23 +42,22 @@ def layer_cases(topo) -> list[dict]:
         ALLTOALLS["node_dedup"].check_topology(topo)       # schedule, dropless and capacity
         for codec in CODECS:
             for schedule, r in (("sequential", 1), ("optsche", 2)):
-                for cf in (1.25, None):
+                for cf, padding in ((1.25, "pad"), (1.25, "trim"), (None, "auto")):
                     cases.append(dict(a2a="node_dedup", codec=codec, schedule=schedule,
                                       pipeline_degree=r, capacity_factor=cf,
-                                      capacity_padding="auto"))
+                                      capacity_padding=padding))
     except ConfigError:
         pass
     return cases
 
 
 def sync_budget(case: dict) -> int:
-    """Host syncs allowed in one forward + backward: none in (padded) capacity mode, one
-    dropless (the counts). ``a2a="node_dedup"`` learns its counts in capacity mode too (the
-    kept choices' (token, node) pairs size its exchanges, as capacity_padding="trim" does;
-    docs/design.md, "a2a=node_dedup"): one."""
-    if case["capacity_factor"] is None or case["a2a"] == "node_dedup":
+    """Host syncs allowed in one forward + backward: none in padded capacity mode, one
+    dropless (the counts) and, for ``a2a="node_dedup"``, one in trimmed capacity mode (the
+    kept (token, node) pairs size its exchanges)."""
+    if case["capacity_factor"] is None:
         return 1
-    return 0
+    return int(case["a2a"] == "node_dedup" and case["capacity_padding"] == "trim")
 
 
 def hot_path_worker(local_size: int | None) -> dict:

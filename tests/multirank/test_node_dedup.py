@@ -43,10 +43,17 @@ def test_node_dedup_matches_reference_2x2(results_2x2, name):
 # scheduler's order (OptSche at r = 2 by default; the others, and r = 3, marked slow). The
 # cases: dropless, capacity with drops, a rank with no tokens (empty chunks)
 PIPE_NAMES = ["dropless_k2", "capacity_k1_tight", "zero_token_rank"]
-PIPE_DEFAULT = [dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche")]
+# capacity_padding="pad": fixed splits from the ranks' token counts and capacities (no host
+# read); dropless_k2 ignores it
+PIPE_DEFAULT = [dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche"),
+                dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche",
+                     capacity_padding="pad")]
 PIPE_SLOW = [dict(a2a="node_dedup", pipeline_degree=2, schedule="sequential"),
              dict(a2a="node_dedup", pipeline_degree=3, schedule="pipelined"),
-             dict(a2a="node_dedup", pipeline_degree=3, schedule="optsche")]
+             dict(a2a="node_dedup", pipeline_degree=3, schedule="optsche"),
+             dict(a2a="node_dedup", capacity_padding="pad"),
+             dict(a2a="node_dedup", pipeline_degree=3, schedule="pipelined",
+                  capacity_padding="pad")]
 
 
 def _check_pipelined(got: dict, variants: list[dict]) -> None:
@@ -166,8 +173,7 @@ def test_node_dedup_matches_reference_4x2(monkeypatch):
 TOPO = dict(rank=0, world_size=4, local_size=2, ep_size=4)
 
 
-@pytest.mark.parametrize("field,value", [("capacity_padding", "pad"), ("schedule", "auto"),
-                                         ("placement", "fssdp")])
+@pytest.mark.parametrize("field,value", [("placement", "fssdp")])
 def test_node_dedup_refuses_what_it_does_not_run_yet(field, value):
     opts = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, capacity_factor=None,
                 a2a="node_dedup")
@@ -184,8 +190,8 @@ def test_node_dedup_needs_several_nodes():
 
 
 def test_auto_screens_node_dedup_where_it_runs():
-    """Screened on several nodes when the config lets its strategy run; not on one node, not
-    with capacity_padding="pad" (refused by node_dedup), not with Parm's ESP shards."""
+    """Screened on several nodes when the config lets its strategy run (padded capacity mode
+    included); not on one node, not with Parm's ESP shards (refused by node_dedup)."""
     from moeflow.autotune.tuner import candidate_algorithms
     kw = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, a2a="auto")
     got = candidate_algorithms(mf.MoEConfig(**kw), mf.Topology(**TOPO))
@@ -193,7 +199,7 @@ def test_auto_screens_node_dedup_where_it_runs():
     one_node = mf.Topology(rank=0, world_size=4, local_size=4, ep_size=4)
     assert "node_dedup" not in candidate_algorithms(mf.MoEConfig(**kw), one_node)
     padded = mf.MoEConfig(**kw, capacity_factor=1.25, capacity_padding="pad")
-    assert "node_dedup" not in candidate_algorithms(padded, mf.Topology(**TOPO))
+    assert "node_dedup" in candidate_algorithms(padded, mf.Topology(**TOPO))
     esp = mf.Topology(rank=0, world_size=4, local_size=2, ep_size=2, esp_size=2)
     assert "node_dedup" not in candidate_algorithms(mf.MoEConfig(**kw), esp)
 
