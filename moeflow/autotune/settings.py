@@ -22,8 +22,8 @@ class _Preserved:
         self.grads = {id(p): p.grad for p in L.parameters()}
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.state = (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer,
-                      L.timeline, L.aux_loss, dict(L._stats))
+        self.state = (L.cfg, L.algo, L.strategy, L.scheduler, L.codec, L.backward_codec,
+                      L.timer, L.timeline, L.aux_loss, dict(L._stats))
         L.timer, L.timeline = None, None
         return self
 
@@ -34,18 +34,24 @@ class _Preserved:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer, L.timeline,
-         L.aux_loss, stats) = self.state
+        (L.cfg, L.algo, L.strategy, L.scheduler, L.codec, L.backward_codec, L.timer,
+         L.timeline, L.aux_loss, stats) = self.state
         L._stats = stats
         return False
 
 
 def apply(layer, cfg: MoEConfig) -> None:
     """Run ``layer`` with the concrete settings of ``cfg`` (algorithm, scheduler and codecs
-    rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them)."""
+    rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them). Moving
+    to or from ``a2a="node_dedup"`` also replaces the layer's strategy: that algorithm is a
+    dispatch and combine of its own (:mod:`moeflow.strategies.node_dedup`), not only an
+    exchange."""
     from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.comm.codecs import CODECS
     from moeflow.schedule import SCHEDULERS
+    from moeflow.strategies import select
+
+    swap = cfg.a2a != layer.cfg.a2a and "node_dedup" in (cfg.a2a, layer.cfg.a2a)
 
     if (cfg.codec, cfg.codec_backward) != (layer.cfg.codec, layer.cfg.codec_backward):
         layer.codec = CODECS[cfg.codec]()
@@ -55,3 +61,5 @@ def apply(layer, cfg: MoEConfig) -> None:
     if cfg.schedule != layer.cfg.schedule:
         layer.scheduler = SCHEDULERS[cfg.schedule]()
     layer.cfg = cfg
+    if swap:
+        layer.strategy = select(layer)

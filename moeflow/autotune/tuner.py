@@ -160,9 +160,12 @@ def needs_retune(tuned_rows: int | None, rows: int | None) -> bool:
 
 
 def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
-    """Algorithms that can run on ``topo`` (and with Parm's ESP shards, those it supports)."""
+    """Algorithms that can run on ``topo`` (and with Parm's ESP shards, those it supports).
+    ``node_dedup`` (several nodes) when the rest of the config lets it run: its strategy's
+    :func:`~moeflow.strategies.node_dedup.check_config` on the placeholder config."""
     from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.errors import ConfigError
+    from moeflow.strategies.node_dedup import check_config
 
     if requested.a2a != AUTO:
         return [requested.a2a]
@@ -172,6 +175,8 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
             continue
         try:
             cls.check_topology(topo)
+            if name == "node_dedup":
+                check_config(placeholder(requested).replace(a2a=name), topo)
         except ConfigError:
             continue
         ok.append(name)

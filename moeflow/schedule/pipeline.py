@@ -36,6 +36,8 @@ when either
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._C._autograd import _top_saved_tensors_default_hooks
 
@@ -51,7 +53,9 @@ def pack(payloads: list[torch.Tensor]) -> tuple[torch.Tensor, list | None]:
     """A codec's payloads (same rows) -> one tensor for one collective, and its layout."""
     if len(payloads) == 1:
         return payloads[0], None
-    parts = [p.reshape(p.shape[0], -1).contiguous().view(torch.uint8) for p in payloads]
+    # explicit widths: a chunk may have no rows, where reshape(0, -1) is ambiguous
+    parts = [p.reshape(p.shape[0], math.prod(p.shape[1:])).contiguous().view(torch.uint8)
+             for p in payloads]
     layout = [(p.dtype, tuple(p.shape[1:]), part.shape[1]) for p, part in zip(payloads, parts)]
     return torch.cat(parts, 1), layout
 
@@ -61,7 +65,10 @@ def unpack(buf: torch.Tensor, layout: list | None) -> list[torch.Tensor]:
         return [buf]
     out, off = [], 0
     for dtype, tail, nbytes in layout:
-        part = buf.narrow(1, off, nbytes).contiguous().view(dtype)
+        # a copy, always: a one-row slice counts as contiguous but keeps the buffer's row
+        # stride, which a view as a wider dtype refuses
+        part = buf.new_empty((buf.shape[0], nbytes)).copy_(buf.narrow(1, off, nbytes))
+        part = part.view(dtype)
         out.append(part.reshape((buf.shape[0],) + tail))
         off += nbytes
     return out

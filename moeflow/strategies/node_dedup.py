@@ -15,23 +15,33 @@ Combine (the mirror)
   4. The partial sums cross back (inter-node) and each token sums its nodes' partials.
 Inter-node rows per dispatch and per combine are (tokens x distinct destination nodes)
 instead of (tokens x k). The split sizes of the two exchanges are
-:func:`moeflow.dispatch.phases.node_dedup_phases` (which the step simulator models too). The
-backward is the mirror, by autograd through differentiable all-to-alls: the gradients of the
-partial sums cross once per (token, node), and the gradients of the tokens and gates once per
-(token, node) the other way.
+:func:`moeflow.dispatch.phases.node_dedup_phases` (which the step simulator models too). The backward is the mirror, by autograd through differentiable
+all-to-alls: the gradients of the partial sums cross once per (token, node), and the
+gradients of the tokens and gates once per (token, node) the other way.
 
-One count exchange per call (one host synchronisation, as dropless ``direct``): every rank
-all-gathers its choices per expert and its tokens per destination node, from which every
-split size follows on the host. The collectives run on the computing thread (no lane work is
-in flight: docs/design.md, "One collective order per rank"), in an order fixed by the code;
-backward's by autograd's order, the same graph on every rank.
+Pipelining (``pipeline_degree`` r > 1, any scheduler; ScheMoE section 4): the tokens are cut
+into r chunks of consecutive tokens and each chunk runs the whole exchange above as the seven
+tasks of a schedule, the hops on the communication lane (the task mapping is in
+:mod:`moeflow.strategies.node_dedup_steps`). The backward is autograd's mirror of the chunks'
+graphs (not re-scheduled).
+
+Trimmed: one count exchange per call (one host synchronisation, as dropless ``direct``):
+every rank all-gathers, per chunk, its choices per expert and its tokens per destination node, from
+which every split size follows on the host. It runs on the computing thread before the
+schedule; while the schedule runs, every collective is a lane task, in the schedule's order
+(docs/design.md, "One collective order per rank"); backward's run in autograd's order, the
+same graph on every rank.
 
 Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
-``direct``; only kept choices travel, so capacity mode also learns its counts on the host once,
-like ``capacity_padding="trim"``), codec ``none``, ``pipeline_degree=1``, every router, shared
-experts, BigMac and the other structures. Refused with a ConfigError at construction:
-``capacity_padding="pad"``, other codecs, pipelining degree above 1, ``schedule="auto"``,
-Parm and FSSDP placements.
+``direct``), trimmed (only kept pairs and choices travel: the count exchange above) or padded
+(``capacity_padding``: fixed splits from the ranks' token counts and capacities, no host read
+of device values: :mod:`moeflow.strategies.node_dedup_padded`), every codec (on the inter-node
+hops: one encoding per (token, node) in dispatch, per partial sum in combine;
+``codec_backward`` for the gradients), any ``pipeline_degree`` and scheduler, every router,
+shared experts, BigMac and the other structures, and the auto-tuner (``schedule`` /
+``pipeline_degree`` "auto", and screened by ``a2a="auto"`` on several nodes). Refused with a
+ConfigError at construction: Parm's MP/ESP and FSSDP placements (they place experts
+differently).
 """
 
 from __future__ import annotations
@@ -39,14 +49,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.exchange import gather_device_counts
 from moeflow.dispatch import DispatchPlan, make_plan
-from moeflow.dispatch.phases import kept_choices, node_dedup_phases, token_nodes
+from moeflow.dispatch.phases import kept_choices, token_nodes
 from moeflow.errors import ConfigError
+from moeflow.schedule.executor import Stage, run_schedule
 from moeflow.strategies.base import ExpertStrategy
+from moeflow.strategies.node_dedup_padded import padded_stage
+from moeflow.strategies.node_dedup_steps import (AllToAll, ChunkLayout, CodedAllToAll, Hop,
+                                                 take_in_graph)
 
 _FIX = "or use a2a='direct' / 'bilevel'"
 
@@ -56,18 +68,6 @@ def check_config(cfg, topo) -> None:
     def refuse(field: str, value, fix: str) -> None:
         raise ConfigError(f"MoEConfig.{field}={value!r} cannot be combined with "
                           f"a2a='node_dedup' yet: {fix}, {_FIX}")
-    if cfg.capacity_padding == "pad":
-        refuse("capacity_padding", cfg.capacity_padding,
-               "node_dedup sends only the kept rows (the counts come to the host once, as "
-               "'trim'); use capacity_padding='auto' or 'trim'")
-    if cfg.codec != "none":
-        refuse("codec", cfg.codec, "its exchanges send raw rows; use codec='none'")
-    if cfg.pipeline_degree != 1:
-        refuse("pipeline_degree", cfg.pipeline_degree,
-               "its exchange is not pipelined; use pipeline_degree=1")
-    if cfg.schedule == "auto":
-        refuse("schedule", cfg.schedule, "nothing is scheduled at degree 1; use "
-               "schedule='sequential'")
     if cfg.placement != "ep":
         refuse("placement", cfg.placement, "it places whole experts; use placement='ep'")
     if topo.esp_size > 1 or topo.mp_size > 1:
@@ -78,40 +78,8 @@ def check_config(cfg, topo) -> None:
 
 @dataclass
 class NodeDedupPlan(DispatchPlan):
-    experts: torch.Tensor | None = None      # (T, k) expert ids of this rank's tokens
-
-
-def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, remote: list[bool],
-              counter: torch.Tensor | None) -> torch.Tensor:
-    """One ``all_to_all_single``; adds to ``counter`` the bytes sent to peers marked remote."""
-    x = x.contiguous()
-    if counter is not None and x.shape[0]:
-        row = x.element_size() * (x.numel() // x.shape[0])
-        counter.add_(sum(s for s, r in zip(send, remote) if r) * row)
-    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=list(recv),
-                           input_split_sizes=list(send), group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all: the backward is the reverse exchange (same links)."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group, remote, counter):
-        ctx.args = (send, recv, group, remote, counter)
-        return _exchange(x, send, recv, group, remote, counter)
-
-    @staticmethod
-    def backward(ctx, g):
-        send, recv, group, remote, counter = ctx.args
-        return _exchange(g, recv, send, group, remote, counter), None, None, None, None, None
-
-
-def _take(x: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
-    """:func:`~moeflow.comm.alltoall.blocks.take` that stays in ``x``'s graph when empty: every
-    rank must run the same backward collectives, so no exchange may drop out of the graph."""
-    return take(x, sizes, order) if any(sizes) else x.narrow(0, 0, 0)
+    experts: torch.Tensor | None = None      # (T, k) expert ids (E: dropped by capacity)
+    positions: torch.Tensor | None = None    # capacity: (T, k) GShard slot of each kept choice
 
 
 class NodeDedup(ExpertStrategy):
@@ -132,9 +100,21 @@ class NodeDedup(ExpertStrategy):
         E = self.layer.cfg.num_experts
         p = make_plan(expert_ids, E, cap)
         if cap is not None:
+            T, k = expert_ids.shape
+            positions = (p.slot - expert_ids.t().reshape(-1) * cap).view(k, T).t()
             expert_ids, p.local_counts = kept_choices(expert_ids, p.slot, p.send_rows, E)
         return NodeDedupPlan(**{f: getattr(p, f) for f in p.__dataclass_fields__},
-                             experts=expert_ids)
+                             experts=expert_ids,
+                             positions=positions if cap is not None else None)
+
+    def _pads(self, device: torch.device) -> bool:
+        """Capacity mode's layout (``MoEConfig.capacity_padding``): padded, fixed splits and
+        no host read (:mod:`moeflow.strategies.node_dedup_padded`) for "pad", and for "auto"
+        where a host read is not free (GPUs, ``torch.compile``); else only the kept pairs,
+        their counts read once."""
+        mode = self.layer.cfg.capacity_padding
+        return mode == "pad" or (mode == "auto" and not (
+            device.type == "cpu" and not torch.compiler.is_compiling()))
 
     def permute(self, h: torch.Tensor, plan, weights: torch.Tensor) -> torch.Tensor:
         """The token and its k gate weights, one row: they travel together."""
@@ -144,67 +124,112 @@ class NodeDedup(ExpertStrategy):
         return back                                     # summed inside exchange
 
     def exchange(self, send, plan: NodeDedupPlan, runner, tokens, call):
+        """The r chunks of consecutive tokens, each through the whole deduplicated exchange,
+        as the scheduler's tasks (:mod:`moeflow.strategies.node_dedup_steps`)."""
+        if plan.capacity is not None and self._pads(send.device):
+            stage = padded_stage(self, send, plan, runner, runner.r)
+            chunks = run_schedule(stage, runner.r, runner.scheduler, runner.lane,
+                                  runner.timeline, "forward", send.device)
+            return (chunks[0] if runner.r == 1 else torch.cat(chunks)), None
         topo, cfg = self.layer.topo, self.layer.cfg
-        counter = runner.inter_node_bytes
         N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
         P, E, k, T = topo.world_size, cfg.num_experts, plan.top_k, plan.num_tokens
-        El = E // P
+        El, r = E // P, runner.r
         En = El * L                                     # experts per node
         M = send.shape[1] - k
-        g = lambda node, local: node * L + local        # noqa: E731
         ids = plan.experts
-        # 1. the distinct destination nodes of every token; the one count exchange
+        bounds = [(i * T) // r for i in range(r + 1)]
+        # the distinct destination nodes of every token; per chunk, its choices per expert and
+        # its pairs per node, gathered in one count exchange (the host synchronisation)
         hit = token_nodes(ids, En, N)                   # dropped choices reach no node
-        pair_counts = hit.sum(0).to(plan.local_counts.dtype)
-        got = gather_device_counts(torch.cat([plan.local_counts, pair_counts]),
-                                   topo.world_group, P)          # the host synchronisation
-        NE, C = got[:, :E], got[:, E:]                  # choices per expert, pairs per node
-        plan.counts, plan.ep_rank = NE, topo.ep_rank
-        me = g(n, l)
-        # (token, node) pairs, node-major: a stable sort puts the hits first, in order
-        flat = hit.t().reshape(-1)
-        n_pairs = int(C[me].sum())
-        pair = torch.argsort(flat.logical_not().to(torch.int32), stable=True)[:n_pairs]
-        pair_tok = torch.remainder(pair, T) if T else pair
-        inter_phase, intra_phase = node_dedup_phases(NE, C, N, L, El, n, l)
-        send_a, recv_a = inter_phase.send, inter_phase.recv
-        remote_a = [m != n for m in range(N)]
-        inter = topo.inter_node_group
-        rows_a = _AllToAll.apply(send.index_select(0, pair_tok), send_a, recv_a, inter,
-                                 remote_a, counter)
-        ids_a = _exchange(ids.index_select(0, pair_tok).to(torch.int32), send_a, recv_a, inter,
-                          remote_a, counter).long()          # 4 bytes per id on the wire
-        R = ids_a.shape[0]
-        x_r, gate_r = rows_a[:, :M], rows_a[:, M:]
-        # 2. fan out inside the node: the choices on this node, by local expert
-        on = (ids_a // En) == n
-        key = torch.where(on, ids_a - n * En, En).reshape(-1)
-        send_b, recv_b = intra_phase.send, intra_phase.recv
-        sel = torch.argsort(key, stable=True)[:sum(send_b)]          # choice r*k + j
-        remote_b = [False] * L
-        intra = topo.intra_node_group
-        rows_b = x_r.index_select(0, torch.div(sel, k, rounding_mode="floor"))
-        if L > 1:
-            rows_b = _AllToAll.apply(rows_b, send_b, recv_b, intra, remote_b, None)
-        # received: per relay l1, expert-major over this rank's experts -> expert-major
-        first = me * El
-        sizes = [sum(int(NE[g(s, l1), first + e]) for s in range(N))
-                 for l1 in range(L) for e in range(El)]
-        to_experts = [l1 * El + e for e in range(El) for l1 in range(L)]
-        grouped = _take(rows_b, sizes, to_experts)
-        counts = [sum(sizes[l1 * El + e] for l1 in range(L)) for e in range(El)]
-        out = runner.experts(grouped, counts)
-        if not any(counts):              # no rows: keep the way back in the graph (see _take)
-            out = out.new_zeros(0, out.shape[1]) + grouped.sum() * 0
-        back_sizes = [sizes[i] for i in to_experts]
-        out = _take(out, back_sizes, [e * L + l1 for l1 in range(L) for e in range(El)])
-        # 3. back to the relay; gated sum per received token (this node's partial sum)
-        if L > 1:
-            out = _AllToAll.apply(out, recv_b, send_b, intra, remote_b, None)
-        full = out.new_zeros(R * k, out.shape[1]).index_copy(0, sel, out)
-        gates = (gate_r * on.to(gate_r.dtype)).to(full.dtype)   # as direct's combine
-        partial = (full.view(R, k, full.shape[1]) * gates.unsqueeze(-1)).sum(1)
-        # 4. the partial sums cross back once per (token, node); each token sums its nodes'
-        back = _AllToAll.apply(partial, recv_a, send_a, inter, remote_a, counter)
-        y = back.new_zeros(N * T, back.shape[1]).index_copy(0, pair, back)
-        return y.view(N, T, y.shape[1]).sum(0), None
+        mine = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            flat = ids[lo:hi].reshape(-1)
+            mine += [flat.new_zeros(E + 1).index_add_(0, flat, torch.ones_like(flat))[:E],
+                     hit[lo:hi].sum(0).to(flat.dtype)]
+        got = gather_device_counts(torch.cat(mine), topo.world_group, P).reshape(P, r, E + N)
+        plan.counts, plan.ep_rank = got[:, :, :E].sum(1), topo.ep_rank
+        lays = [ChunkLayout.build(got[:, i, :E], got[:, i, E:], bounds[i], bounds[i + 1],
+                                  topo, El) for i in range(r)]
+        inter, intra = topo.inter_node_group, topo.intra_node_group
+        remote_a, remote_b = [m != n for m in range(N)], [False] * L
+        grad_on = torch.is_grad_enabled()
+        relay: dict[int, tuple] = {}
+
+        def hop(lay: ChunkLayout) -> Hop:
+            return Hop(lay.send_a, lay.recv_a, inter, remote_a, runner.inter_node_bytes,
+                       runner.codec, runner.backward_codec, runner.nonfinite)
+
+        def pairs(i: int):
+            """Chunk i's (token, node) pairs, node-major (a stable sort puts hits first)."""
+            lay = lays[i]
+            flat = hit[lay.lo:lay.hi].t().reshape(-1)
+            pair = torch.argsort(flat.logical_not().to(torch.int32), stable=True)[:lay.n_pairs]
+            return pair, (torch.remainder(pair, lay.hi - lay.lo) if lay.hi > lay.lo else pair)
+
+        def c1(i, _):
+            lay = lays[i]
+            pair, tok = pairs(i)
+            rows = send[lay.lo:lay.hi].index_select(0, tok)
+            idp = ids[lay.lo:lay.hi].index_select(0, tok).to(torch.int32)  # 4 bytes per id
+            relay[i] = (pair,)
+            return (rows[:, :M], rows[:, M:], idp), rows.numel()
+
+        def a1(i, p):
+            lay = lays[i]
+            with torch.set_grad_enabled(grad_on):       # grad mode is per thread
+                x_r, gate_r, ids_r = CodedAllToAll.apply(hop(lay), *p)
+                ids_r = ids_r.long()
+                # fan out inside the node: the choices on this node, by local expert
+                on = (ids_r // En) == n
+                key = torch.where(on, ids_r - n * En, En).reshape(-1)
+                sel = torch.argsort(key, stable=True)[:sum(lay.send_b)]   # choice r*k + j
+                rows_b = x_r.index_select(0, torch.div(sel, k, rounding_mode="floor"))
+                if L > 1:
+                    rows_b = AllToAll.apply(rows_b, lay.send_b, lay.recv_b, intra, remote_b,
+                                            None)
+            relay[i] += (gate_r, on, sel, x_r.shape[0])
+            return rows_b, x_r.numel() * x_r.element_size()
+
+        def d1(i, rows_b):
+            # received: per relay l1, expert-major over this rank's experts -> expert-major
+            grouped = take_in_graph(rows_b, lays[i].sizes,
+                                    [l1 * El + e for e in range(El) for l1 in range(L)])
+            return grouped, rows_b.numel()
+
+        def experts(i, grouped):
+            counts = lays[i].counts
+            out = runner.experts(grouped, counts)
+            if not any(counts):          # no rows: keep the way back in the graph
+                out = out.new_zeros(0, out.shape[1]) + grouped.sum() * 0
+            return out, grouped.numel()
+
+        def c2(i, out):
+            sizes = lays[i].sizes
+            back = [sizes[l1 * El + e] for e in range(El) for l1 in range(L)]
+            return take_in_graph(out, back, [e * L + l1 for l1 in range(L)
+                                             for e in range(El)]), out.numel()
+
+        def a2(i, out):
+            lay = lays[i]
+            _, gate_r, on, sel, R = relay[i]
+            with torch.set_grad_enabled(grad_on):
+                if L > 1:        # back to the relay; gated sum per received token
+                    out = AllToAll.apply(out, lay.recv_b, lay.send_b, intra, remote_b, None)
+                full = out.new_zeros(R * k, out.shape[1]).index_copy(0, sel, out)
+                gates = (gate_r * on.to(gate_r.dtype)).to(full.dtype)   # as direct's combine
+                partial = (full.view(R, k, full.shape[1]) * gates.unsqueeze(-1)).sum(1)
+                # the partial sums cross back once per (token, node)
+                (back,) = CodedAllToAll.apply(hop(lay).reversed(), partial)
+            return back, partial.numel() * partial.element_size()
+
+        def d2(i, back):
+            lay = lays[i]
+            t = lay.hi - lay.lo
+            y = back.new_zeros(N * t, back.shape[1]).index_copy(0, relay.pop(i)[0], back)
+            return y.view(N, t, y.shape[1]).sum(0), back.numel()
+
+        stage = Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2, "A2": a2, "D2": d2})
+        chunks = run_schedule(stage, r, runner.scheduler, runner.lane, runner.timeline,
+                              "forward", send.device)
+        return (chunks[0] if r == 1 else torch.cat(chunks)), None

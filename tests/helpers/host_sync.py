@@ -38,13 +38,26 @@ def layer_cases(topo) -> list[dict]:
                     cases.append(dict(a2a=a2a, codec=codec, schedule=schedule,
                                       pipeline_degree=r, capacity_factor=cf,
                                       capacity_padding="pad"))
-    try:            # the node-deduplicated exchange: dropless, codec none, r = 1 (its scope)
-        ALLTOALLS["node_dedup"].check_topology(topo)
-        cases.append(dict(a2a="node_dedup", codec="none", schedule="sequential",
-                          pipeline_degree=1, capacity_factor=None, capacity_padding="auto"))
+    try:            # the node-deduplicated exchange (two nodes or more): every codec and
+        ALLTOALLS["node_dedup"].check_topology(topo)       # schedule, dropless and capacity
+        for codec in CODECS:
+            for schedule, r in (("sequential", 1), ("optsche", 2)):
+                for cf, padding in ((1.25, "pad"), (1.25, "trim"), (None, "auto")):
+                    cases.append(dict(a2a="node_dedup", codec=codec, schedule=schedule,
+                                      pipeline_degree=r, capacity_factor=cf,
+                                      capacity_padding=padding))
     except ConfigError:
         pass
     return cases
+
+
+def sync_budget(case: dict) -> int:
+    """Host syncs allowed in one forward + backward: none in padded capacity mode, one
+    dropless (the counts) and, for ``a2a="node_dedup"``, one in trimmed capacity mode (the
+    kept (token, node) pairs size its exchanges)."""
+    if case["capacity_factor"] is None:
+        return 1
+    return int(case["a2a"] == "node_dedup" and case["capacity_padding"] == "trim")
 
 
 def hot_path_worker(local_size: int | None) -> dict:

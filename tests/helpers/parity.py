@@ -130,11 +130,14 @@ def _snapshot(layer: MoELayer) -> tuple[dict, dict]:
     return grads, params
 
 
-def run_rank(name: str, topo: Topology, **overrides) -> dict:
+def run_rank(name: str, topo: Topology, before=None, **overrides) -> dict:
     """One case on this rank; ``overrides`` change MoEConfig fields that must not change the
-    function (all-to-all algorithm, scheduler, pipelining degree)."""
+    function (all-to-all algorithm, scheduler, pipelining degree); ``before(layer, x)`` runs
+    ahead of the step (e.g. tuning)."""
     layer = make_layer(name, topo, **overrides)
     x, g = make_batch(name, topo.rank)
+    if before is not None:
+        before(layer, x)
     x.requires_grad_()
     y = layer(x, **_spec(name).get("call", {}))
     local_loss(y, g, layer).backward()
@@ -142,7 +145,9 @@ def run_rank(name: str, topo: Topology, **overrides) -> dict:
     grads, params = _snapshot(layer)
     return {"y": y.detach(), "x_grad": x.grad, "aux": layer.aux_loss.detach(),
             "grads": grads, "params": params, "first_expert": layer.experts.first_expert,
-            "num_local": layer.num_local}
+            "num_local": layer.num_local,
+            # bytes sent over inter-node links, forward and backward (None: not counted)
+            "inter_node_bytes": layer.stats.get("inter_node_bytes")}
 
 
 def rank_worker(names: list[str], ep_sizes: list[int]) -> dict:

@@ -24,9 +24,9 @@ from moeflow.comm.alltoall.hierarchy import require_nodes
 
 @register_alltoall("node_dedup")
 class NodeDedupAllToAll(BiLevelAllToAll):
-    # the auto-tuner's algorithm screening swaps ``layer.algo`` only, while node_dedup also
-    # replaces the layer's dispatch and combine (its strategy), so it is not screened yet
-    auto_candidate = False
+    # screened by the auto-tuner where its strategy runs with the config
+    # (moeflow.autotune.tuner.candidate_algorithms); choosing it swaps the layer's strategy
+    # too (moeflow.autotune.settings.apply)
 
     @classmethod
     def check_topology(cls, topo) -> None:

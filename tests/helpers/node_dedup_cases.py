@@ -1,0 +1,95 @@
+"""Cases of the node-deduplicated exchange beyond r = 1 and codec none (importable by spawned
+ranks): the float64 parity variants, and the compute-task order one pipelined forward ran."""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow import Topology
+from moeflow.schedule.executor import Timeline
+from tests.helpers import parity
+
+
+def pipelined_worker(names: list[str], variants: list[dict]) -> dict:
+    """Every case under every variant on 2 nodes x 2; under ``"order"`` the computing tasks
+    (kind, chunk) of one forward at r = 2 with OptSche, as the timeline recorded them; under
+    ``"set_tuned"`` the dropless_k2 step of an all-"auto" layer fixed to node_dedup."""
+    out = parity.variants_worker(names, variants, 2)
+    topo = Topology.from_env(local_size=2)
+    layer = parity.make_layer("dropless_k2", topo, a2a="node_dedup", pipeline_degree=2,
+                              schedule="optsche")
+    layer.timeline = Timeline()
+    x, _ = parity.make_batch("dropless_k2", topo.rank)
+    with torch.no_grad():
+        layer(x)
+    out["order"] = [(rec.task.kind, rec.task.chunk) for rec in layer.timeline.records
+                    if rec.lane == "compute"]
+    out["set_tuned"] = parity.run_rank("dropless_k2", topo, choose_node_dedup, a2a="auto",
+                                       schedule="auto", pipeline_degree="auto")
+    return out
+
+
+def choose_node_dedup(layer, x) -> None:
+    """Fix an ``a2a="auto"`` layer's tuning to node_dedup at r = 2 with OptSche (what a
+    checkpoint restore or the tuner's choice does), without measuring."""
+    from moeflow import autotune
+
+    layer.set_tuned(autotune.TunedChoice("node_dedup", "optsche", 2, None, None,
+                                         autotune.layout(layer.topo)))
+    assert layer.strategy.name == "node_dedup", layer.strategy
+
+
+
+
+def codec_worker(names: list[str], codecs: list[str], a2as: tuple = ("node_dedup",)) -> dict:
+    """Every case with every codec (gradients encoded too) and all-to-all, at r = 2 with
+    OptSche, on 2 nodes x 2 (with each result, the step's inter-node bytes:
+    ``parity.run_rank``)."""
+    topo = Topology.from_env(local_size=2)
+    return {(name, codec, a2a): parity.run_rank(name, topo, a2a=a2a, codec=codec,
+                                                codec_backward=True, pipeline_degree=2,
+                                                schedule="optsche")
+            for name in names for codec in codecs for a2a in a2as}
+
+
+def relative_errors(got: dict, ref: dict, rank: int, world: int) -> dict[str, float]:
+    """Max |got - ref| / max |ref| of the output, the input gradient and the parameters after
+    the step (the rank's expert shard), as ``parity.assert_rank_matches`` compares them."""
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max()) if b.numel() else 0.0
+
+    lo, n = got["first_expert"], got["num_local"]
+    params = [rel(v, ref["params"][p][lo:lo + n] if p.startswith("experts.")
+                  else ref["params"][p]) for p, v in got["params"].items()]
+    return {"y": rel(got["y"], ref["y"][rank]),
+            "x_grad": rel(got["x_grad"], world * ref["x_grad"][rank]),
+            "params": max(params)}
+
+
+def tuner_worker(name: str, what: str) -> dict:
+    """On 2 nodes x 2, ``what="screen"``: ``a2a="auto"`` tuned (unbounded budget: every usable
+    algorithm is screened), then its choice replaced by ``node_dedup`` and the parity step
+    run; ``what="schedule"``: ``a2a="node_dedup"`` with schedule and degree tuned (the
+    profiler and the chooser on it), then the parity step."""
+    import dataclasses
+
+    topo = Topology.from_env(local_size=2)
+    seen: dict = {}
+
+    def force(layer, x):
+        layer.tune(x)
+        seen["screened"] = sorted({c["a2a"] for c in layer.tuned.candidates})
+        layer.set_tuned(dataclasses.replace(layer.tuned, a2a="node_dedup"))
+        seen["strategy"] = layer.strategy.name
+
+    def tune_schedule(layer, x):
+        layer.tune(x)
+        seen["choice"] = (layer.cfg.a2a, layer.cfg.schedule, layer.cfg.pipeline_degree,
+                          layer.strategy.name)
+
+    if what == "screen":
+        res = parity.run_rank(name, topo, force, a2a="auto", autotune_budget_s=None)
+    else:
+        res = parity.run_rank(name, topo, tune_schedule, a2a="node_dedup", schedule="auto",
+                              pipeline_degree="auto", autotune_budget_s=None)
+    return dict(res, **seen)
