@@ -202,13 +202,16 @@ class ScheduledExperts:
         # Parm's ESP with replicated rows: the shards' partial input gradients are summed over
         # the ESP group (Megatron's f), a collective of this task, so issued on the lane
         fix = getattr(self.experts, "reduce_input_grad", None)
+        # FSSDP's held experts are unbound after the forward: recompute with this call's
+        experts = (self.experts.bound_to(params) if hasattr(self.experts, "bound_to")
+                   else self.experts)
 
         def expert(i, g):
             if isinstance(saved[i], torch.Tensor):      # the input rows: recompute the experts
                 gr = cp.groupings[i]
                 with torch.enable_grad():
                     inp = saved[i].detach().requires_grad_()
-                    out = gr.ungroup(self.experts(gr.group(inp), gr.counts, gr.offsets))
+                    out = gr.ungroup(experts(gr.group(inp), gr.counts, gr.offsets))
             else:
                 inp, out = saved[i]
             got = torch.autograd.grad(out, ([inp] + params)[first:], g, allow_unused=True)
