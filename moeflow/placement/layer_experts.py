@@ -81,6 +81,8 @@ class HeldFFN(ExpertFFN):
         self.num_local, self._weights, self.names = 0, [], []
 
     def bind(self, weights: dict[str, torch.Tensor]) -> "HeldFFN":
+        for name in self.names:          # drop the last call's views (they keep its storage)
+            object.__setattr__(self, name, None)
         for name, w in weights.items():
             object.__setattr__(self, name, w)
         if weights:

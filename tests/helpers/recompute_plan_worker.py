@@ -6,7 +6,8 @@ mode None (no checkpoint), False (non-reentrant) or True (reentrant), and record
 the output, the input gradient, the experts' and the dense parameters' gradients and values
 after the step, ``P'`` (FSSDP), and counters per step: the router's forwards, the count
 exchanges (EP: ``exchange_counts``; FSSDP: ``KeptChoices``), Algorithm 1's runs
-(``next_placement``), the load window's entries, and the DeepSeek-V3 router's counted loads
+(``next_placement``), the load window's entries, the bytes the first forward's held experts
+still hold between forward and backward (FSSDP), and the DeepSeek-V3 router's counted loads
 before its bias update. The loss is ``(y * g).sum() / T`` (the aux loss is not trained: under
 a reentrant checkpoint the first forward's aux loss has no graph), the same for every mode.
 """
@@ -14,6 +15,7 @@ a reentrant checkpoint the first forward's aux loss has no graph), the same for 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.utils.checkpoint as ckpt
@@ -84,10 +86,21 @@ def run(topo: Topology, variant: dict, mode: bool | None) -> list[dict]:
         x, g = fw.batch(CASE, topo.rank, step)
         x.requires_grad_()
         counts: dict = {}
+        held: list = []
+        if isinstance(layer.experts, FSSDPExperts):      # the forward's held experts
+            end = layer.experts.end
+            layer.experts.end = lambda back, *a, **k: (
+                held.append(weakref.ref(layer.experts._current[1])), end(back, *a, **k))[1]
         with counting(layer, counts):
             layer.prefetch()
             y = layer(x) if mode is None else ckpt.checkpoint(layer, x, use_reentrant=mode)
+            if held:                 # bytes the first forward's held experts keep until backward
+                flat = held[0]()
+                counts["held_bytes"] = 0 if flat is None else flat.untyped_storage().nbytes()
+                del flat
             ((y * g).sum() / max(1, y.shape[0])).backward()
+        if held:
+            del layer.experts.end
         sync_gradients(layer, topo)
         rec = {"y": y.detach(), "x_grad": x.grad, "grads": fw.expert_tensors(layer, True),
                "dense_grads": fw.dense(layer, True), "counts": counts}

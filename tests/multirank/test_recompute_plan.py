@@ -61,12 +61,15 @@ def check_parity(results, variant):
 def check_fssdp_plans(results, variant):
     """FSSDP under checkpointing: Algorithm 1 runs once per step (no other P' in the
     recomputation) and the load window gets one entry per step; P' changes over the steps
-    (the window matters)."""
+    (the window matters). Between forward and backward the held experts hold no memory:
+    HECATE-RM frees them without checkpointing, and under a checkpoint nothing keeps them
+    (the recomputation gathers them again)."""
     for rank, res in results.items():
         for mode in worker.MODES:
             for rec in res[variant, mode]:
                 c = rec["counts"]
                 assert c.get("placements") == 1 and c.get("window_adds") == 1, (rank, mode, c)
+                assert c.get("held_bytes") == 0, (rank, mode, c)
         holders = [rec["holders"] for rec in res[variant, "plain"]]
         assert holders[0] != holders[-1], holders
 
