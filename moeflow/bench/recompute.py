@@ -110,7 +110,9 @@ def run(args: argparse.Namespace) -> dict:
                               for what, vals in (("step", time_r), ("memory", mem_r))
                               for stat, fn in (("min", min), ("median", statistics.median),
                                                ("max", max))})
-    out = {"args": vars(args), "torch": torch.__version__, "load_avg_end": os.getloadavg(),
+    # the CLI's parsed arguments carry its handler: keep the options only
+    options = {k: v for k, v in vars(args).items() if not callable(v)}
+    out = {"args": options, "torch": torch.__version__, "load_avg_end": os.getloadavg(),
            "summary": summary, "runs": runs}
     print(json.dumps(summary, indent=1))
     if args.out:
