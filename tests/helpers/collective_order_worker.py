@@ -78,6 +78,8 @@ CASES = {
                         None),
     "ep_r4_pipelined_checkpoint": (None, "capacity_k2",
                                    dict(pipeline_degree=4, schedule="pipelined"), None),
+    "parm_s1_r2_checkpoint": ((2, 1, 2, True), "dropless_k2",
+                              dict(parallel_schedule="s1", **R2), None),
     "fssdp_prefetch_rm_r2_checkpoint": (None, "capacity_k2",
                                         dict(placement="fssdp", **R2,
                                              fssdp=dict(materialize="manual",
@@ -87,7 +89,7 @@ CASES = {
 # the cases whose layer runs under torch.utils.checkpoint: use_reentrant
 CHECKPOINTED = {"ep_r2_optsche_checkpoint": False, "ep_r2_optsche_checkpoint_reentrant": True,
                 "parm_baseline_esp2_r2_checkpoint": False, "ep_r4_pipelined_checkpoint": True,
-                "fssdp_prefetch_rm_r2_checkpoint": False}
+                "fssdp_prefetch_rm_r2_checkpoint": False, "parm_s1_r2_checkpoint": False}
 
 
 class Recorder:

@@ -5,7 +5,7 @@ Every (variant, mode) runs ``STEPS`` AdamW steps of one float64 layer on this ra
 mode None (no checkpoint), False (non-reentrant) or True (reentrant), and records per step:
 the output, the input gradient, the experts' and the dense parameters' gradients and values
 after the step, ``P'`` (FSSDP), and counters per step: the router's forwards, the count
-exchanges (EP: ``exchange_counts``; FSSDP: ``KeptChoices``), Algorithm 1's runs
+exchanges (EP: ``exchange_counts``; FSSDP: ``KeptChoices``; Parm: the EP&ESP block counts), Algorithm 1's runs
 (``next_placement``), the load window's entries, the bytes the first forward's held experts
 still hold between forward and backward (FSSDP), and the DeepSeek-V3 router's counted loads
 before its bias update. The loss is ``(y * g).sum() / T`` (the aux loss is not trained: under
@@ -20,6 +20,7 @@ import weakref
 import torch
 import torch.utils.checkpoint as ckpt
 
+import moeflow.parallel.parm.ep_esp as ep_esp
 import moeflow.placement.layer_experts as layer_experts
 import moeflow.schedule.pipeline as pipeline
 from moeflow import Topology, sync_gradients, update_router_biases
@@ -40,9 +41,12 @@ VARIANTS = {
     # HECATE Algorithm 1 from the load window, calibration after the gate, HECATE-RM
     "fssdp_sparse_r1": SPARSE,
     "fssdp_sparse_r4": dict(SPARSE, **R4),
+    # Parm's S1 (MP-Split before the gate, EP&ESP-AlltoAll, MP-AllGather after), MP = ESP = 2
+    "parm_s1_r2": dict(parallel_schedule="s1", pipeline_degree=2, schedule="optsche",
+                       layout=(2, 1, 2, True)),
 }
 MODES = {"plain": None, "nonreentrant": False, "reentrant": True}
-DEFAULT = ["ep_r4", "deepseek_r1", "fssdp_sparse_r1"]     # the default run; the others: slow
+DEFAULT = ["ep_r4", "deepseek_r1", "fssdp_sparse_r1", "parm_s1_r2"]     # the default run; the others: slow
 
 
 @contextlib.contextmanager
@@ -64,6 +68,9 @@ def counting(layer, counts: dict):
         return kept(*a, **k)
 
     pipeline.exchange_counts, layer_experts.KeptChoices = exchange_counting, kept_counting
+    gathers = {n: getattr(ep_esp, n) for n in ("gather_device_counts", "capacity_counts")}
+    for name, fn in gathers.items():      # Parm's EP&ESP block counts
+        setattr(ep_esp, name, lambda *a, _fn=fn, **k: (bump("count_exchanges"), _fn(*a, **k))[1])
     ex = layer.experts
     if isinstance(ex, FSSDPExperts):
         nxt, add = ex.next_placement, ex.window.add
@@ -74,16 +81,26 @@ def counting(layer, counts: dict):
     finally:
         hook.remove()
         pipeline.exchange_counts, layer_experts.KeptChoices = exchange, kept
+        for name, fn in gathers.items():
+            setattr(ep_esp, name, fn)
         if isinstance(ex, FSSDPExperts):
             del ex.next_placement, ex.window.add
 
 
 def run(topo: Topology, variant: dict, mode: bool | None) -> list[dict]:
+    variant = dict(variant)
+    layout = variant.pop("layout", None)
+    batch = topo.rank
+    if layout is not None:              # Parm: MP ranks hold the same tokens
+        mp, ep, esp, in_node = layout
+        topo = Topology.from_env(ep_size=ep, local_size=LOCAL, mp_size=mp, esp_size=esp,
+                                 esp_in_node=in_node)
+        batch = topo.rank // topo.mp_size
     layer = parity.make_layer(CASE, topo, **variant)
     opt = torch.optim.AdamW(layer.parameters(), lr=LR)
     steps = []
     for step in range(STEPS):
-        x, g = fw.batch(CASE, topo.rank, step)
+        x, g = fw.batch(CASE, batch, step)
         x.requires_grad_()
         counts: dict = {}
         held: list = []

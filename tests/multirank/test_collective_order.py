@@ -111,6 +111,20 @@ def test_recomputation_repeats_the_exchange_only(events, plain, ckpt):
 
 
 @pytest.mark.multirank
+def test_parm_s1_recomputation_exchanges_no_counts(events):
+    """Parm's S1 under a checkpoint: the recomputation reuses the recorded schedule and plan
+    (its EP&ESP block counts included), so its gathers of the counts (16 elements: 8 experts
+    from each of the block's 2 slots) are the plain run's; the all-to-alls and the
+    MP-AllGather of the layer's output run again."""
+    def count_gathers(evs):
+        return sum(op.startswith("all_gather") and n == 16 for _g, op, n, *_ in evs)
+
+    for rank in range(WORLD):
+        ref, got = events[rank]["parm_s1_r2"], events[rank]["parm_s1_r2_checkpoint"]
+        assert len(got) > len(ref) and count_gathers(got) == count_gathers(ref) > 0, rank
+
+
+@pytest.mark.multirank
 def test_moe_act_issues_the_plain_collectives(events):
     """moe_act recomputes the experts only, so it issues exactly what the plain layer issues."""
     for rank in range(WORLD):
