@@ -30,7 +30,7 @@ from moeflow.schedule.phases import NULL_TIMER, PhaseTimer
 from moeflow.placement.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
 from moeflow.routing.aux_grad import attach_aux_loss
-from moeflow import autotune
+from moeflow import autotune, plan_record
 from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts
@@ -210,14 +210,17 @@ class MoELayer(nn.Module):
     def prefetch(self) -> None:
         """HECATE FSSDP: start this iteration's spAG on the layer's communication lane, so
         that it overlaps what runs before the layer (the GPT block calls it before its
-        attention, Fig. 1c). A no-op for other placements or with ``early_gather=False``."""
+        attention, Fig. 1c). A no-op for other placements or with ``early_gather=False``, and
+        inside a checkpoint's recomputation (which gathers the recorded ``P'`` itself)."""
+        if plan_record.recomputing():
+            return
         self.strategy.prefetch(self.lane)
 
-    def _note_rows(self, plan) -> None:
+    def _note_rows(self, plan, training: bool = False) -> None:
         """The tuner's row count: training forwards only (evaluation batches of another size
-        must not re-tune)."""
+        must not re-tune; ``training``: a checkpoint's first forward, grad enabled or not)."""
         if (self.auto_fields and not self._tuning and plan.counts is not None
-                and torch.is_grad_enabled()):
+                and (training or torch.is_grad_enabled())):
             self._rows = int(plan.counts.sum())          # the same number on every EP rank
             if self.tuned.rows is None:
                 self.tuned.rows = self._rows
@@ -226,15 +229,42 @@ class MoELayer(nn.Module):
                 capacity_factor: float | None | str = FROM_CONFIG) -> torch.Tensor:
         """``x: (..., d_model)``. ``top_k`` and ``capacity_factor`` override the config's for
         this call only (no rebuild; ``capacity_factor=None`` is dropless, ``"auto"`` the
-        structure's default), as Tutel's ``moe(x, top_k=..., capacity_factor=...)``."""
-        k, factor = self._begin_call(x, top_k, capacity_factor)
+        structure's default), as Tutel's ``moe(x, top_k=..., capacity_factor=...)``.
+
+        Under ``torch.utils.checkpoint`` the recomputation replays the first forward's
+        decisions (:mod:`moeflow.plan_record`): routing choices, plan and counts, the tuner's
+        choice, the strategy's placement; it exchanges no counts."""
+        where = plan_record.region()
+        record = plan_record.take(where, self)
+        if record is None:
+            return self._forward(x, top_k, capacity_factor, where, None)
+        saved = (self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler)
+        self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler = record.settings
+        try:
+            return self._forward(x, top_k, capacity_factor, where, record)
+        finally:
+            self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler = saved
+
+    def _forward(self, x: torch.Tensor, top_k, capacity_factor, where,
+                 record: plan_record.PlanRecord | None) -> torch.Tensor:
+        """One call; ``record``: the first forward's decisions when this is a checkpoint's
+        recomputation (HECATE Section 3.2 / Megatron-core's MoE recompute: nothing that the
+        first forward planned is planned again), None otherwise."""
+        if record is None:
+            k, factor = self._begin_call(x, top_k, capacity_factor,
+                                         training=torch.is_grad_enabled() or where is not None)
+        else:
+            k, factor = record.k, record.factor
         cfg, t, s, shape = self.cfg, self.timer or NULL_TIMER, self.strategy, x.shape
         route_k = {} if k == cfg.top_k else {"top_k": k}
-        h, call = s.prepare(x.reshape(-1, cfg.d_model), k, factor)
+        h, call = s.prepare(x.reshape(-1, cfg.d_model), k, factor,
+                            None if record is None else record.call)
         tokens = h                        # the shared experts' input (this rank's tokens)
         # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
         # that depends on this rank's data raises after this point (its peers would wait).
-        experts = s.experts()
+        experts = s.experts() if record is None else s.replay_experts(record.strategy)
+        if record is not None and self.router.replays_choices:
+            route_k["chosen"] = record.experts     # the gates recomputed at these choices
         # routers compute in float32 at least: outside autocast, which would run their matmul
         # (and, on CPU, their softmax) in bf16 and take routing decisions at bf16 precision
         with t.phase("route", h), torch.autocast(h.device.type, enabled=False):
@@ -244,28 +274,43 @@ class MoELayer(nn.Module):
                 h = self.dcca.down(t.mark(h, "project"))
         cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
         with t.phase("permute", h):
-            plan = s.plan(routing.experts, cap, h.device, call)
-            if cfg.equal_rank_tokens and cap is not None:   # C_p gathered once per key
-                plan.known = KnownCapacities(self._known_capacities, (call.rows, k, factor),
-                                             call.rows)
+            if record is None:
+                plan = s.plan(routing.experts, cap, h.device, call)
+                if cfg.equal_rank_tokens and cap is not None:   # C_p gathered once per key
+                    plan.known = KnownCapacities(self._known_capacities,
+                                                 (call.rows, k, factor), call.rows)
+            else:                          # the first forward's plan, its counts exchanged
+                plan = s.replay_plan(record.plan, record.strategy)
             send = s.permute(t.mark(h, "permute"), plan, routing.weights)
-        nonfinite = (None if self.codec.represents_nonfinite
-                     and self.backward_codec.represents_nonfinite
-                     else h.new_zeros((), dtype=torch.long))
-        # host counter (no device sync): forward's exchanges add here, backward's in place
-        inter_bytes = (torch.zeros((), dtype=torch.long) if s.counts_inter_node_bytes
-                       else None)
+        if record is not None:             # backward's counts land in the reported ones
+            nonfinite, inter_bytes = record.nonfinite, record.inter_bytes
+        else:
+            nonfinite = (None if self.codec.represents_nonfinite
+                         and self.backward_codec.represents_nonfinite
+                         else h.new_zeros((), dtype=torch.long))
+            # host counter (no device sync): forward's exchanges add here, backward's in place
+            inter_bytes = (torch.zeros((), dtype=torch.long) if s.counts_inter_node_bytes
+                           else None)
         runner = ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
                                   self.scheduler, cfg.pipeline_degree, self.lane,
                                   self.timeline or t.timeline, nonfinite, self.shared,
                                   inter_bytes,
                                   recompute=cfg.recompute == "moe_act",
-                                  can_recompute=s.recomputes_experts)
+                                  # under a checkpoint even FSSDP's experts can rerun in
+                                  # backward: their held copy stays bound to the call
+                                  can_recompute=s.recomputes_experts or where is not None)
+        if record is None and where is not None and where[0] == "forward":
+            # before the exchange: it sets plan.counts, which the recomputation reuses
+            plan_record.save(where, self, plan_record.PlanRecord(
+                routing.experts.detach(), plan, call, k, factor,
+                (self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler),
+                nonfinite, inter_bytes, s.record_state()))
         back, shared_y = s.exchange(t.mark(send, None), plan, runner, tokens, call)
         if self.shared is not None and shared_y is None:   # not overlapped by the strategy
             shared_y = self.shared(tokens)
-        back = s.end(back)
-        self._note_rows(plan)
+        back = s.end(back, checkpointed=where is not None)
+        if record is None:
+            self._note_rows(plan, training=where is not None)
         with t.phase("combine", h):
             y = s.combine(t.mark(back, "combine"), plan, routing.weights)
         if self.dcca is not None:                          # BigMac: ascend after combine
@@ -273,16 +318,22 @@ class MoELayer(nn.Module):
                 y = self.dcca.up(t.mark(y, "project"))
         if shared_y is not None:                           # DeepSeek-V3 Eq. 12: + sum FFN^(s)
             y = y + shared_y.to(y.dtype)
-        y, self.aux_loss = s.finish(y, routing.aux_loss, call)
-        self._record_stats(routing, plan, nonfinite, inter_bytes)
+        y, aux_loss = s.finish(y, routing.aux_loss, call)
+        if record is None:                 # a recomputation leaves the forward's results
+            self.aux_loss = aux_loss
+            self._record_stats(routing, plan, nonfinite, inter_bytes)
         y = t.mark(y, None).reshape(shape)
         if self.attach_aux_loss:        # the aux loss rides on y's backward
-            y = attach_aux_loss(y, self.aux_loss, self.aux_loss_backward_scale)
-            self.aux_loss = self.aux_loss.detach()
+            y = attach_aux_loss(y, aux_loss, self.aux_loss_backward_scale)
+            if record is None:
+                self.aux_loss = self.aux_loss.detach()
         return y
 
-    def _begin_call(self, x: torch.Tensor, top_k, capacity_factor) -> tuple[int, float | None]:
-        """Input checks, the tuner's first (or re-) tuning, and this call's (top_k, factor)."""
+    def _begin_call(self, x: torch.Tensor, top_k, capacity_factor, training: bool = True
+                    ) -> tuple[int, float | None]:
+        """Input checks, the tuner's first (or re-) tuning, and this call's (top_k, factor).
+        ``training``: a training forward (grad enabled, or the first forward of a checkpoint,
+        which the reentrant one runs without grad), where the re-tuning check counts."""
         if x.is_cuda:                      # a CUDA graph cannot hold this layer (docs/gpu.md)
             check_not_capturing("MoELayer.forward")
         if not x.is_floating_point():
@@ -294,7 +345,7 @@ class MoELayer(nn.Module):
                              f"MoEConfig.d_model={self.cfg.d_model}; reshape the input or "
                              f"build the layer with d_model={x.shape[-1]}")
         if self.auto_fields and not self._tuning and (self.tuned is None or (
-                torch.is_grad_enabled() and autotune.retune_agreed(self))):
+                training and autotune.retune_agreed(self))):
             self.tune(x)                   # collective; every rank decides alike (see autotune)
         self._check_schedule()
         k, factor = self.cfg.per_call(top_k, capacity_factor)

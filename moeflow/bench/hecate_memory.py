@@ -57,10 +57,10 @@ class MaterializedProbe:
         if self.experts is not None:
             original = self.experts.end
 
-            def end(back):
+            def end(back, *args, **kwargs):
                 current = self.experts._current
                 self._flat = None if current is None else current[1]
-                return original(back)
+                return original(back, *args, **kwargs)
 
             self.experts.end = end              # instance attribute: this layer only
 

@@ -8,6 +8,9 @@ steps and ``steps`` timed ones (``Trainer.train_step``, ranks aligned by a barri
 each), and reports its step times and its peak RSS (``getrusage``'s ``ru_maxrss``) minus the
 RSS before the first step: the memory the training steps added at their peak (activations,
 gradients, AdamW's state, allocator slack). The slowest rank's time counts for a step.
+Ratios over ``none`` are taken within each repetition (the modes ran side by side there): the
+mode's median step time over ``none``'s, its peak memory added over ``none``'s; the summary
+gives their min / median / max over the repetitions.
 
     moeflow bench recompute --out docs/results/training/recompute-small-2rank.json
 """
@@ -98,7 +101,18 @@ def run(args: argparse.Namespace) -> dict:
                          "step_s_max": max(steps),
                          "peak_added_mib_median": statistics.median(peaks),
                          "peak_added_mib_min": min(peaks), "peak_added_mib_max": max(peaks)}
-    out = {"args": vars(args), "torch": torch.__version__, "load_avg_end": os.getloadavg(),
+    for mode, rs in runs.items():              # ratios over none, within each repetition
+        time_r = [statistics.median(r["step_s"]) / statistics.median(n["step_s"])
+                  for r, n in zip(rs, runs["none"])]
+        mem_r = [r["peak_added_bytes"] / n["peak_added_bytes"]
+                 for r, n in zip(rs, runs["none"])]
+        summary[mode].update({f"{what}_over_none_{stat}": fn(vals)
+                              for what, vals in (("step", time_r), ("memory", mem_r))
+                              for stat, fn in (("min", min), ("median", statistics.median),
+                                               ("max", max))})
+    # the CLI's parsed arguments carry its handler: keep the options only
+    options = {k: v for k, v in vars(args).items() if not callable(v)}
+    out = {"args": options, "torch": torch.__version__, "load_avg_end": os.getloadavg(),
            "summary": summary, "runs": runs}
     print(json.dumps(summary, indent=1))
     if args.out:

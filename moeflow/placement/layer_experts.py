@@ -30,6 +30,14 @@ re-shards (a layer may then own any number of experts on a rank).
    tensor, which the free releases, not autocast's own copies of fp32 weights.
 
 Token routing over ``P'`` is :mod:`moeflow.placement.token_plan`.
+
+Under activation checkpointing (``torch.utils.checkpoint``, :mod:`moeflow.plan_record`) the
+first forward plans as above, once per step: ``P'`` chosen, the counts exchanged, the load
+window entered. The recomputation in backward (:meth:`FSSDPExperts.replay_begin`,
+:meth:`FSSDPExperts.replay_plan`) re-gathers the experts of the recorded ``P'`` with one spAG
+and reuses the recorded plan: no other ``P'``, no count exchange, no second window entry. That
+spAG is HECATE-RM's second one (Section 3.2), moved to where the checkpoint recomputes, so a
+checkpointed forward neither frees its held experts nor schedules :class:`_Regather`.
 """
 
 from __future__ import annotations
@@ -75,17 +83,29 @@ class HeldFFN(ExpertFFN):
         self.act = build_activation(activation, activation_options)
         self.activation, self.has_bias, self.d_out = self.act.name, bias, d_out
         self.shard, self.reduce, self.first_expert = (0, 1), None, 0
-        self.num_local, self._weights = 0, []
+        self.num_local, self._weights, self.names = 0, [], []
 
     def bind(self, weights: dict[str, torch.Tensor]) -> "HeldFFN":
+        for name in self.names:          # drop the last call's views (they keep its storage)
+            object.__setattr__(self, name, None)
         for name, w in weights.items():
             object.__setattr__(self, name, w)
+        if weights:
+            self.names = list(weights)
         self._weights = list(weights.values())
         self.num_local = self._weights[0].shape[0] if self._weights else 0
         return self
 
     def parameters(self, recurse: bool = True):
         return iter(self._weights)
+
+    def bound_to(self, weights: list[torch.Tensor]) -> "HeldFFN":
+        """A copy computing with ``weights`` (one call's held experts, in :meth:`bind`'s
+        order): the scheduled exchange recomputes a checkpointed call's experts with it in
+        backward, after the layer has unbound its own (:mod:`moeflow.schedule.pipeline`)."""
+        other = object.__new__(HeldFFN)
+        other.__dict__.update(self.__dict__)
+        return other.bind(dict(zip(self.names, weights)))
 
     def forward(self, x: torch.Tensor, counts: list[int],
                 offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -411,8 +431,9 @@ class FSSDPExperts(nn.Module):
         self._current = (placement, got)
         return self.held
 
-    def plan(self, experts: torch.Tensor, capacity: int | None):
-        """Collective. Exchange the counts (with this rank's measured times), update the load
+    def plan(self, experts: torch.Tensor, capacity: int | None, training: bool | None = None):
+        """Collective. ``training``: a training forward, whose loads enter the window (default:
+        grad enabled; a reentrant checkpoint's first forward runs without grad). Exchange the counts (with this rank's measured times), update the load
         window, calibrate ``P'`` if asked (Section 4.2), stack the held experts
         (:class:`_Gather`, whose backward is spRS), bind them, and return the dispatch plan
         over ``P'`` (Section 4.4, :mod:`moeflow.placement.token_plan`)."""
@@ -441,8 +462,10 @@ class FSSDPExperts(nn.Module):
                 self.bytes["spag_calibration"] = nb
                 placement = better
                 self.calibrated += 1
-        if torch.is_grad_enabled():      # training forwards only: evaluation batches are not
-            self.window.add(loads)       # the load Algorithm 1 plans for (w = 5, Section 4.2)
+        if torch.is_grad_enabled() if training is None else training:
+            # training forwards only: evaluation batches are not the load Algorithm 1 plans
+            # for (w = 5, Section 4.2)
+            self.window.add(loads)
         flat = _Gather.apply(self.slots, self, placement, got, self._held_dtype())
         self._current = (placement, flat)
         self.held.bind(self._views(flat))
@@ -488,14 +511,39 @@ class FSSDPExperts(nn.Module):
     def _my_load(self) -> int:
         return int(self.last_loads[self.rank]) if self.last_loads is not None else 0
 
-    def end(self, back: torch.Tensor) -> torch.Tensor:
+    # -- a checkpoint's recomputation (module docstring) ------------------------------------
+    def replay_begin(self, placement: Placement) -> HeldFFN:
+        """The recomputation's spAG of the recorded ``P'`` (no Algorithm 1, no prefetch)."""
+        if self.world == 1:
+            got = {}
+        else:
+            got, self.bytes["spag_backward"] = _run_spag(
+                self._spag(placement, self.group), self.owners, self.rank, self._owned_rows())
+        self._current = (placement, got)
+        return self.held
+
+    def replay_plan(self, plan, placement: Placement):
+        """The recorded plan over the recorded ``P'``, its experts stacked and bound again (the
+        stacking's backward is spRS, as in :meth:`plan`)."""
+        _, got = self._current
+        flat = _Gather.apply(self.slots, self, placement, got, self._held_dtype())
+        self._current = (placement, flat)
+        self.held.bind(self._views(flat))
+        return plan
+
+    def end(self, back: torch.Tensor, checkpointed: bool = False, timed: bool = True
+            ) -> torch.Tensor:
         """After the experts' exchange: with re-materialization, free the held experts (their
-        second spAG runs when the backward reaches this point)."""
-        self.expert_phase.stop()
+        second spAG runs when the backward reaches this point). ``checkpointed``: the call
+        runs under a checkpoint, whose recomputation gathers them again (no free, no second
+        spAG here); ``timed=False``: a recomputation, not measured for Algorithm 1."""
+        if timed:
+            self.expert_phase.stop()
         placement, flat = self._current
         self._current = None
         self.held.bind({})
-        if self.options.rematerialize and back.requires_grad and self.world > 1:
+        if not checkpointed and self.options.rematerialize and back.requires_grad \
+                and self.world > 1:
             nbytes = flat.untyped_storage().nbytes()
             flat.untyped_storage().resize_(0)
             back = _Regather.apply(back, self, [flat], nbytes, placement)

@@ -36,6 +36,12 @@ class Router(nn.Module):
     """
 
     name: str = "?"
+    #: Whether ``forward(x, ..., chosen=experts)`` takes given choices ``(T, k)``: the expert
+    #: ids come from ``chosen`` and the gates are computed at them (with gradient). A
+    #: checkpoint's recomputation replays the first forward's choices this way
+    #: (:mod:`moeflow.plan_record`); a router without it routes again (the same choices when
+    #: its recomputation is deterministic).
+    replays_choices: bool = False
     #: The router's own settings (``MoEConfig.router_options``) and their defaults.
     OPTIONS: dict = {}
 

@@ -63,7 +63,11 @@ class BiLevelRouter(Router):
                           f"node_top_k x local_top_k = {cfg.node_top_k} x {cfg.local_top_k}; "
                           "build a layer with other node_top_k / local_top_k instead")
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    replays_choices = True
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor | None = None) -> Routing:
+        """``chosen``: the (node, local) pairs of a checkpoint's first forward, replayed by
+        its recomputation (:mod:`moeflow.plan_record`); the gates are computed at them."""
         cfg = self.cfg
         dt = torch.promote_types(x.dtype, torch.float32)
         xd = x.to(dt)
@@ -73,8 +77,14 @@ class BiLevelRouter(Router):
             node_logits = node_logits + torch.randn_like(node_logits) * cfg.gate_noise
             local_logits = local_logits + torch.randn_like(local_logits) * cfg.gate_noise
         p, q = torch.softmax(node_logits, -1), torch.softmax(local_logits, -1)
-        p_top, nodes = p.topk(cfg.node_top_k, dim=-1)            # (T, k1)
-        q_top, locals_ = q.topk(cfg.local_top_k, dim=-1)         # (T, k2)
+        if chosen is None:           # chosen on detached values, gates gathered (as topk.py)
+            nodes = p.detach().topk(cfg.node_top_k, dim=-1).indices          # (T, k1)
+            locals_ = q.detach().topk(cfg.local_top_k, dim=-1).indices       # (T, k2)
+        else:                        # choice j = node choice (j // k2), local choice (j % k2)
+            k2 = cfg.local_top_k
+            nodes = torch.div(chosen[:, ::k2], self.m, rounding_mode="floor")
+            locals_ = torch.remainder(chosen[:, :k2], self.m)
+        p_top, q_top = p.gather(1, nodes), q.gather(1, locals_)
         # every (node, local) pair; choice order: node choice major, local choice minor
         experts = (nodes.unsqueeze(2) * self.m + locals_.unsqueeze(1)).flatten(1)
         weights = (p_top.unsqueeze(2) * q_top.unsqueeze(1)).flatten(1)   # Eq. (3)

@@ -82,7 +82,12 @@ class DeepSeekV3Router(Router):
                 raise ConfigError(f"MoEConfig.router_options['{name}']={v!r} is invalid: it "
                                   "must be a number >= 0")
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    replays_choices = True
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor | None = None) -> Routing:
+        """``chosen``: the choices of a checkpoint's first forward, replayed by its
+        recomputation (:mod:`moeflow.plan_record`): the gates are computed at them and the
+        loads are not counted again (the bias update sees each step's loads once)."""
         cfg, o = self.cfg, self.opts
         T, E, k = x.shape[0], cfg.num_experts, cfg.top_k
         dt = torch.promote_types(x.dtype, torch.float32)
@@ -97,12 +102,12 @@ class DeepSeekV3Router(Router):
             groups = group_scores.topk(o["topk_group"], dim=-1).indices
             mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
             biased = biased.masked_fill(mask.repeat_interleave(E // g, 1) == 0, float("-inf"))
-        experts = biased.topk(k, dim=-1).indices
+        experts = biased.topk(k, dim=-1).indices if chosen is None else chosen
         weights = scores.gather(1, experts)                                  # unbiased s_i
         if cfg.renormalize is not False:                                     # Eq. 16
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * o["routed_scaling_factor"]
-        if self.training and o["bias_update_speed"] > 0:
+        if self.training and o["bias_update_speed"] > 0 and chosen is None:
             with torch.no_grad():
                 flat = experts.reshape(-1)
                 self.load.index_add_(0, flat, torch.ones_like(flat, dtype=self.load.dtype))

@@ -41,9 +41,13 @@ class TopKRouter(Router):
     def check_top_k(cls, cfg, k: int) -> None:
         """Any k in [1, E] (checked by ``MoEConfig.per_call``)."""
 
-    def forward(self, x: torch.Tensor, top_k: int | None = None) -> Routing:
+    replays_choices = True
+
+    def forward(self, x: torch.Tensor, top_k: int | None = None,
+                chosen: torch.Tensor | None = None) -> Routing:
         """Route with ``cfg.top_k``, or with ``top_k`` for this call (renormalised as a layer
-        built with that k would be)."""
+        built with that k would be). ``chosen``: the choices to take (a recomputation replays
+        the first forward's); the gates are ``probs`` at them."""
         cfg = self.cfg
         k = cfg.top_k if top_k is None else top_k
         dt = torch.promote_types(x.dtype, torch.float32)
@@ -53,7 +57,11 @@ class TopKRouter(Router):
         if self.training and cfg.gate_noise > 0:
             logits = logits + torch.randn_like(logits) * cfg.gate_noise
         probs = torch.softmax(logits, dim=-1)
-        weights, experts = probs.topk(k, dim=-1)
+        # the choice on detached probabilities, the gates gathered at it: the same values and
+        # gradient as topk's, and the same saved tensors whether the choices are replayed or
+        # not (a non-reentrant checkpoint checks that its recomputation saves what it saved)
+        experts = probs.detach().topk(k, dim=-1).indices if chosen is None else chosen
+        weights = probs.gather(1, experts)
         if cfg.renormalizes(k):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         lb = balance_loss(probs, experts, cfg.num_experts, cfg.balance_loss)

@@ -209,16 +209,24 @@ class ScheduledExperts:
         # Parm's ESP with replicated rows: the shards' partial input gradients are summed over
         # the ESP group (Megatron's f), a collective of this task, so issued on the lane
         fix = getattr(self.experts, "reduce_input_grad", None)
+        # FSSDP's held experts are unbound after the forward: the recomputation binds this
+        # call's weights (saved through ctx.save_for_backward, so a checkpoint hands back its
+        # recomputed ones) to a copy, and differentiates with respect to them
+        experts, rebound = self.experts, params
+        if hasattr(self.experts, "bound_to"):
+            rebound = [p.detach().requires_grad_() for p in params]
+            experts = self.experts.bound_to(rebound)
 
         def expert(i, g):
             if isinstance(saved[i], torch.Tensor):      # the input rows: recompute the experts
                 gr = cp.groupings[i]
                 with torch.enable_grad():
                     inp = saved[i].detach().requires_grad_()
-                    out = gr.ungroup(self.experts(gr.group(inp), gr.counts, gr.offsets))
+                    out = gr.ungroup(experts(gr.group(inp), gr.counts, gr.offsets))
+                wrt = rebound
             else:
-                inp, out = saved[i]
-            got = torch.autograd.grad(out, ([inp] + params)[first:], g, allow_unused=True)
+                (inp, out), wrt = saved[i], params
+            got = torch.autograd.grad(out, ([inp] + wrt)[first:], g, allow_unused=True)
             for j, pg in enumerate(got[1 - first:]):
                 if pg is not None:
                     param_grads[j] = pg if param_grads[j] is None else param_grads[j] + pg
@@ -254,6 +262,13 @@ def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> 
     return torch.cat(chunks).index_select(0, cp.assemble)
 
 
+def _keeps_weights(runner, inputs_only: bool) -> bool:
+    """Whether the experts' weights travel as saved tensors (FSSDP's held copy, recomputed
+    from its inputs: a checkpoint then frees the first forward's held experts and hands the
+    recomputation's back), not as ``ctx`` attributes."""
+    return inputs_only and hasattr(runner.experts, "bound_to")
+
+
 class _Scheduled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send, runner, cp, *params):
@@ -261,15 +276,24 @@ class _Scheduled(torch.autograd.Function):
         back, saved, _ = runner.forward(send, cp, "inputs" if inputs_only else True)
         ctx.runner, ctx.cp, ctx.params = runner, cp, params
         ctx.inputs_only, ctx.saved = inputs_only, (None if inputs_only else saved)
-        if inputs_only:
+        ctx.keeps_weights = _keeps_weights(runner, inputs_only)
+        if ctx.keeps_weights:
+            ctx.save_for_backward(*saved, *params)
+            ctx.params, ctx.r = None, len(saved)
+        elif inputs_only:
             ctx.save_for_backward(*saved)
         return back
 
     @staticmethod
     def backward(ctx, grad):
-        saved = list(ctx.saved_tensors) if ctx.inputs_only else ctx.saved
+        params = ctx.params
+        if ctx.keeps_weights:
+            tensors = ctx.saved_tensors
+            saved, params = list(tensors[:ctx.r]), tensors[ctx.r:]
+        else:
+            saved = list(ctx.saved_tensors) if ctx.inputs_only else ctx.saved
         grad_send, param_grads, _ = ctx.runner.backward(
-            grad.contiguous(), ctx.cp, saved, list(ctx.params),
+            grad.contiguous(), ctx.cp, saved, list(params),
             input_grad=ctx.needs_input_grad[0])
         return (grad_send, None, None, *param_grads)
 
@@ -284,25 +308,32 @@ class _ScheduledShared(torch.autograd.Function):
         back, saved, side = runner.forward(send, cp, "inputs" if inputs_only else True,
                                            shared_in=shared_in)
         ctx.runner, ctx.cp, ctx.params, ctx.n = runner, cp, params, n_expert_params
-        ctx.inputs_only = inputs_only
+        ctx.inputs_only, ctx.r = inputs_only, len(saved)
+        ctx.keeps_weights = _keeps_weights(runner, inputs_only)
         if inputs_only:                 # the chunks' input rows, then the shared experts'
-            ctx.save_for_backward(*saved, side["saved"])
+            weights = params[:n_expert_params] if ctx.keeps_weights else ()
+            ctx.save_for_backward(*saved, side["saved"], *weights)
             ctx.saved, ctx.side = None, None
+            if ctx.keeps_weights:
+                ctx.params = (None,) * n_expert_params + tuple(params[n_expert_params:])
         else:
             ctx.saved, ctx.side = saved, side
         return back, side["y"]
 
     @staticmethod
     def backward(ctx, grad, shared_grad):
-        n = ctx.n
+        n, params = ctx.n, ctx.params
         if ctx.inputs_only:
-            *saved, shared_in = ctx.saved_tensors
+            tensors = ctx.saved_tensors
+            saved, shared_in = list(tensors[:ctx.r]), tensors[ctx.r]
             side_saved = {"saved": shared_in}
+            if ctx.keeps_weights:
+                params = tuple(tensors[ctx.r + 1:]) + tuple(params[n:])
         else:
             saved, side_saved = ctx.saved, ctx.side
         grad_send, param_grads, side = ctx.runner.backward(
-            grad.contiguous(), ctx.cp, saved, list(ctx.params[:n]),
-            shared_grad.contiguous(), side_saved, list(ctx.params[n:]),
+            grad.contiguous(), ctx.cp, saved, list(params[:n]),
+            shared_grad.contiguous(), side_saved, list(params[n:]),
             input_grad=ctx.needs_input_grad[0])
         return (grad_send, side[0], None, None, None, *param_grads, *side[1:])
 

@@ -43,6 +43,12 @@ class ExpertStrategy:
     ``experts()`` held; ``finish(y, aux_loss, call) -> (y, aux_loss)``: after the combine;
     ``prefetch(lane)``: optional early communication; ``stats()``: extra statistics.
 
+    Under ``torch.utils.checkpoint`` (:mod:`moeflow.plan_record`) the first forward's
+    ``record_state()`` is kept, and the recomputation calls ``prepare`` with the first
+    forward's ``call``, then ``replay_experts(state)`` and ``replay_plan(plan, state)`` instead
+    of ``experts()`` and ``plan(...)``: nothing is chosen or counted again. ``end`` is told
+    whether the call runs under a checkpoint (which recomputes, so nothing is re-gathered).
+
     The defaults are plain expert parallelism; a strategy overrides only what differs.
     """
 
@@ -59,11 +65,25 @@ class ExpertStrategy:
     def __init__(self, layer) -> None:
         self.layer = layer
 
-    def prepare(self, h: torch.Tensor, k: int, factor: float | None) -> tuple[torch.Tensor, Call]:
-        return h, Call(None, h.shape[0])
+    def prepare(self, h: torch.Tensor, k: int, factor: float | None,
+                call: Call | None = None) -> tuple[torch.Tensor, Call]:
+        """``call``: the first forward's, in a recomputation (reused, not chosen again)."""
+        return h, (Call(None, h.shape[0]) if call is None else call)
 
     def experts(self):
         return self.layer.experts
+
+    def record_state(self):
+        """What a checkpoint's recomputation must reuse besides the plan (None here)."""
+        return None
+
+    def replay_experts(self, state):
+        """The experts of a recomputation (``state``: :meth:`record_state`'s)."""
+        return self.experts()
+
+    def replay_plan(self, plan: DispatchPlan, state) -> DispatchPlan:
+        """A recomputation's plan: the first forward's, its count matrix already exchanged."""
+        return plan
 
     def plan(self, expert_ids: torch.Tensor, cap: int | None, device: torch.device,
              call: Call) -> DispatchPlan:
@@ -88,7 +108,7 @@ class ExpertStrategy:
             return scheduled_experts(send, plan, runner, tokens)
         return scheduled_experts(send, plan, runner), None
 
-    def end(self, back: torch.Tensor) -> torch.Tensor:
+    def end(self, back: torch.Tensor, checkpointed: bool = False) -> torch.Tensor:
         return back
 
     def finish(self, y: torch.Tensor, aux_loss: torch.Tensor, call: Call):

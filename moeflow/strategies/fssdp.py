@@ -4,10 +4,16 @@ Experts are stored sharded over all ranks (``moeflow/placement/layer_experts.FSS
 ``experts()`` finishes the sparse AllGather of this iteration's experts (Section 3.2; started
 early by ``prefetch``, Fig. 1c), ``plan`` dispatches to the ranks holding a copy (Section 4.4),
 and ``end`` frees the held copies (HECATE-RM, Section 4.3) where the backward re-gathers them.
+Under activation checkpointing the recomputation re-gathers the recorded ``P'`` and reuses the
+first forward's plan (:mod:`moeflow.plan_record`): one ``P'``, one count exchange and one load
+window entry per step.
 """
 
 from __future__ import annotations
 
+import torch
+
+from moeflow import plan_record
 from moeflow.strategies.base import ExpertStrategy
 
 
@@ -22,14 +28,31 @@ class FSSDP(ExpertStrategy):
     # stacked per forward: the experts cannot be rerun from their inputs in backward
     recomputes_experts = False
 
+    def __init__(self, layer) -> None:
+        super().__init__(layer)
+        self._replaying = False
+
     def experts(self):
         return self.layer.experts.begin(self.layer.lane)     # spAG(P, P') done
 
     def plan(self, expert_ids, cap, device, call):
-        return self.layer.experts.plan(expert_ids, cap)
+        # a checkpoint's first forward is a training forward even without grad (reentrant)
+        training = torch.is_grad_enabled() or plan_record.region() is not None
+        return self.layer.experts.plan(expert_ids, cap, training)
 
-    def end(self, back):
-        return self.layer.experts.end(back)
+    def record_state(self):
+        return self.layer.experts.last_placement       # P', after any calibration
+
+    def replay_experts(self, state):
+        self._replaying = True
+        return self.layer.experts.replay_begin(state)
+
+    def replay_plan(self, plan, state):
+        return self.layer.experts.replay_plan(plan, state)
+
+    def end(self, back, checkpointed: bool = False):
+        replaying, self._replaying = self._replaying, False
+        return self.layer.experts.end(back, checkpointed, timed=not replaying)
 
     def prefetch(self, lane) -> None:
         if self.layer.cfg.fssdp.early_gather:

@@ -23,10 +23,13 @@ class Parm(ExpertStrategy):
     trims_padding = False
     counts_inter_node_bytes = False
 
-    def prepare(self, h: torch.Tensor, k: int, factor: float | None):
+    def prepare(self, h: torch.Tensor, k: int, factor: float | None, call: Call | None = None):
         layer = self.layer
-        sched = None if layer.parm is None else layer.parm.choose(layer, h.shape[0], k, factor)
-        call = Call(sched, h.shape[0])
+        if call is None:                  # a recomputation reuses the first forward's choice
+            sched = (None if layer.parm is None
+                     else layer.parm.choose(layer, h.shape[0], k, factor))
+            call = Call(sched, h.shape[0])
+        sched = call.sched
         if sched == "s1":                 # Fig. 3b: MP-Split before the gate
             h = parm.mp_split_tokens(h, layer.topo)
         return h, call

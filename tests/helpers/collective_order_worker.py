@@ -74,10 +74,22 @@ CASES = {
     "ep_r2_optsche_checkpoint_reentrant": (None, "capacity_k2", R2, None),
     "ep_r2_optsche_moe_act": (None, "capacity_k2", dict(recompute="moe_act", **R2), None),
     "parm_baseline_esp2_r2_checkpoint": ((1, 2, 2, True), "expert_bias_capacity", R2, None),
+    "ep_r4_pipelined": (None, "capacity_k2", dict(pipeline_degree=4, schedule="pipelined"),
+                        None),
+    "ep_r4_pipelined_checkpoint": (None, "capacity_k2",
+                                   dict(pipeline_degree=4, schedule="pipelined"), None),
+    "parm_s1_r2_checkpoint": ((2, 1, 2, True), "dropless_k2",
+                              dict(parallel_schedule="s1", **R2), None),
+    "fssdp_prefetch_rm_r2_checkpoint": (None, "capacity_k2",
+                                        dict(placement="fssdp", **R2,
+                                             fssdp=dict(materialize="manual",
+                                                        rematerialize=True,
+                                                        early_gather=True)), HOLDERS),
 }
 # the cases whose layer runs under torch.utils.checkpoint: use_reentrant
 CHECKPOINTED = {"ep_r2_optsche_checkpoint": False, "ep_r2_optsche_checkpoint_reentrant": True,
-                "parm_baseline_esp2_r2_checkpoint": False}
+                "parm_baseline_esp2_r2_checkpoint": False, "ep_r4_pipelined_checkpoint": True,
+                "fssdp_prefetch_rm_r2_checkpoint": False, "parm_s1_r2_checkpoint": False}
 
 
 class Recorder:

@@ -5,6 +5,8 @@ MoE layer ran (a hook on its router)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moeflow.config import ModelConfig, TrainConfig
@@ -15,7 +17,11 @@ MCFG = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_e
                    d_expert=32, pipeline_degree=2, schedule="optsche")
 RUNS = {"none": {}, "full": dict(recompute="full"), "moe_act": dict(recompute="moe_act"),
         "accum2": dict(grad_accum=2, batch_size=2),
-        "full_accum2": dict(recompute="full", grad_accum=2, batch_size=2)}
+        "full_accum2": dict(recompute="full", grad_accum=2, batch_size=2),
+        "fssdp_none": {}, "fssdp_full": dict(recompute="full")}
+# FSSDP with Algorithm 1 from the load window (P' changes after the first step)
+FSSDP_CFG = dict(placement="fssdp", fssdp=dict(materialize="sparse", overlap_degree=2,
+                                               memory_capacity=1))
 
 
 def worker(out_dir: str) -> dict:
@@ -25,7 +31,9 @@ def worker(out_dir: str) -> dict:
         kw = {"batch_size": 4, **kw}
         tcfg = TrainConfig(steps=2, log_every=1, eval_every=100, eval_batches=1,
                            warmup_steps=0, **kw)
-        trainer = Trainer(MCFG, tcfg, f"{out_dir}/{name}", Topology.from_env(), progress=False)
+        mcfg = (dataclasses.replace(MCFG, **FSSDP_CFG) if name.startswith("fssdp")
+                else MCFG)
+        trainer = Trainer(mcfg, tcfg, f"{out_dir}/{name}", Topology.from_env(), progress=False)
         calls = [0]
         for m in trainer.model.moe_layers():
             m.router.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))

@@ -90,13 +90,43 @@ def test_the_early_spag_runs_on_the_lane(events):
 
 
 @pytest.mark.multirank
-def test_recomputation_reruns_the_forward_collectives_once(events):
-    """Under torch.utils.checkpoint the layer's forward runs once more in backward: its
-    collectives are issued again (the per-group checks above hold them identical across ranks);
-    moe_act recomputes the experts only, so it issues exactly what the plain layer issues."""
+@pytest.mark.parametrize("plain, ckpt", [
+    ("ep_r2_optsche", "ep_r2_optsche_checkpoint"),
+    ("ep_r2_optsche", "ep_r2_optsche_checkpoint_reentrant"),
+    ("ep_r4_pipelined", "ep_r4_pipelined_checkpoint"),
+    ("fssdp_prefetch_rm_r2", "fssdp_prefetch_rm_r2_checkpoint")])
+def test_recomputation_repeats_the_exchange_only(events, plain, ckpt):
+    """Under torch.utils.checkpoint the recomputation replays the first forward's plan
+    (moeflow/plan_record.py): its collectives are the plain layer's plus the forward's
+    all-to-alls once more, nothing else (the count matrix travels once per call; FSSDP's
+    recomputed spAG of the recorded P' takes the place of HECATE-RM's backward one, and the
+    same P' is used). The per-group checks above hold them identical across ranks."""
+    a2a = "all_to_all_single"
+    for rank in range(WORLD):
+        ref = [e[:3] for e in events[rank][plain]]
+        got = [e[:3] for e in events[rank][ckpt]]
+        assert [e for e in got if e[1] != a2a] == [e for e in ref if e[1] != a2a], rank
+        n_ref = sum(e[1] == a2a for e in ref)
+        assert n_ref and sum(e[1] == a2a for e in got) * 2 == n_ref * 3, rank
+
+
+@pytest.mark.multirank
+def test_parm_s1_recomputation_exchanges_no_counts(events):
+    """Parm's S1 under a checkpoint: the recomputation reuses the recorded schedule and plan
+    (its EP&ESP block counts included), so its gathers of the counts (16 elements: 8 experts
+    from each of the block's 2 slots) are the plain run's; the all-to-alls and the
+    MP-AllGather of the layer's output run again."""
+    def count_gathers(evs):
+        return sum(op.startswith("all_gather") and n == 16 for _g, op, n, *_ in evs)
+
+    for rank in range(WORLD):
+        ref, got = events[rank]["parm_s1_r2"], events[rank]["parm_s1_r2_checkpoint"]
+        assert len(got) > len(ref) and count_gathers(got) == count_gathers(ref) > 0, rank
+
+
+@pytest.mark.multirank
+def test_moe_act_issues_the_plain_collectives(events):
+    """moe_act recomputes the experts only, so it issues exactly what the plain layer issues."""
     for rank in range(WORLD):
         plain = [e[:3] for e in events[rank]["ep_r2_optsche"]]
         assert [e[:3] for e in events[rank]["ep_r2_optsche_moe_act"]] == plain
-        for key in ("ep_r2_optsche_checkpoint", "ep_r2_optsche_checkpoint_reentrant"):
-            ckpt = [e[:3] for e in events[rank][key]]
-            assert len(plain) < len(ckpt) < 2 * len(plain), key

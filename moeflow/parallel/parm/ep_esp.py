@@ -56,11 +56,19 @@ class ShardPartials(nn.Module):
 
 def block_counts(plan: DispatchPlan, topo: Topology) -> np.ndarray:
     """``C[q][e]``: rows rank q of this EP&ESP block sends to expert e with ``plan`` (collective
-    over the block: dropless reads the device counts once, capacity sends host integers)."""
+    over the block: dropless reads the device counts once, capacity sends host integers).
+    Kept on the plan: a checkpoint's recomputation replays the plan (moeflow/plan_record.py)
+    and exchanges no counts again."""
+    cached = getattr(plan, "block_counts", None)
+    if cached is not None:
+        return cached
     u = topo.expert_slots
     if plan.capacity is None:
-        return gather_device_counts(plan.local_counts, topo.ep_esp_group, u)
-    return capacity_counts(plan, topo.ep_esp_group, u, "ep_esp")
+        counts = gather_device_counts(plan.local_counts, topo.ep_esp_group, u)
+    else:
+        counts = capacity_counts(plan, topo.ep_esp_group, u, "ep_esp")
+    plan.block_counts = counts
+    return counts
 
 
 @dataclasses.dataclass

@@ -78,8 +78,9 @@ def test_reentrant_collect_is_refused_and_attach_refuses_aux():
 
 
 def test_deepseek_v3_bias_update_unchanged_by_checkpointing():
-    """The router counts its loads in every training forward, recomputations included; each
-    count is multiplied alike, so the sign-based bias update is the uncheckpointed one."""
+    """The router counts its loads once per training forward: a checkpoint's recomputation
+    replays the first forward's choices and counts nothing (moeflow/plan_record.py), so the
+    loads and the bias update are the uncheckpointed ones."""
     from moeflow.routing.deepseek import update_router_biases
 
     biases, loads = [], []
@@ -96,6 +97,5 @@ def test_deepseek_v3_bias_update_unchanged_by_checkpointing():
         assert update_router_biases(model) == 1
         biases.append(router.e_score_correction_bias.clone())
     for load, bias in zip(loads[1:], biases[1:]):
-        factor = load.sum() / loads[0].sum()
-        assert factor >= 2 and torch.equal(load, loads[0] * factor)
+        assert torch.equal(load, loads[0])
         assert torch.equal(bias, biases[0])
