@@ -63,9 +63,30 @@ def run(name: str, topo: Topology) -> list[dict]:
     return steps
 
 
+def gpt_run(topo: Topology) -> dict:
+    """A 2-layer MoE GPT (one shared slot tensor) under EP and under ``replace_every=2`` for
+    4 AdamW steps, re-placing after steps 2 and 4 (``maybe_replace``, as ``moeflow train``)."""
+    from tests.helpers.fssdp_layer_worker import all_experts, small_gpt, train_steps
+
+    out = {}
+    for label, extra in (("ep", {}), ("replace", dict(placement="fssdp",
+                                                      fssdp=dict(replace_every=2)))):
+        model = small_gpt(topo, **extra)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses, owners = [], []
+        for step in range(4):
+            losses += train_steps(model, opt, topo, range(step, step + 1))
+            if maybe_replace(model, opt, step + 1):
+                owners.append([list(m.experts.owners.owners) for m in model.moe_layers()])
+        out[label] = {"losses": losses, "owners": owners, "experts": all_experts(model)}
+    return out
+
+
 def worker() -> dict:
     topo = Topology.from_env(local_size=LOCAL)
-    return {c: run(c, topo) for c in CASES}
+    out = {c: run(c, topo) for c in CASES}
+    out["gpt"] = gpt_run(topo)
+    return out
 
 
 def reference(name: str) -> list[dict]:

@@ -60,3 +60,24 @@ def test_replacement_moves_experts_and_balances_the_window(results, case):
     window = first["window"]
     assert rank_loads(window, first["owners"], w.WORLD).max() < \
         rank_loads(window, EVEN, w.WORLD).max()
+
+
+@pytest.mark.multirank
+def test_gpt_trains_like_ep_across_replacements(results):
+    """Two MoE layers sharing one slot tensor: the losses and every expert equal EP's after
+    re-placements that moved experts (each layer keeps two experts per rank)."""
+    ep_all = {k: v for r in range(w.WORLD) for k, v in results[r]["gpt"]["ep"]["experts"].items()}
+    seen = set()
+    for rank in range(w.WORLD):
+        ep, rp = results[rank]["gpt"]["ep"], results[rank]["gpt"]["replace"]
+        torch.testing.assert_close(torch.tensor(rp["losses"]), torch.tensor(ep["losses"]), **TOL)
+        for key, value in rp["experts"].items():
+            torch.testing.assert_close(value, ep_all[key], **TOL)
+        seen |= set(rp["experts"])
+        assert rp["owners"] == results[0]["gpt"]["replace"]["owners"]
+    assert seen == set(ep_all)
+    owners = results[0]["gpt"]["replace"]["owners"]
+    assert len(owners) == 2 and any(o != [EVEN, EVEN] for o in owners)
+    for o in owners:
+        for layer in o:
+            assert np.bincount(layer, minlength=w.WORLD).tolist() == [2] * w.WORLD
