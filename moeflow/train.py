@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from moeflow import checkpoint
 from moeflow.placement.metrics import fssdp_metrics
+from moeflow.placement.replace import maybe_replace
 from moeflow.placement.reshard import maybe_reshard
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
@@ -440,6 +441,7 @@ class Trainer:
         update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
         maybe_reshard(self.model, self.opt, self.step)   # HECATE Alg. 2 (fssdp.reshard_every)
+        maybe_replace(self.model, self.opt, self.step)   # SmartMoE-style (fssdp.replace_every)
         return stats
 
     def run(self, resume: bool = False, restart: int = 0) -> dict:

@@ -11,6 +11,11 @@ input (forward + backward + gradient sync; ranks aligned; the slowest rank's tim
 * ``shadow``: FasterMoE-style shadowing (:mod:`moeflow.bench.shadow`): each step, the current
   global counts (an all-reduce after a gate pass, inside the timed step) pick the ``shadow``
   most loaded experts, held by every rank; owners static;
+* ``replace``: SmartMoE-style periodic expert re-placement (:mod:`moeflow.placement.replace`,
+  ``fssdp={"replace_every": K}``): ``P' = P`` (EP's data flow) with owners re-assigned from the
+  load window after the warm-up and then every ``K`` timed steps (inside the timed step),
+  each move carrying the expert's parameters and its Adam moments (zero-filled Adam state is
+  attached to the layer's parameters so that the migration moves SmartMoE's bytes);
 * ``fssdp static``: FSSDP storage with ``P' = P`` (EP's data flow plus the storage's copies);
 * ``fssdp alg1``: materialization only, Algorithm 1 on the load window (``t``, ``m`` given),
   spAG on the critical path (a bare layer has no attention to hide it behind);
@@ -50,16 +55,21 @@ from moeflow.layer import MoELayer
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.schedule.phases import PhaseTimer
 from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.placement.replace import rank_loads, replace
 from moeflow.placement.reshard import reshard
 from moeflow.topology import Topology
 
 
-def variants(t: int, m: int, reshard_every: list[int] | tuple = ()) -> list[tuple[str, dict]]:
-    """``(label, MoEConfig overrides)``; the keys ``_shadow`` / ``_alg2`` (bench-only, removed
-    before building the config) ask for shadowing and for Algorithm 2 with that ``t``."""
+def variants(t: int, m: int, reshard_every: list[int] | tuple = (),
+             replace_every: int = 5) -> list[tuple[str, dict]]:
+    """``(label, MoEConfig overrides)``; the keys ``_shadow`` / ``_alg2`` / ``_replace``
+    (bench-only, removed before building the config) ask for shadowing, for Algorithm 2 with
+    that ``t`` and for the SmartMoE-style re-placement's migration of Adam state."""
     alg1 = dict(materialize="sparse", overlap_degree=t, memory_capacity=m)
     out = [("ep", {}),
            ("shadow", dict(placement="fssdp", fssdp=dict(materialize="manual"), _shadow=True)),
+           ("replace", dict(placement="fssdp", fssdp=dict(replace_every=replace_every),
+                            _replace=True)),
            ("fssdp static", dict(placement="fssdp")),
            ("fssdp alg1", dict(placement="fssdp", fssdp=alg1)),
            ("fssdp alg1 rm", dict(placement="fssdp", fssdp={**alg1, "rematerialize": True})),
@@ -124,7 +134,17 @@ def _step(layer: MoELayer, x: torch.Tensor, topo: Topology, before=None) -> tupl
     return elapsed, a2a
 
 
-def _before(layer: MoELayer, v: dict, x: torch.Tensor, n_shadow: int, step: int):
+def _adam_state(layer: MoELayer) -> torch.optim.Optimizer:
+    """An Adam optimizer with zero-filled moments on the layer's parameters (never stepped):
+    what a re-placement moves with the experts, as SmartMoE moves their optimizer state."""
+    opt = torch.optim.Adam(layer.parameters())
+    for p in layer.parameters():
+        opt.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p)}
+    return opt
+
+
+def _before(layer: MoELayer, v: dict, x: torch.Tensor, n_shadow: int, step: int, opt=None):
     """The per-step work a variant does inside its timed step (shadowing's count exchange and
     choice; a periodic re-shard), or None."""
     ex = layer.experts
@@ -133,9 +153,26 @@ def _before(layer: MoELayer, v: dict, x: torch.Tensor, n_shadow: int, step: int)
             loads = current_loads(layer.router, x, ex.num_experts, ex.group)
             ex.set_holders(shadow_placement(ex.owners, loads, n_shadow).holders)
         return shadow
+    if v.get("_replace"):
+        every = ex.options.replace_every
+        if step > 0 and step % every == 0:
+            return lambda: replace(layer, opt)
+        return None
     every = v.get("_every", 0)
     if every and step > 0 and step % every == 0:
         return lambda: reshard(layer, None, t=v["_alg2"])
+    return None
+
+
+def _ep_loads(layers: list[MoELayer], world: int) -> np.ndarray | None:
+    """Tokens per rank under EP's even owners, from an FSSDP variant's last global per-expert
+    loads (every variant routes the same input with the same router)."""
+    for layer in layers:
+        ex = layer.experts
+        if isinstance(ex, FSSDPExperts) and len(ex.window):
+            E = ex.num_experts
+            return rank_loads(ex.window._loads[-1], [e // (E // world) for e in range(E)],
+                              world)
     return None
 
 
@@ -171,8 +208,14 @@ def bench_worker(opts: dict) -> dict:
         real = router if s == "router" else None
         base = MoEConfig(d_model=opts["d_model"], d_expert=opts["d_expert"], num_experts=E,
                          top_k=opts["top_k"], capacity_factor=None, aux_loss_coef=0.0, seed=1)
-        vs = variants(opts["t"], opts["m"], opts.get("reshard_every", []))
+        vs = variants(opts["t"], opts["m"], opts.get("reshard_every", []),
+                      opts.get("replace_every", 5))
+        keep = opts.get("variants")
+        if keep:
+            vs = [(label, v) for label, v in vs if label in keep]
         layers = [MoELayer(base.replace(**_config(v)), topo) for _, v in vs]
+        opts_of = [_adam_state(layer) if v.get("_replace") else None
+                   for (_, v), layer in zip(vs, layers)]
         for layer in layers:
             skew(layer, s, loads=real)
             layer.timer = PhaseTimer()
@@ -182,21 +225,25 @@ def bench_worker(opts: dict) -> dict:
         times: list[list[float]] = [[] for _ in vs]
         a2as: list[list[float]] = [[] for _ in vs]
         for i in range(opts["warmup"] + opts["reps"]):
-            if i == opts["warmup"]:          # Algorithm 2 on the warm-up's load window
-                for (_, v), layer in zip(vs, layers):
+            if i == opts["warmup"]:          # Algorithm 2 / re-placement on the warm-up's loads
+                for (_, v), layer, opt in zip(vs, layers, opts_of):
                     if "_alg2" in v:
                         reshard(layer, None, t=v["_alg2"])
+                    if v.get("_replace"):
+                        replace(layer, opt)
             if drift and i > 0 and i % drift == 0:
                 for layer in layers:
                     skew(layer, s, rotation=i // drift, loads=real)
-            for (_, v), layer, ts, aa in zip(vs, layers, times, a2as):
+            for (_, v), layer, ts, aa, opt in zip(vs, layers, times, a2as, opts_of):
                 step = i - opts["warmup"]
-                t, a = _step(layer, x, topo, _before(layer, v, x, n_shadow, step))
+                t, a = _step(layer, x, topo, _before(layer, v, x, n_shadow, step, opt))
                 if i >= opts["warmup"]:
                     ts.append(t)
                     aa.append(a)
-        ep_ms = 1e3 * statistics.median(times[0])
-        static_loads = layers[2].experts.last_loads
+        labels = [label for label, _ in vs]
+        ep_ms = 1e3 * statistics.median(times[labels.index("ep")]) if "ep" in labels \
+            else math.nan
+        static_loads = _ep_loads(layers, topo.world_size)
         for (label, v), layer, ts, aa in zip(vs, layers, times, a2as):
             ms = 1e3 * statistics.median(ts)
             ex = layer.experts

@@ -142,6 +142,12 @@ def register_hecate_bench(bsub) -> None:
                    help="experts FasterMoE-style shadowing replicates everywhere (default: t)")
     p.add_argument("--reshard-every", type=int, nargs="*", default=[],
                    help="extra 'hecate reshard/K' variants re-sharding every K timed steps")
+    p.add_argument("--replace-every", type=int, default=5,
+                   help="the 'replace' variant (SmartMoE-style) re-places experts every K "
+                        "timed steps (and once after the warm-up)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variant labels to run (default: all), e.g. "
+                        "'ep,shadow,replace,hecate'")
     p.add_argument("--router-loads", default=None, metavar="PATH:RUN:LAYER",
                    help="also run with a real router's per-expert loads: entry RUN, MoE layer "
                         "LAYER of a `python -m moeflow.bench.router_load` JSON")
@@ -226,9 +232,22 @@ def run_hecate(args: argparse.Namespace) -> int:
     if any(k < 1 for k in args.reshard_every):
         raise SystemExit(f"moeflow bench hecate: --reshard-every {args.reshard_every}: every "
                          "interval must be >= 1 timed steps")
+    if args.replace_every < 1:
+        raise SystemExit(f"moeflow bench hecate: --replace-every {args.replace_every} must be "
+                         ">= 1 timed steps")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
                                           "top_k", "zipf", "t", "m", "warmup", "reps",
-                                          "reshard_every", "drift")}
+                                          "reshard_every", "drift", "replace_every")}
+    if args.variants:
+        from moeflow.bench.hecate import variants
+
+        known = [label for label, _ in variants(args.t, args.m, args.reshard_every)]
+        chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+        bad = [v for v in chosen if v not in known]
+        if bad or not chosen:
+            raise SystemExit(f"moeflow bench hecate: --variants {args.variants!r} has unknown "
+                             f"labels {bad}; choose from {', '.join(known)}")
+        opts["variants"] = chosen
     opts["shadow"] = args.t if args.shadow is None else args.shadow
     if args.router_loads:
         from moeflow.bench.hecate import read_router_loads

@@ -53,7 +53,13 @@ class FSSDPOptions:
 
     Algorithm 2 (Section 4.3, :mod:`moeflow.placement.reshard`): every ``reshard_every``
     optimizer steps (0: never) ``moeflow train`` re-shards all FSSDP layers together; the
-    parameters and the optimizer state move to the new owners."""
+    parameters and the optimizer state move to the new owners.
+
+    ``replace_every``: the SmartMoE-style peer (HECATE Section 2.3, :mod:`moeflow.placement.
+    replace`): every N optimizer steps (0: never) ``moeflow train`` re-assigns each layer's
+    whole experts to ranks by the load window (no replication, each rank keeps its number of
+    experts) and moves parameters and optimizer state; ``P' = P`` in between (plain EP data
+    flow), so it needs ``materialize="static"`` and no ``reshard_every``."""
 
     materialize: str = "static"
     rematerialize: bool = False
@@ -67,6 +73,7 @@ class FSSDPOptions:
     window: int = 5
     calibrate: bool = False
     reshard_every: int = 0
+    replace_every: int = 0
     transport: str = "p2p"
     overlap_backward: bool = False
 
@@ -114,6 +121,20 @@ class FSSDPOptions:
                 or self.reshard_every < 0:
             raise ConfigError(f"{o}.reshard_every={self.reshard_every!r} is invalid: give "
                               "optimizer steps between re-shards (an integer >= 1), or 0")
+        if isinstance(self.replace_every, bool) or not isinstance(self.replace_every, int) \
+                or self.replace_every < 0:
+            raise ConfigError(f"{o}.replace_every={self.replace_every!r} is invalid: give "
+                              "optimizer steps between expert re-placements (an integer >= "
+                              "1), or 0")
+        if self.replace_every and self.materialize != "static":
+            raise ConfigError(f"{o}.replace_every={self.replace_every} is invalid with "
+                              f"materialize={self.materialize!r}: the SmartMoE-style "
+                              "re-placement keeps P' = P (no replicas); use "
+                              "materialize='static', or drop replace_every")
+        if self.replace_every and self.reshard_every:
+            raise ConfigError(f"{o}: replace_every={self.replace_every} and reshard_every="
+                              f"{self.reshard_every} both move the owners; keep one "
+                              "(replace_every: SmartMoE-style; reshard_every: Algorithm 2)")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError(f"{o}.window={self.window!r} is invalid: give an integer >= 1 "
                               "(HECATE uses 5)")

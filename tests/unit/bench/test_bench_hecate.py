@@ -31,7 +31,7 @@ def test_skew_grows_with_s():
 
 def test_variants_and_table():
     names = [n for n, _ in variants(2, 1)]
-    assert names == ["ep", "shadow", "fssdp static", "fssdp alg1", "fssdp alg1 rm",
+    assert names == ["ep", "shadow", "replace", "fssdp static", "fssdp alg1", "fssdp alg1 rm",
                      "fssdp alg2", "hecate", "hecate rm"]
     assert [n for n, _ in variants(2, 1, [3])][-1] == "hecate reshard/3"
     for _, v in variants(2, 1, [3]):            # every variant builds a valid config
@@ -44,6 +44,19 @@ def test_variants_and_table():
            "materialized_held": [0], "materialized_rows": [0]}
     assert "1.0/1.0/2.0" in format_result({"topology": "T", "rows": [
         {**row, "a2a_ms": 3.0, "memory_bytes_per_rank": mem}]})
+
+
+def test_bench_worker_runs_the_replace_variant_in_one_process():
+    from moeflow.bench.hecate import bench_worker
+
+    opts = dict(tokens=64, d_model=16, d_expert=16, experts_per_rank=4, top_k=2, zipf=[1.5],
+                t=1, m=1, warmup=1, reps=2, replace_every=1, variants=["ep", "replace"])
+    res = bench_worker(opts)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert list(rows) == ["ep", "replace"]
+    # one process: every expert on rank 0 whatever the owners, the loads are the same
+    assert rows["replace"]["tokens_per_rank"] == rows["ep"]["tokens_per_rank"] == [128]
+    assert len(rows["replace"]["samples_ms"]) == 2 and rows["replace"]["owners"] == [0] * 4
 
 
 def test_random_holders_keep_owners_and_bound_replicas():
