@@ -31,21 +31,12 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import torch
-import torch.distributed as dist
+
+from moeflow.bench.train_steps import status_bytes, timed_steps
 
 MODES = ("replicate", "fsdp")
-
-
-def _status_bytes(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -91,18 +82,11 @@ def rank_worker(preset: str, overrides: dict, mode: str, batch_size: int, warmup
     mcfg = model_preset(preset, **overrides)
     tcfg = TrainConfig(steps=warmup + steps, batch_size=batch_size, dense_shard=mode,
                        warmup_steps=0)
-    before = _status_bytes("VmRSS")
+    before = status_bytes("VmRSS")
     trainer = Trainer(mcfg, tcfg, out_dir, Topology.from_env(), progress=False)
-    built = _status_bytes("VmHWM")
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        trainer.train_step()
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    peak = _status_bytes("VmHWM")
+    built = status_bytes("VmHWM")
+    times = timed_steps(trainer, warmup, steps)
+    peak = status_bytes("VmHWM")
     return {"times": times, "rss_before": before, "peak_rss_after_build": built,
             "peak_rss": peak, "peak_added": peak - before,
             "state": state_bytes(trainer.model, trainer.opt)}

@@ -23,10 +23,10 @@ import os
 import resource
 import statistics
 import tempfile
-import time
 
 import torch
-import torch.distributed as dist
+
+from moeflow.bench.train_steps import timed_steps
 
 MODES = ("none", "full", "moe_act")
 
@@ -47,14 +47,7 @@ def rank_worker(preset: str, mode: str, batch_size: int, warmup: int, steps: int
                        warmup_steps=0)
     trainer = Trainer(mcfg, tcfg, out_dir, Topology.from_env(), progress=False)
     before = _rss_bytes()
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        trainer.train_step()
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = timed_steps(trainer, warmup, steps)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # KiB on Linux
     return {"times": times, "peak_added_bytes": peak - before, "rss_before": before}
 

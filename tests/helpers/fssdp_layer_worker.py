@@ -139,11 +139,13 @@ def worker() -> dict:
     return {(c, v): run(c, topo, VARIANTS[v]) for c, v in pairs()}
 
 
-def reference(name: str) -> list[dict]:
+def reference(name: str, n_steps: int = STEPS, state=None) -> list[dict]:
+    """The one-process run of ``name`` over every rank's batches; ``state(layer, opt)``, when
+    given, records the optimizer's state after each step too."""
     layer = parity.make_layer(name, Topology.single())
     opt = torch.optim.AdamW(layer.parameters(), lr=LR)
     steps = []
-    for step in range(STEPS):
+    for step in range(n_steps):
         total, ys, xs = 0.0, [], []
         for r in range(WORLD):
             x, g = batch(name, r, step)
@@ -158,6 +160,8 @@ def reference(name: str) -> list[dict]:
         opt.step()
         opt.zero_grad()
         rec.update(params=expert_tensors(layer, False), dense_params=dense(layer, False))
+        if state is not None:
+            rec["state"] = state(layer, opt)
         steps.append(rec)
     return steps
 

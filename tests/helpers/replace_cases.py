@@ -16,6 +16,7 @@ from moeflow import Topology, sync_gradients
 from moeflow.placement.replace import maybe_replace
 from tests.helpers import parity
 from tests.helpers.fssdp_layer_worker import batch, dense, expert_tensors
+from tests.helpers.fssdp_layer_worker import reference as fssdp_reference
 
 WORLD, LOCAL, STEPS, EVERY, LR = 4, 2, 5, 2, 0.02
 CASES = ["hot_expert_capacity", "capacity_k2"]
@@ -90,24 +91,4 @@ def worker() -> dict:
 
 
 def reference(name: str) -> list[dict]:
-    layer = parity.make_layer(name, Topology.single())
-    opt = torch.optim.AdamW(layer.parameters(), lr=LR)
-    steps = []
-    for step in range(STEPS):
-        total, ys, xs = 0.0, [], []
-        for r in range(WORLD):
-            x, g = batch(name, r, step)
-            x.requires_grad_()
-            y = layer(x, **parity._spec(name).get("call", {}))
-            total = total + parity.local_loss(y, g, layer)
-            ys.append(y.detach())
-            xs.append(x)
-        (total / WORLD).backward()
-        rec = {"y": ys, "x_grad": [x.grad for x in xs], "grads": expert_tensors(layer, True),
-               "dense_grads": dense(layer, True)}
-        opt.step()
-        opt.zero_grad()
-        rec.update(params=expert_tensors(layer, False), dense_params=dense(layer, False),
-                   state=adam_state(layer, opt))
-        steps.append(rec)
-    return steps
+    return fssdp_reference(name, STEPS, adam_state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from moeflow.bench import dense_shard
+from moeflow.bench.train_steps import status_bytes
 from moeflow.config import ModelConfig, TrainConfig
 from moeflow.models import GPT
 from moeflow.train import make_optimizer
@@ -15,7 +16,7 @@ CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d
 
 
 def test_resident_set_fields():
-    rss, peak = dense_shard._status_bytes("VmRSS"), dense_shard._status_bytes("VmHWM")
+    rss, peak = status_bytes("VmRSS"), status_bytes("VmHWM")
     assert 0 < rss <= peak
 
 
