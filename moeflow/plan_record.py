@@ -72,7 +72,12 @@ def _codes() -> tuple:
 
 def region() -> tuple[str, object] | None:
     """``("forward" | "recompute", key)`` of the innermost checkpoint call running now, or
-    None outside checkpointing. ``key`` is the object the records hang on."""
+    None outside checkpointing. ``key`` is the object the records hang on. Under
+    ``torch.compile`` it is None (dynamo cannot trace the hook and frame lookups, and a graph
+    break here would split the block): a compiled, checkpointed layer plans again in its
+    recomputation, which is correct, with one more count exchange."""
+    if torch.compiler.is_compiling():
+        return None
     hooks = _top_saved_tensors_default_hooks(False)
     if hooks is not None:                # non-reentrant: the frame, in forward or recompute
         cells = _closure(hooks[0])
