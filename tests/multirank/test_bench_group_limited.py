@@ -22,6 +22,9 @@ def _worker() -> dict:
     return group_limited.bench(dict(OPTS))
 
 
+pytestmark = pytest.mark.slow      # a measurement command; the default run guards its library parts elsewhere
+
+
 @pytest.fixture(scope="module")
 def res():
     return launch_local(_worker, 4, timeout_s=300)[0]

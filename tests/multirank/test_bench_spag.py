@@ -14,6 +14,9 @@ from moeflow.launch import launch_local
 from tests.helpers import spag_bench_worker as sw
 
 
+pytestmark = pytest.mark.slow      # a measurement command; the default run guards its library parts elsewhere
+
+
 @pytest.fixture(scope="module")
 def results():
     return launch_local(sw.worker, 4, timeout_s=120)

@@ -102,6 +102,7 @@ def codec_results():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", list(CODEC_TOL))
 def test_node_dedup_lossy_codecs_within_bound(codec_results, codec):
     for name in CODEC_NAMES:
@@ -117,6 +118,7 @@ def test_node_dedup_lossy_codecs_within_bound(codec_results, codec):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_node_dedup_codec_shrinks_only_the_encoded_parts(codec_results):
     """fp16 sends 2 of float64's 8 bytes for each of the M values of a node copy and of a
     partial sum (and of their gradients), and the gates and ids unchanged: per rank, the

@@ -12,6 +12,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from moeflow.comm.codecs import zfp
@@ -114,6 +116,7 @@ def test_two_processes_compiling_at_once_compile_once_and_leave_a_valid_cache(tm
     assert _result(_child(str(tmp_path)))[1:] == [total, "0", "1"]
 
 
+@pytest.mark.slow
 def test_coders_compiled_in_different_processes_load_together(tmp_path):
     """Issue 19's "'descr' is NULL": process A compiles the 1-D encoder, B loads it and
     compiles the 2-D one, C loads both. When every dimensionality's coder had one name, A's and

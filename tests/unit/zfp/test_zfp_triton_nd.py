@@ -11,6 +11,7 @@ from tests.helpers.triton_checks import run_check
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow      # 25 s under the interpreter; tests/gpu runs these kernels on a GPU
 def test_triton_nd_kernels_match_torch_backend_under_interpreter():
     run_check("zfp_triton_nd_check", "triton nd kernels match")
 
