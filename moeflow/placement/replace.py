@@ -44,7 +44,7 @@ import numpy as np
 from torch import nn
 
 from moeflow.errors import ConfigError
-from moeflow.placement.reshard import apply_owners, fssdp_layers
+from moeflow.placement.reshard import apply_owners, due, fssdp_layers
 
 
 def rank_loads(loads, owners, world: int) -> np.ndarray:
@@ -108,9 +108,7 @@ def replace(model: nn.Module, optimizer) -> list[list[int]]:
 def maybe_replace(model: nn.Module, optimizer, step: int) -> bool:
     """Re-place every ``fssdp.replace_every`` optimizer steps (the first FSSDP layer's option;
     0 = never). True when this step re-placed (experts may or may not have moved)."""
-    layers = fssdp_layers(model)
-    every = layers[0].options.replace_every if layers else 0
-    if not every or step % every:
+    if not due(model, step, "replace_every"):
         return False
     replace(model, optimizer)
     return True

@@ -217,11 +217,17 @@ def apply_owners(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         m.set_owners(Placement.static(owners, first.world), slots, idx)
 
 
+def due(model: nn.Module, step: int, option: str) -> bool:
+    """True when optimizer step ``step`` is a multiple of the first FSSDP layer's
+    ``fssdp.<option>`` (an interval in steps; 0 = never, as without FSSDP layers)."""
+    layers = fssdp_layers(model)
+    every = getattr(layers[0].options, option) if layers else 0
+    return bool(every) and step % every == 0
+
+
 def maybe_reshard(model: nn.Module, optimizer, step: int) -> bool:
     """Re-shard every ``fssdp.reshard_every`` steps (the first layer's option; 0 = never)."""
-    layers = fssdp_layers(model)
-    every = layers[0].options.reshard_every if layers else 0
-    if not every or step % every:
+    if not due(model, step, "reshard_every"):
         return False
     reshard(model, optimizer)
     return True

@@ -26,6 +26,7 @@ import torch
 
 from moeflow.comm.exchange import gather_host_ints
 from moeflow.devices import to_device_async
+from moeflow.dispatch.phases import token_nodes
 from moeflow.schedule.executor import Stage
 from moeflow.strategies.node_dedup_steps import AllToAll, CodedAllToAll, Hop, take_in_graph
 
@@ -79,8 +80,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
         lo, hi = bounds[i], bounds[i + 1]
         t, B = hi - lo, rows_to_node(g(n, l), i)
         ids_i = ids[lo:hi]
-        hit = torch.zeros(t, N + 1, dtype=torch.bool, device=dev)
-        hit = hit.scatter_(1, ids_i // En, True)[:, :N]
+        hit = token_nodes(ids_i, En, N)                 # dropped choices reach no node
         node = torch.arange(N, device=dev) * B
         dst = torch.where(hit, node + torch.cumsum(hit.long(), 0) - 1, N * B)   # (t, N)
         dst = dst.t().reshape(-1)
