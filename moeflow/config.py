@@ -297,9 +297,6 @@ class MoEConfig:
         _require(self.recompute in MOE_RECOMPUTES, o, "recompute", self.recompute,
                  "choose 'none' (keep the experts' activations) or 'moe_act' (keep the "
                  "exchanged tokens, recompute the experts' activations in backward)")
-        _require(self.recompute == "none" or self.placement == "ep", o, "recompute",
-                 self.recompute, "placement='fssdp' materializes its experts per forward and "
-                 "releases them (HECATE-RM): use recompute='none' with FSSDP")
         _require(self.capacity_padding in CAPACITY_PADDINGS, o, "capacity_padding",
                  self.capacity_padding, "choose 'auto' (trim on CPU, pad elsewhere), 'pad' "
                  "(send all E*C capacity rows) or 'trim' (send only the kept rows)")
