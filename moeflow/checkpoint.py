@@ -21,7 +21,11 @@ on any other (more or fewer ranks, other EP / MP / ESP sizes), optimizer state i
   are DTensors ``Shard`` over the data-parallel mesh: stored whole under the same key as a
   replicated tensor (DCP writes each shard once and reads any slice back), so a checkpoint
   saved with FSDP2 loads without it and the other way round. ``qkv`` is sharded on its input
-  dimension, so its ``(3, d_model, d_model)`` view is an alias of the local shard.
+  dimension, so its ``(3, d_model, d_model)`` view is an alias of the local shard. With MP,
+  FSDP2 shards each MP shard over DP on a dimension the MP split leaves whole, and the entry
+  is a DTensor over the 2-D (DP, MP) dense mesh (one block per rank) of the whole weight,
+  under the same key as above, so FSDP2 + MP, MP alone, FSDP2 alone and one process load
+  each other's checkpoints.
 
 AdamW's moments are stored the same way as their parameters. :func:`load` first compares the
 checkpoint's entries with the model's and refuses, naming the entries, a checkpoint of another
@@ -70,8 +74,8 @@ OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
 def _layouts(model: nn.Module) -> dict[int, tuple]:
     """id(parameter) -> ("expert", module, hidden dim or None, ESP mesh or None, number of
-    experts of the layer or None) or ("tp", TPShard, MP mesh or None); parameters not listed
-    are replicated."""
+    experts of the layer or None) or ("tp", TPShard, MP mesh or None, the 2-D (DP, MP) dense
+    mesh or None); parameters not listed are replicated."""
     from moeflow.layer import MoELayer
 
     how: dict[int, tuple] = {}
@@ -99,7 +103,8 @@ def _layouts(model: nn.Module) -> dict[int, tuple]:
                 raise ConfigError(f"checkpoint of {mname}: a tensor-parallel shard (1 of "
                                   f"{m.spec.size}) needs its topology's MP mesh (a topology "
                                   "from Topology.from_env)")
-            how[id(m.weight)] = ("tp", m.spec, mesh)
+            how[id(m.weight)] = ("tp", m.spec, mesh,
+                                 m.topo.dense_mesh if m.topo.mp_size > 1 else None)
     return how
 
 
@@ -130,11 +135,38 @@ def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> tor
                               shape=torch.Size(shape), stride=stride)
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _dp_mp_dtensor(t: torch.Tensor, spec, dense) -> torch.Tensor:
+    """An MP shard that FSDP2 shards over DP (``t``: a DTensor ``Shard(k)`` of the MP block over
+    ``dense["dp"]``, :mod:`moeflow.parallel.fsdp`) as one DTensor of the whole weight in its
+    ``spec.view`` over the 2-D ``dense`` mesh: ``Shard`` of the FSDP2 dimension over DP,
+    ``Shard(spec.dim)`` over MP (two different dimensions, so the order of the mesh dimensions
+    does not matter). Aliases the local slice, so DCP loads into the live tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    (place,) = t.placements
+    vdim = place.dim + len(spec.view) - t.dim()    # the FSDP2 dimension in the view
+    local = t.to_local()
+    shape = list(spec.local_view)
+    shape[vdim] = local.shape[place.dim]
+    stride = torch.empty(spec.view, device="meta").stride()
+    return DTensor.from_local(local.view(shape), dense, [Shard(vdim), Shard(spec.dim)],
+                              run_check=False, shape=torch.Size(spec.view), stride=stride)
+
+
 def _expand(prefix: str, name: str, t: torch.Tensor, how: tuple | None, out: dict) -> None:
     if how is None:
         out[f"{prefix}/{name}"] = t
     elif how[0] == "tp":
-        _, spec, mesh = how
+        _, spec, mesh, dense = how
+        if mesh is not None and _is_dtensor(t):     # FSDP2 over DP of an MP shard
+            out[f"{prefix}/{name}"] = _dp_mp_dtensor(t, spec, dense)
+            return
         local = t.view(spec.local_view)
         out[f"{prefix}/{name}"] = (local if mesh is None
                                    else _dtensor(local, mesh, spec.dim, spec.view))

@@ -297,9 +297,6 @@ class MoEConfig:
         _require(self.recompute in MOE_RECOMPUTES, o, "recompute", self.recompute,
                  "choose 'none' (keep the experts' activations) or 'moe_act' (keep the "
                  "exchanged tokens, recompute the experts' activations in backward)")
-        _require(self.recompute == "none" or self.placement == "ep", o, "recompute",
-                 self.recompute, "placement='fssdp' materializes its experts per forward and "
-                 "releases them (HECATE-RM): use recompute='none' with FSSDP")
         _require(self.capacity_padding in CAPACITY_PADDINGS, o, "capacity_padding",
                  self.capacity_padding, "choose 'auto' (trim on CPU, pad elsewhere), 'pad' "
                  "(send all E*C capacity rows) or 'trim' (send only the kept rows)")
@@ -810,11 +807,6 @@ class TrainConfig:
         self._require(self.dense_shard in DENSE_SHARDS, "dense_shard",
                       "choose 'replicate' (every rank holds the dense weights whole) or 'fsdp' "
                       "(FSDP2 shards them over the data-parallel ranks)")
-        self._require(self.dense_shard != "fsdp" or self.mp_size == 1, "dense_shard",
-                      f"FSDP2 is not combined with mp_size={self.mp_size} (--mp): Parm's tensor "
-                      "parallelism already splits the dense weights over the MP group and "
-                      "FSDP2 over the data-parallel ranks would need 2-D (DP x MP) parameters; "
-                      "use --dense-shard replicate with --mp, or --mp 1 with --dense-shard fsdp")
         self._require(self.device in DEVICES, "device",
                       f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
         self._require(self.dtype in DTYPES, "dtype",

@@ -134,12 +134,6 @@ def build_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
     """The model config the ranks build: ``recompute="moe_act"`` sets
     ``MoEConfig.recompute`` in every MoE block (the run's ``config.json`` keeps the model
     config as given: recomputation changes memory and time, not the function)."""
-    if train_cfg.recompute == "moe_act" and model_cfg.placement == "fssdp":
-        raise ConfigError(f"--recompute: TrainConfig.recompute={train_cfg.recompute!r} is "
-                          "invalid with placement='fssdp': FSSDP materializes its experts for "
-                          "one forward and releases them (HECATE Section 3.2), so the experts "
-                          "cannot be rerun from their inputs after it; use --recompute full "
-                          "(the block's recomputation gathers them again) or none")
     if train_cfg.recompute != "moe_act":
         return model_cfg
     return dataclasses.replace(model_cfg, moe={**(model_cfg.moe or {}), "recompute": "moe_act"})

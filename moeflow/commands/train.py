@@ -50,7 +50,7 @@ TRAIN_HELP = {
                "split over this many consecutive ranks, which share one batch",
     "dense_shard": "the dense (non-expert) weights: replicate (whole on every rank) or fsdp "
                    "(FSDP2 shards them, their gradients and AdamW state over the data-parallel "
-                   "ranks; not with --mp)",
+                   "ranks; with --mp, each MP rank's shards over its data-parallel ranks)",
     "esp_size": "Parm: expert-sharding (ESP) group size: each expert's hidden dimension is "
                 "split over this many ranks",
 }

@@ -24,9 +24,19 @@ The column-parallel ``qkv`` weight is stored in checkpoints in its ``(3, d_model
 view (:mod:`moeflow.checkpoint`); it is sharded on its input dimension (``Shard(1)``) so that
 the view stays an alias of the local shard and DCP reads into it in place.
 
-Not combined with Parm's tensor parallelism (``mp_size > 1``): its weights are already split
-over the MP group and FSDP2 over DP would need 2-D (DP x MP) DTensor parameters
-(``TrainConfig`` refuses the combination, :func:`check_no_tensor_parallel`).
+With Parm's tensor parallelism (``mp_size > 1``, Megatron-LM's f/g layers of
+:mod:`moeflow.parallel.tensor_parallel`) an MP rank's dense parameters are ordinary local
+tensors: its MP shard of ``qkv`` / ``proj`` / ``up`` / ``down``, or a tensor replicated over the
+MP group (embeddings, layer norms, router). Each is sharded over this rank's data-parallel
+sub-mesh ``topo.dense_mesh["dp"]`` (the ranks with the same MP rank), on a dimension the MP
+split leaves whole (:func:`_placement_fn`: a column-parallel weight on its input dimension, a
+row-parallel one on its output dimension), so that a rank's piece is one block of the global
+weight over the 2-D (DP, MP) mesh, which the checkpoint stores whole. FSDP2 averages gradients
+over DP only: the MP-replicated parameters still get the all-reduce over the MP group that
+:func:`~moeflow.parallel.grad_sync.sync_gradients` gives them without FSDP2 (their MP ranks
+can hold different partial gradients, e.g. a router under Parm's S1), the MP shards need
+none. A sharded MP shard keeps its :class:`~moeflow.parallel.tensor_parallel.TPShard`
+(``TP_ATTR``), so the clipping norm counts each of its slices once over DP x MP.
 """
 
 from __future__ import annotations
@@ -34,7 +44,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.errors import ConfigError
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 from moeflow.topology import Topology
 
@@ -46,18 +55,6 @@ def is_fsdp_param(p: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(p, DTensor)
-
-
-def check_no_tensor_parallel(topo: Topology) -> None:
-    """ConfigError naming the value and the fix when ``topo`` has Parm's MP (the same rule as
-    ``TrainConfig.dense_shard``'s validation, for callers of :func:`shard_dense`)."""
-    if topo.mp_size > 1:
-        raise ConfigError(f"shard_dense: FSDP2 of the dense part is invalid with the topology's "
-                          f"mp_size={topo.mp_size}: Parm's tensor parallelism already splits the "
-                          "dense weights over the MP group, and FSDP2 over the data-parallel "
-                          "ranks would need 2-D (DP x MP) parameters, which moeflow does not "
-                          "build; build the topology with mp_size=1 or keep the dense part "
-                          "replicated")
 
 
 def _device_type() -> str:
@@ -93,14 +90,26 @@ def expert_params(module: nn.Module) -> set[nn.Parameter]:
 
 def _placement_fn(model: nn.Module):
     """``Shard(1)`` for weights stored in checkpoints in a view that splits dimension 0
-    (``qkv``'s ``(3, d_model, d_model)``), FSDP2's default ``Shard(0)`` for the rest."""
+    (``qkv``'s ``(3, d_model, d_model)``) and for column-parallel weights split over MP (their
+    output dimension is the MP split), FSDP2's default ``Shard(0)`` for the rest (a
+    row-parallel weight's MP split is its input dimension)."""
     from torch.distributed.tensor import Shard
 
     from moeflow.parallel.tensor_parallel import ColumnParallelLinear
 
     split = {id(m.weight) for m in model.modules()
-             if isinstance(m, ColumnParallelLinear) and len(m.spec.view) != m.weight.dim()}
+             if isinstance(m, ColumnParallelLinear)
+             and (len(m.spec.view) != m.weight.dim() or m.spec.size > 1)}
     return lambda p: Shard(1) if id(p) in split else None
+
+
+def _tp_modules(model: nn.Module) -> list[nn.Module]:
+    """The tensor-parallel layers whose weight is an MP shard (``spec.size > 1``)."""
+    from moeflow.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear,
+                                                         RowParallelLinear))
+            and m.spec.size > 1]
 
 
 def shard_dense(model: nn.Module, topo: Topology) -> nn.Module:
@@ -110,18 +119,22 @@ def shard_dense(model: nn.Module, topo: Topology) -> nn.Module:
     each rank's shard is its slice of the same weights) and before building the optimizer
     (it must step the sharded parameters). A world of one has nothing to shard: the model is
     returned as it is."""
-    check_no_tensor_parallel(topo)
     if not topo.distributed:
         return model
     from torch.distributed.fsdp import fully_shard
 
+    from moeflow.parallel.tensor_parallel import TP_ATTR
+
     mesh = dense_dp_mesh(topo)
     place = _placement_fn(model)
+    tp = _tp_modules(model)
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh, ignored_params=expert_params(block) or None,
                     shard_placement_fn=place)
     fully_shard(model, mesh=mesh, ignored_params=expert_params(model) or None,
                 shard_placement_fn=place)
+    for m in tp:                  # FSDP2 made new parameters: the MP shards keep their spec
+        setattr(m.weight, TP_ATTR, m.spec)
     return model
 
 

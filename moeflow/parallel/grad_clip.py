@@ -6,7 +6,9 @@ expert gradients is summed over the expert-parallel group (each expert counted o
 to the replicated part (identical on every rank after sync_gradients). Tensor-parallel shards
 (Parm's MP) are summed over the MP group, each shard counted once. FSDP2's shards of the dense
 part (``parallel.fsdp``, DTensor gradients) are summed over their data-parallel mesh, each
-slice counted once, and scaled in place through their local tensors.
+slice counted once, and scaled in place through their local tensors; with MP, the slices of a
+tensor-parallel shard are then summed over the MP group too (each slice of DP x MP once), the
+slices of an MP-replicated parameter are not (equal on every MP rank after sync_gradients).
 
 Everything stays on the device: the norms are ``foreach`` kernels, the scale is
 ``min(1, max_norm / (norm + 1e-6))`` applied to every gradient as a tensor (multiplying by 1 when
@@ -40,18 +42,22 @@ def global_grad_norm(model: nn.Module, topo: Topology) -> torch.Tensor:
         if p.grad is None:
             continue
         if is_fsdp_param(p):        # FSDP2: this rank's slice, by the mesh that shards it
-            fsdp.setdefault(p.grad.device_mesh, []).append(p.grad.to_local().detach())
+            key = (p.grad.device_mesh, tp_shard(p) is not None)
+            fsdp.setdefault(key, []).append(p.grad.to_local().detach())
         else:
             (exp if is_expert_param(p) else tp if tp_shard(p) else rep).append(p.grad.detach())
     found = rep or exp or tp or next(iter(fsdp.values()), [])
     device = found[0].device if found else torch.device("cpu")
     rep_sq, exp_sq = _squared_norm(rep, device), _squared_norm(exp, device)
-    for mesh, local in fsdp.items():
+    tp_sq = _squared_norm(tp, device)
+    for (mesh, is_tp), local in fsdp.items():
         sq = _squared_norm(local, device)
         dist.all_reduce(sq, group=mesh.get_group())
-        rep_sq = rep_sq + sq
-    if tp:                        # Parm's MP: each tensor-parallel shard once
-        tp_sq = _squared_norm(tp, device)
+        if is_tp:                 # an MP shard's slices: summed over MP below
+            tp_sq = tp_sq + sq
+        else:
+            rep_sq = rep_sq + sq
+    if tp or any(is_tp for _, is_tp in fsdp):    # Parm's MP: each tensor-parallel shard once
         dist.all_reduce(tp_sq, group=topo.mp_group)
         rep_sq = rep_sq + tp_sq
     if topo.esp_size > 1:         # Parm: every shard once (b2, held whole by every shard:

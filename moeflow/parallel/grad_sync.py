@@ -20,9 +20,14 @@ The training loss is the mean over the N ranks of each rank's local loss, and ev
   group (the ranks with MP rank m) divided by ``dp_size`` (= N / mp_size). Replicated
   parameters need nothing new: each MP rank holds the same full gradient, so the world sum
   divided by N is that mean too.
-* a dense parameter sharded by FSDP2 (``parallel.fsdp``, a DTensor) needs nothing here: FSDP2
-  reduce-scatters its gradient in backward, averaged over the data-parallel mesh (the world:
-  FSDP2 is not combined with MP), which is the same sum over the world divided by N.
+* a dense parameter sharded by FSDP2 (``parallel.fsdp``, a DTensor): FSDP2 reduce-scatters its
+  gradient in backward, averaged over the data-parallel mesh. Without MP that mesh is the
+  world: the same sum over the world divided by N, nothing is left to do. With MP the mesh is
+  the data-parallel group: a tensor-parallel shard then has its sum over that group divided by
+  ``dp_size``, as above; an MP-replicated parameter gets here what it gets without FSDP2, the
+  rest of the world sum: its local slice is all-reduced over the MP group and divided by
+  ``mp_size`` (the MP ranks hold the same slice of it, and can hold different partial
+  gradients, e.g. the router under Parm's S1, which sees 1/N_MP of the tokens).
 """
 
 from __future__ import annotations
@@ -57,9 +62,15 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
         return
     if not getattr(model, CHECKED_ATTR, False):
         check_replicas(model, topo)
-    replicated, experts, tp = [], [], []
+    replicated, experts, tp, fsdp_mp = [], [], [], []
     for p in model.parameters():
-        if not p.requires_grad or is_fsdp_param(p):     # FSDP2 reduced it in backward
+        if not p.requires_grad:
+            continue
+        if is_fsdp_param(p):        # FSDP2 reduced it over DP in backward
+            if topo.mp_size > 1 and not tp_shard(p):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                fsdp_mp.append(p.grad.to_local())      # its slice, in place
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -68,6 +79,7 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
     _sum_then_scale(experts, topo.expert_dp_group if topo.expert_dp_size > 1 else None,
                     1.0 / topo.world_size)
     _sum_then_scale(tp, topo.dp_group if topo.dp_size > 1 else None, 1.0 / topo.dp_size)
+    _sum_then_scale(fsdp_mp, topo.mp_group, 1.0 / topo.mp_size)
 
 
 def _sum_then_scale(grads: list[torch.Tensor], group, scale: float) -> None:

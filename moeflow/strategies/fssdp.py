@@ -4,6 +4,9 @@ Experts are stored sharded over all ranks (``moeflow/placement/layer_experts.FSS
 ``experts()`` finishes the sparse AllGather of this iteration's experts (Section 3.2; started
 early by ``prefetch``, Fig. 1c), ``plan`` dispatches to the ranks holding a copy (Section 4.4),
 and ``end`` frees the held copies (HECATE-RM, Section 4.3) where the backward re-gathers them.
+With ``MoEConfig.recompute="moe_act"`` the forward keeps the experts' input rows and the held
+copy's weights (views of the stacked tensor, the storage HECATE-RM frees and refills), and the
+backward's expert task recomputes the experts with them: no collective is added.
 Under activation checkpointing the recomputation re-gathers the recorded ``P'`` and reuses the
 first forward's plan (:mod:`moeflow.plan_record`): one ``P'``, one count exchange and one load
 window entry per step.
@@ -24,9 +27,6 @@ class FSSDP(ExpertStrategy):
     name = "fssdp"
     trims_padding = False
     counts_inter_node_bytes = False
-    # the held replicas (HECATE Section 3.2) are released after the forward (HECATE-RM) and
-    # stacked per forward: the experts cannot be rerun from their inputs in backward
-    recomputes_experts = False
 
     def __init__(self, layer) -> None:
         super().__init__(layer)

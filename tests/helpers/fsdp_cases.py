@@ -11,8 +11,8 @@ built model that loads the previous stretch's checkpoint:
 * ``B``: FSDP2 off (replicated), loads ``A`` (on -> off), step 2, saved;
 * ``C``: FSDP2 on again, loads ``B`` (off -> on), step 3, saved.
 
-The ranks report every step's loss, the dense parameters (whole, ``full_tensor``) after ``A``
-and what FSDP2 made of the model; the test compares them with the uninterrupted one-process
+The ranks report every step's loss, the dense parameters (whole, ``full_tensor``; with MP, an
+MP shard's whole block, and its ``TPShard``) after ``A`` and what FSDP2 made of the model; the test compares them with the uninterrupted one-process
 run and loads ``C`` into one process to compare every parameter and AdamW moment.
 """
 
@@ -30,6 +30,7 @@ from moeflow.parallel.fsdp import is_fsdp_param, shard_dense
 from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.grad_sync import is_expert_param, sync_gradients
 from moeflow.parallel.replicas import prepare_model
+from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
 from moeflow.train import make_optimizer
 
@@ -46,6 +47,13 @@ LAYOUTS = {                       # name: (ModelConfig overrides, Topology.from_
     "fssdp": ({"placement": "fssdp"}, dict(ep_size=4)),     # HECATE FSSDP, a2a default
     "esp2": ({}, dict(ep_size=2, esp_size=2)),   # Parm's expert sharding (its dense mesh)
     "ep2_recompute": ({}, dict(ep_size=2)),      # every block under torch.utils.checkpoint
+    # Parm's tensor parallelism (MP 2: each dense weight an MP shard, FSDP2 over the DP pair
+    # of ranks with the same MP rank): S1 gates 1/N_MP of the tokens on each MP rank, so the
+    # router's MP ranks hold different partial gradients (the MP all-reduce after FSDP2's DP
+    # reduction); the baseline schedule; expert sharding (ESP 2) under MP
+    "mp2_s1": ({"parallel_schedule": "s1"}, dict(ep_size=2, mp_size=2)),
+    "mp2": ({}, dict(ep_size=2, mp_size=2)),
+    "mp2_esp2": ({}, dict(ep_size=1, esp_size=2, mp_size=2)),
 }
 
 
@@ -106,6 +114,9 @@ def worker(root: str, layout: str) -> dict:
                                       if is_expert_param(p) and is_fsdp_param(p)]
             out["local_numel"] = {n: p.to_local().numel() for n, p in model.named_parameters()
                                   if is_fsdp_param(p)}
+            # MP shards (whole over DP: this MP rank's block of the global weight)
+            out["tp_specs"] = {n: tp_shard(p) for n, p in model.named_parameters()
+                               if tp_shard(p) is not None}
         prev = name
     out["losses"] = losses
     return out

@@ -18,7 +18,8 @@ MCFG = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_e
 RUNS = {"none": {}, "full": dict(recompute="full"), "moe_act": dict(recompute="moe_act"),
         "accum2": dict(grad_accum=2, batch_size=2),
         "full_accum2": dict(recompute="full", grad_accum=2, batch_size=2),
-        "fssdp_none": {}, "fssdp_full": dict(recompute="full")}
+        "fssdp_none": {}, "fssdp_full": dict(recompute="full"),
+        "fssdp_moe_act": dict(recompute="moe_act")}
 # FSSDP with Algorithm 1 from the load window (P' changes after the first step)
 FSSDP_CFG = dict(placement="fssdp", fssdp=dict(materialize="sparse", overlap_degree=2,
                                                memory_capacity=1))

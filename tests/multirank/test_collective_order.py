@@ -128,5 +128,6 @@ def test_parm_s1_recomputation_exchanges_no_counts(events):
 def test_moe_act_issues_the_plain_collectives(events):
     """moe_act recomputes the experts only, so it issues exactly what the plain layer issues."""
     for rank in range(WORLD):
-        plain = [e[:3] for e in events[rank]["ep_r2_optsche"]]
-        assert [e[:3] for e in events[rank]["ep_r2_optsche_moe_act"]] == plain
+        for case in ("ep_r2_optsche", "fssdp_prefetch_rm_r2"):
+            plain = [e[:3] for e in events[rank][case]]
+            assert [e[:3] for e in events[rank][f"{case}_moe_act"]] == plain, (rank, case)

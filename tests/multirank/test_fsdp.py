@@ -2,8 +2,10 @@
 the option's validation, and float64 parity with one unsharded process on 4 gloo ranks after
 AdamW steps with clipping, with checkpoints FSDP2 on -> off -> on between them
 (tests/helpers/fsdp_cases.py). The default run covers EP with experts replicated over two
-EP groups (the expert gradients still all-reduced by sync_gradients); EP over all 4 ranks,
-HECATE's FSSDP, Parm's expert sharding (ESP 2) and activation recomputation are slow variants."""
+EP groups (the expert gradients still all-reduced by sync_gradients) and Parm's tensor
+parallelism (MP 2, S1) with FSDP2 over each MP rank's data-parallel pair; EP over all 4 ranks,
+HECATE's FSSDP, Parm's expert sharding (ESP 2), activation recomputation, and MP 2 with the
+baseline schedule and with ESP 2 are slow variants."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from moeflow import checkpoint
 from moeflow.config import ConfigError, TrainConfig
 from moeflow.launch import launch_local
 from moeflow.parallel.fsdp import shard_dense
+from moeflow.parallel.tensor_parallel import shard_of
 from moeflow.topology import Topology
 from tests.helpers import fsdp_cases as cases
 
@@ -25,13 +28,10 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 def test_dense_shard_values_are_validated():
     assert TrainConfig().dense_shard == "replicate"
     assert TrainConfig(dense_shard="fsdp", esp_size=2).dense_shard == "fsdp"
+    assert TrainConfig(dense_shard="fsdp", mp_size=2).mp_size == 2      # FSDP2 over DP of MP
     with pytest.raises(ConfigError, match=r"^--dense-shard: TrainConfig.dense_shard='zero3' is "
                                           r"invalid: choose 'replicate' .* or 'fsdp'"):
         TrainConfig(dense_shard="zero3")
-    with pytest.raises(ConfigError, match=r"^--dense-shard: TrainConfig.dense_shard='fsdp' is "
-                                          r"invalid: FSDP2 is not combined with mp_size=2 \(--mp\).*"
-                                          r"use --dense-shard replicate with --mp, or --mp 1"):
-        TrainConfig(dense_shard="fsdp", mp_size=2)
 
 
 def test_cli_flag_reaches_the_config():
@@ -41,9 +41,9 @@ def test_cli_flag_reaches_the_config():
     train_cmd.register(parser.add_subparsers())
     _, tcfg = train_cmd.configs_from_args(parser.parse_args(["train", "--dense-shard", "fsdp"]))
     assert tcfg.dense_shard == "fsdp"
-    with pytest.raises(ConfigError, match="--dense-shard"):
-        train_cmd.configs_from_args(parser.parse_args(["train", "--dense-shard", "fsdp",
-                                                       "--mp", "2"]))
+    _, tcfg = train_cmd.configs_from_args(parser.parse_args(["train", "--dense-shard", "fsdp",
+                                                             "--mp", "2"]))
+    assert (tcfg.dense_shard, tcfg.mp_size) == ("fsdp", 2)
 
 
 def test_one_process_has_nothing_to_shard():
@@ -68,8 +68,13 @@ def _check(root, results: dict, ref: dict, layout: str) -> None:
         assert "tok.weight" in got["sharded"] and "blocks.1.ffn.router.weight" in got["sharded"]
         assert not any(".experts." in n for n in got["sharded"]) and not got["expert_dtensors"]
         assert got["local_numel"]["blocks.0.ffn.up.weight"] == 24 * 16 // cases.WORLD
+        specs = got["tp_specs"]          # MP shards (with MP): this rank's block of the weight
+        mp = cases.LAYOUTS[layout][1].get("mp_size", 1)
+        assert len(specs) == (6 if mp > 1 else 0), (rank, sorted(specs))
         for name, value in got["dense_after_A"].items():
-            torch.testing.assert_close(value, ref["after_A"][name], **TOL,
+            want = ref["after_A"][name]
+            want = shard_of(want, specs[name]) if name in specs else want
+            torch.testing.assert_close(value, want, **TOL,
                                        msg=lambda m: f"{name} on rank {rank} ({layout}): {m}")
     # the last checkpoint (written with FSDP2 on) loads into one process: every parameter and
     # AdamW moment equals the uninterrupted run's
@@ -89,9 +94,18 @@ def test_fsdp_ep2_matches_one_process_across_checkpoint_layouts(tmp_path_factory
     _check(root, results, ref, "ep2")
 
 
+@pytest.mark.multirank
+def test_fsdp_with_mp_matches_one_process_across_checkpoint_layouts(tmp_path_factory):
+    """Parm's MP 2 with S1 (the router's MP ranks hold different partial gradients), FSDP2
+    over each MP rank's DP pair; checkpoints FSDP2 + MP -> MP -> FSDP2 + MP -> one process."""
+    root, results, ref = _run(tmp_path_factory, "mp2_s1")
+    _check(root, results, ref, "mp2_s1")
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["ep4", "fssdp", "esp2", "ep2_recompute"])
+@pytest.mark.parametrize("layout", ["ep4", "fssdp", "esp2", "ep2_recompute", "mp2",
+                                    "mp2_esp2"])
 def test_fsdp_matches_one_process_slow_layouts(tmp_path_factory, layout):
     root, results, ref = _run(tmp_path_factory, layout)
     _check(root, results, ref, layout)

@@ -115,27 +115,67 @@ def test_trainer_recompute_modes_train_the_same_function(tmp_path):
         assert r["full_accum2"]["forwards"] == layers * (2 + 2 * 2 * 2)
         # (micro-batches have their own capacity and balancing loss: compared with accum2)
         assert r["fssdp_full"]["forwards"] == r["fssdp_none"]["forwards"] + layers * 2
+        assert r["fssdp_moe_act"]["forwards"] == r["fssdp_none"]["forwards"]
+        assert r["fssdp_moe_act"]["moe_recompute"] == ["moe_act"] * layers
         for name, ref in (("full", r["none"]), ("moe_act", r["none"]),
-                          ("full_accum2", r["accum2"]), ("fssdp_full", r["fssdp_none"])):
+                          ("full_accum2", r["accum2"]), ("fssdp_full", r["fssdp_none"]),
+                          ("fssdp_moe_act", r["fssdp_none"])):
             assert r[name]["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
             for n in ref["params"]:
                 torch.testing.assert_close(r[name]["params"][n], ref["params"][n], rtol=1e-4,
                                            atol=1e-5, msg=f"{name}: {n}")
 
 
-def test_fssdp_refuses_moe_act_recomputation():
-    """FSSDP's experts exist for one forward: moe_act (rerun them from their inputs after it)
-    is refused; ``full`` is accepted (the block's recomputation gathers them again,
-    moeflow/plan_record.py)."""
+def test_fssdp_accepts_moe_act_recomputation():
+    """FSSDP's backward holds the call's experts anyway (the held copy, or HECATE-RM's second
+    spAG), so moe_act is accepted with it, by the layer's config and by ``moeflow train``."""
     from moeflow.commands.train import check_layout
     from moeflow.config import ModelConfig
 
-    with pytest.raises(ConfigError, match=r"MoEConfig.recompute='moe_act'.*placement='fssdp'"):
-        mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, placement="fssdp",
-                     recompute="moe_act")
+    cfg = mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, placement="fssdp",
+                       recompute="moe_act")
+    assert cfg.recompute == "moe_act"
     mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
                        d_expert=32, placement="fssdp")
-    with pytest.raises(ConfigError, match=r"^--recompute: TrainConfig.recompute='moe_act' "
-                                          r"is invalid with placement='fssdp'"):
-        check_layout(mcfg, TrainConfig(recompute="moe_act"), 2)
-    check_layout(mcfg, TrainConfig(recompute="full"), 2)
+    for mode in ("moe_act", "full"):
+        check_layout(mcfg, TrainConfig(recompute=mode), 2)
+
+
+def _fssdp_moe_act(variants: list[str]) -> dict:
+    from moeflow.launch import launch_local
+    from tests.helpers import fssdp_recompute_worker as worker
+
+    return launch_local(worker.worker, 4, variants, timeout_s=300)
+
+
+def _check_fssdp_moe_act(results: dict, variant: str, rematerialize: bool) -> None:
+    """moe_act against none, per AdamW step: outputs, input / expert / dense gradients,
+    parameters after the step and ``P'`` equal in float64; moe_act kept the input rows (none
+    the graphs); HECATE-RM still frees the held experts between forward and backward."""
+    for rank, res in results.items():
+        assert res[variant, "none", "kept_inputs"] == [False] * 2, rank
+        assert res[variant, "moe_act", "kept_inputs"] == [True] * 2, rank
+        for step, (got, ref) in enumerate(zip(res[variant, "moe_act"], res[variant, "none"])):
+            for key in ("y", "x_grad", "grads", "dense_grads", "params", "dense_params"):
+                want, have = ref[key], got[key]
+                for k in (want if isinstance(want, dict) else [None]):
+                    torch.testing.assert_close(
+                        have if k is None else have[k], want if k is None else want[k],
+                        rtol=1e-12, atol=1e-14, msg=f"rank {rank} step {step} {key} {k}")
+            assert got["holders"] == ref["holders"], (rank, step)
+            held = got["counts"]["held_bytes"]
+            assert held == ref["counts"]["held_bytes"], (rank, step)
+            assert (held == 0) == rematerialize, (rank, step, held)
+
+
+@pytest.mark.multirank
+def test_fssdp_moe_act_equals_none_with_rematerialization():
+    """HECATE-RM (Algorithm 1 from the load window, calibration), r = 1, 4 float64 ranks."""
+    _check_fssdp_moe_act(_fssdp_moe_act(["fssdp_rm_r1"]), "fssdp_rm_r1", True)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_fssdp_moe_act_equals_none_holding_the_experts():
+    """Without re-materialization (the held experts kept until backward), r = 2 OptSche."""
+    _check_fssdp_moe_act(_fssdp_moe_act(["fssdp_keep_r2"]), "fssdp_keep_r2", False)
