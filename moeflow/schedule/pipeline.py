@@ -36,6 +36,7 @@ when either
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -195,14 +196,19 @@ class ScheduledExperts:
     def backward(self, grad: torch.Tensor, cp: ChunkPlan, saved: list,
                  params: list[torch.nn.Parameter], shared_grad: torch.Tensor | None = None,
                  side_saved: dict | None = None, shared_params: list | None = None,
-                 input_grad: bool = True) -> tuple[torch.Tensor | None, list, tuple]:
+                 input_grad: bool = True, autocast: tuple | None = None,
+                 ) -> tuple[torch.Tensor | None, list, tuple]:
         """Gradients of the send buffer and the experts' parameters, and ``(input gradient,
         parameter gradients)`` of the shared experts (``()`` without them).
 
         ``input_grad=False`` (the send buffer needs no gradient, e.g. the layer's input is
         a leaf without grad): the experts compute parameter gradients only, and the way back
         (C2, A2, D2) carries nothing, as autograd would skip it (Tutel's backward does). The
-        flag must be the same on every rank (it is whenever the model is)."""
+        flag must be the same on every rank (it is whenever the model is).
+
+        ``autocast``: the forward's :func:`autocast_state`; the experts recomputed from their
+        input rows run under it, so that under autocast they compute in the forward's dtype
+        (autograd's backward runs outside the caller's autocast region)."""
         param_grads: list = [None] * len(params)
         side_grads: list = []
         first = 0 if input_grad else 1
@@ -220,7 +226,7 @@ class ScheduledExperts:
         def expert(i, g):
             if isinstance(saved[i], torch.Tensor):      # the input rows: recompute the experts
                 gr = cp.groupings[i]
-                with torch.enable_grad():
+                with torch.enable_grad(), _autocast(autocast):
                     inp = saved[i].detach().requires_grad_()
                     out = gr.ungroup(experts(gr.group(inp), gr.counts, gr.offsets))
                 wrt = rebound
@@ -240,7 +246,7 @@ class ScheduledExperts:
         def side(_i, _arg):                       # task S, backward
             got = side_saved.pop("saved")
             if isinstance(got, torch.Tensor):             # the input: recompute them
-                with torch.enable_grad():
+                with torch.enable_grad(), _autocast(autocast):
                     inp = got.detach().requires_grad_()
                     out = self.shared(inp)
             else:
@@ -262,6 +268,20 @@ def _assemble(chunks: list[torch.Tensor], cp: ChunkPlan, like: torch.Tensor) -> 
     return torch.cat(chunks).index_select(0, cp.assemble)
 
 
+def autocast_state(device: torch.device) -> tuple:
+    """``(device type, enabled, dtype)`` of the running autocast, which a recomputation
+    re-enters (``torch.utils.checkpoint`` keeps the same state for its reruns)."""
+    kind = device.type
+    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+def _autocast(state: tuple | None):
+    if state is None:
+        return contextlib.nullcontext()
+    kind, enabled, dtype = state
+    return torch.autocast(kind, dtype=dtype, enabled=enabled)
+
+
 def _keeps_weights(runner, inputs_only: bool) -> bool:
     """Whether the experts' weights travel as saved tensors (FSSDP's held copy, recomputed
     from its inputs: a checkpoint then frees the first forward's held experts and hands the
@@ -275,6 +295,7 @@ class _Scheduled(torch.autograd.Function):
         inputs_only = runner.saves_inputs()
         back, saved, _ = runner.forward(send, cp, "inputs" if inputs_only else True)
         ctx.runner, ctx.cp, ctx.params = runner, cp, params
+        ctx.autocast = autocast_state(send.device)
         ctx.inputs_only, ctx.saved = inputs_only, (None if inputs_only else saved)
         ctx.keeps_weights = _keeps_weights(runner, inputs_only)
         if ctx.keeps_weights:
@@ -294,7 +315,7 @@ class _Scheduled(torch.autograd.Function):
             saved = list(ctx.saved_tensors) if ctx.inputs_only else ctx.saved
         grad_send, param_grads, _ = ctx.runner.backward(
             grad.contiguous(), ctx.cp, saved, list(params),
-            input_grad=ctx.needs_input_grad[0])
+            input_grad=ctx.needs_input_grad[0], autocast=ctx.autocast)
         return (grad_send, None, None, *param_grads)
 
 
@@ -308,6 +329,7 @@ class _ScheduledShared(torch.autograd.Function):
         back, saved, side = runner.forward(send, cp, "inputs" if inputs_only else True,
                                            shared_in=shared_in)
         ctx.runner, ctx.cp, ctx.params, ctx.n = runner, cp, params, n_expert_params
+        ctx.autocast = autocast_state(send.device)
         ctx.inputs_only, ctx.r = inputs_only, len(saved)
         ctx.keeps_weights = _keeps_weights(runner, inputs_only)
         if inputs_only:                 # the chunks' input rows, then the shared experts'
@@ -334,7 +356,7 @@ class _ScheduledShared(torch.autograd.Function):
         grad_send, param_grads, side = ctx.runner.backward(
             grad.contiguous(), ctx.cp, saved, list(params[:n]),
             shared_grad.contiguous(), side_saved, list(params[n:]),
-            input_grad=ctx.needs_input_grad[0])
+            input_grad=ctx.needs_input_grad[0], autocast=ctx.autocast)
         return (grad_send, side[0], None, None, None, *param_grads, *side[1:])
 
 
