@@ -115,10 +115,13 @@ def profile_links(profile: Profile, nodes: int, ranks_per_node: int
                        (per - 1) / world / intra.bandwidth_Bps)
             out[("world", "all_to_all")] = AlphaBeta(inter.latency_s + intra.latency_s, beta,
                                                      world)
-    # a ring all-gather of a B-byte output moves B (g-1)/g per rank, as the all-to-all above
+    # a ring all-gather of a B-byte output (a reduce-scatter of a B-byte input) moves
+    # B (g-1)/g per rank, as the all-to-all above; a ring all-reduce twice that
     for cls in ("intra", "inter", "world"):
         if (cls, "all_to_all") in out:
-            out[(cls, "all_gather")] = out[(cls, "all_to_all")]
+            a2a = out[(cls, "all_to_all")]
+            out[(cls, "all_gather")] = out[(cls, "reduce_scatter")] = a2a
+            out[(cls, "all_reduce")] = AlphaBeta(2 * a2a.alpha, 2 * a2a.beta, a2a.group_size)
     return out
 
 
