@@ -211,9 +211,13 @@ def test_config_does_not_reach_the_integrations():
 
 
 # the step simulator models the library's own task graphs (schedulers, dispatch planning) from
-# measured fits (moeflow.measure); it is below the command layer and never runs a benchmark
+# measured fits (moeflow.measure); it is below the command layer and never runs a benchmark.
+# Parm's and HECATE's sizes come from the library's own code (the layout arithmetic of
+# moeflow.topology, moeflow.parallel.parm, HECATE's placement and spAG / spRS volumes)
 SIMULATE_MAY_IMPORT = ("moeflow.simulate", "moeflow.measure", "moeflow.schedule",
-                       "moeflow.dispatch", "moeflow.errors", "moeflow.registry")
+                       "moeflow.dispatch", "moeflow.errors", "moeflow.registry",
+                       "moeflow.topology", "moeflow.parallel.parm", "moeflow.placement",
+                       "moeflow.comm.sparse")
 
 
 def test_simulate_imports_only_the_model_inputs():
