@@ -223,7 +223,8 @@ SIMULATE_MAY_IMPORT = ("moeflow.simulate", "moeflow.measure", "moeflow.schedule"
 def test_simulate_imports_only_the_model_inputs():
     bad = sorted(f"{m} -> {t}" for m in _modules("moeflow.simulate")
                  for t in _imports(m) - _ancestors(m) - {"moeflow"}
-                 if not _in(t, SIMULATE_MAY_IMPORT))
+                 if not _in(t, SIMULATE_MAY_IMPORT)       # a package above one (its __init__)
+                 and not any(p.startswith(t + ".") for p in SIMULATE_MAY_IMPORT))
     assert not bad, (f"moeflow.simulate imports {bad}; it may import only "
                      f"{', '.join(SIMULATE_MAY_IMPORT[1:])} (never moeflow.bench or "
                      "moeflow.commands: what it needs from them belongs in moeflow.measure)")
