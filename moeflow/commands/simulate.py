@@ -67,6 +67,27 @@ def register(sub) -> None:
                    help="thread (default, the library): one communication thread runs every "
                         "collective in issue order; link: a lane per link class (intra, inter), "
                         "so the phases of successive hierarchical all-to-alls overlap")
+    v = layer.add_argument_group(
+        "variants: --compare A,B,... predicts every row under each (side by side, with the "
+        "ratio to the first)",
+        "ep (plain expert parallelism, the default); parm:baseline, parm:s1, parm:s2, "
+        "parm:s2-aas (Parm's schedules on the --mp / --esp layout); fssdp:static, fssdp:sparse "
+        "(HECATE's placement, --fssdp options); a2a:NAME, codec:NAME (expert parallelism "
+        "with that all-to-all or codec). --compare tutel / moeflow-fixed (bench layer's peers) "
+        "are not modelled")
+    v.add_argument("--mp", type=int, default=1, help="Parm variants: the MP (tensor-parallel) "
+                                                     "group size")
+    v.add_argument("--esp", type=int, default=1, help="Parm variants: the ESP group size")
+    v.add_argument("--ep-size", type=int, default=None,
+                   help="Parm variants: the EP group size (default: ranks / --esp, as "
+                        "`moeflow train`)")
+    v.add_argument("--esp-placement", default="esp-in-node", choices=("esp-in-node",
+                                                                       "ep-in-node"),
+                   help="Parm variants: which groups sit inside a node (Section IV-A)")
+    v.add_argument("--fssdp", default="{}", metavar="JSON",
+                   help='FSSDP variants: MoEConfig.fssdp fields the model reads, e.g. '
+                        '\'{"overlap_degree": 4, "memory_capacity": 1, "rematerialize": true}\' '
+                        "(t and m as counts; materialize comes from the variant)")
     g.add_argument("--measured", default=None, metavar="JSON",
                    help="a `moeflow bench layer --out` file of the same arguments: adds the "
                         "measured step and the ratio predicted / measured per row")
@@ -80,9 +101,6 @@ def _specs(args: argparse.Namespace):
     from moeflow.schedule import SCHEDULERS
     from moeflow.simulate import LayerSpec
 
-    if args.compare is not None:
-        raise SystemExit("moeflow simulate layer: --compare (a peer's layer) is not modelled; "
-                         "drop it")
     if args.codec.startswith("auto"):
         raise SystemExit(f"moeflow simulate layer: --codec {args.codec} (tuned at run time) is "
                          "not modelled; name a codec (none, fp16, int8, zfp, ...)")
@@ -138,6 +156,102 @@ def _specs(args: argparse.Namespace):
     return out
 
 
+PEERS = ("tutel", "moeflow-fixed", "deepspeed")
+VARIANTS = ("ep", "parm:baseline", "parm:s1", "parm:s2", "parm:s2-aas", "fssdp:static",
+            "fssdp:sparse")
+
+
+def variants(args: argparse.Namespace) -> list[str]:
+    """The ``--compare`` variants (default: ``ep``), each checked."""
+    from moeflow.registry import registry
+
+    if args.compare is None:
+        return ["ep"]
+    out = [v.strip() for v in args.compare.split(",") if v.strip()]
+    for v in out:
+        if v in PEERS:
+            raise SystemExit(f"moeflow simulate layer: --compare {v} (a peer's layer) is not "
+                             "modelled; compare moeflow's own variants: "
+                             f"{', '.join(VARIANTS)}, a2a:NAME, codec:NAME")
+        kind, _, name = v.partition(":")
+        ok = (v in VARIANTS or (kind == "a2a" and name) or
+              (kind == "codec" and name in registry("codec")))
+        if not ok:
+            raise SystemExit(f"moeflow simulate layer: --compare has {v!r}; choose from "
+                             f"{', '.join(VARIANTS)}, a2a:NAME, codec:NAME (a registered codec)")
+    if len(set(out)) != len(out):
+        raise SystemExit(f"moeflow simulate layer: --compare {args.compare} names a variant "
+                         "twice")
+    return out
+
+
+def _parm_spec(args: argparse.Namespace, case, spec, sched: str):
+    from moeflow.simulate.parm import ParmSpec
+
+    if spec.pipeline_degree > 1 or spec.codec != "none":
+        raise SystemExit(f"moeflow simulate layer: --compare parm:{sched}: the Parm model runs "
+                         f"one chunk without codecs, and row {case.name} has pipeline_degree "
+                         f"{spec.pipeline_degree}, codec {spec.codec}; give --schedules "
+                         "sequential and --codec none")
+    ep = args.ep_size if args.ep_size is not None else spec.world // args.esp
+    try:
+        return ParmSpec(tokens=spec.tokens, d_model=spec.d_model, d_expert=spec.d_expert,
+                        num_experts=spec.num_experts, top_k=spec.top_k,
+                        capacity_factor=spec.capacity_factor, mp=args.mp, ep=ep, esp=args.esp,
+                        esp_in_node=args.esp_placement == "esp-in-node",
+                        schedule=sched.split("-")[0], saa=sched != "s2-aas",
+                        activation=spec.activation, nodes=spec.nodes,
+                        ranks_per_node=spec.ranks_per_node)
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate layer: --compare parm:{sched}: {e} (flags --mp, "
+                         "--esp, --ep-size, --esp-placement)") from None
+
+
+def _fssdp_spec(args: argparse.Namespace, mode: str):
+    from moeflow.simulate.fssdp import FSSDPSpec
+
+    try:
+        opts = json.loads(args.fssdp)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"moeflow simulate layer: --fssdp {args.fssdp!r} is not JSON: {e}")
+    known = {"overlap_degree", "memory_capacity", "rematerialize"}
+    extra = set(opts) - known
+    if extra:
+        raise SystemExit(f"moeflow simulate layer: --fssdp has {sorted(extra)}, which the "
+                         f"model does not read; give only {sorted(known)} (materialize comes "
+                         "from the variant, fssdp:static or fssdp:sparse)")
+    try:
+        return FSSDPSpec(materialize=mode, **opts)
+    except (ConfigError, TypeError) as e:
+        raise SystemExit(f"moeflow simulate layer: --fssdp: {e}") from None
+
+
+def simulate_variant(args: argparse.Namespace, costs, case, spec, variant: str,
+                     routing) -> dict:
+    """One row: ``spec`` (the bench layer case) under ``variant``."""
+    from dataclasses import replace
+
+    from moeflow.simulate import simulate_layer
+    from moeflow.simulate.parm import simulate_parm
+
+    kind, _, name = variant.partition(":")
+    try:
+        if kind == "parm":
+            pspec = _parm_spec(args, case, spec, name)
+            # the MP ranks hold one batch: each MP group gates its first rank's sample
+            mp_routing = None if routing is None else [routing[r - r % pspec.mp]
+                                                       for r in range(spec.world)]
+            return simulate_parm(pspec, costs, mp_routing)
+        if kind == "fssdp":
+            return simulate_layer(spec, costs, routing, _fssdp_spec(args, name))
+        if kind in ("a2a", "codec"):
+            return simulate_layer(replace(spec, **{kind: name}), costs, routing)
+        return simulate_layer(spec, costs, routing)
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate layer: --compare {variant}, row {case.name}: "
+                         f"{e}") from None
+
+
 def _routing(args: argparse.Namespace, case, spec) -> tuple[list | None, str]:
     """The routing sample to plan (None: the uniform expectation) and how it was made."""
     from moeflow.simulate.loads import sample_routing, trace_popularity, zipf_popularity
@@ -178,17 +292,21 @@ def _gantt(result: dict, path: str, title: str) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'config':<34} {'world':>5} {'pred ms':>8} {'fwd ms':>7} {'bwd ms':>7} "
-            f"{'comm ms':>8} {'exposed':>8} {'meas ms':>8} {'pred/meas':>9}")
+    ratio = any("ratio_to_first" in r for r in rows)
+    width = max([34] + [len(r["name"]) for r in rows])
+    head = (f"{'config':<{width}} {'world':>5} {'pred ms':>8} {'fwd ms':>7} {'bwd ms':>7} "
+            f"{'comm ms':>8} {'exposed':>8} {'meas ms':>8} {'pred/meas':>9}"
+            + (f" {'x first':>7}" if ratio else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         meas = r.get("measured_step_ms")
-        lines.append(f"{r['name']:<34} {r['world']:>5} {r['step_s'] * 1e3:>8.2f} "
+        lines.append(f"{r['name']:<{width}} {r['world']:>5} {r['step_s'] * 1e3:>8.2f} "
                      f"{r['forward_s'] * 1e3:>7.2f} {r['backward_s'] * 1e3:>7.2f} "
                      f"{r['comm_s'] * 1e3:>8.2f} {r['exposed_comm_s'] * 1e3:>8.2f} "
                      + (f"{meas:>8.2f} {r['step_s'] * 1e3 / meas:>9.2f}" if meas
-                        else f"{'-':>8} {'-':>9}"))
-    lines.append("pred: predicted forward+backward of the slowest rank; comm: all-to-all time; "
+                        else f"{'-':>8} {'-':>9}")
+                     + (f" {r['ratio_to_first']:>7.3f}" if ratio else ""))
+    lines.append("pred: predicted forward+backward of the slowest rank; comm: collective time; "
                  "exposed: the computing lane waiting (step - compute)")
     skew = list(dict.fromkeys(f"{r['name'].split('@')[0]} {r['load_max_over_mean']:.2f}"
                               for r in rows if r.get("load_max_over_mean", 1.0) > 1.0))
@@ -200,7 +318,7 @@ def format_table(rows: list[dict]) -> str:
 
 def run_simulate_layer(args: argparse.Namespace) -> int:
     from moeflow.measure.profiles import load_profile
-    from moeflow.simulate import cost_model, simulate_layer
+    from moeflow.simulate import cost_model
 
     specs = _specs(args)
     profile = load_profile(args.profile) if args.profile else None
@@ -211,26 +329,46 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
         with open(args.measured) as f:
             measured = {r["name"]: r for r in json.load(f)["results"]}
     rows = []
+    names = variants(args)
     for case, spec in specs:
         routing, how = _routing(args, case, spec)
-        res = simulate_layer(spec, costs, routing)
-        res["name"], res["routing"] = case.name, how
-        if not case.grouped_mm:
-            res["note"] = ("one matmul per expert in the measured run; simulated with the "
-                           "grouped experts' fit")
-        if case.name in measured:
-            m = measured[case.name]
-            res["measured_step_ms"] = m["step_ms"]
-            res["measured_world"] = m["world_size"]
-        if args.gantt:
-            path = f"{args.gantt}-{case.name}.png"
-            _gantt(res, path, f"predicted {case.name}")
-            res["gantt"] = path
-        rows.append(res)
+        first = None
+        for variant in names:
+            res = simulate_variant(args, costs, case, spec, variant, routing)
+            res["name"] = case.name if names == ["ep"] else f"{case.name}[{variant}]"
+            res["case"], res["variant"], res["routing"] = case.name, variant, how
+            first = res["step_s"] if first is None else first
+            if len(names) > 1:
+                res["ratio_to_first"] = res["step_s"] / first
+            rows.append(_finish_row(args, res, case, measured))
     print(format_table(rows))
+    if len(names) > 1:
+        print(f"x first: the row's predicted step over the same config's {names[0]} row")
+    if args.mp > 1 and any(n.startswith("parm:") for n in names) and \
+            any(not n.startswith("parm:") for n in names):
+        print(f"note: the parm rows' MP groups of {args.mp} ranks share one batch of --tokens "
+              f"(Parm's replicated MoE input), the other rows give every rank its own: they "
+              f"carry {args.mp}x the distinct tokens")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
                        "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
+
+
+def _finish_row(args: argparse.Namespace, res: dict, case, measured: dict) -> dict:
+    """Notes, the measured twin (matched by the bench layer config's name; only the ``ep``
+    variant is what bench layer measures) and the Gantt chart of one row."""
+    if not case.grouped_mm:
+        res["note"] = ("one matmul per expert in the measured run; simulated with the "
+                       "grouped experts' fit")
+    if case.name in measured and res["variant"] == "ep":
+        m = measured[case.name]
+        res["measured_step_ms"] = m["step_ms"]
+        res["measured_world"] = m["world_size"]
+    if args.gantt and "collectives" not in res:   # Parm's steps are not the 7r tasks drawn
+        path = f"{args.gantt}-{res['name']}.png"
+        _gantt(res, path, f"predicted {res['name']}")
+        res["gantt"] = path
+    return res

@@ -233,3 +233,36 @@ def test_local_size_makes_the_bench_layer_nodes(tmp_path):
     with pytest.raises(SystemExit, match="does not divide"):
         main(["simulate", "layer", "--nproc", "4", "--local-size", "3", "--profile",
               "schemoe-32gpu"])
+
+
+def test_compare_predicts_variants_side_by_side(tmp_path, capsys):
+    """``--compare A,B,...``: every config under each variant, with the ratio to the first;
+    Parm's and HECATE's variants run their own models; peers and unknown names are refused."""
+    from moeflow.cli import main
+
+    out = tmp_path / "cmp.json"
+    args = ["simulate", "layer", "--nodes", "2", "--ranks-per-node", "2", "--profile",
+            "parm-testbed-b", "--tokens", "64", "--d-model", "32", "--d-expert", "64",
+            "--routing", "uniform", "--mp", "2", "--esp", "2"]
+    assert main([*args, "--compare", "parm:baseline,parm:s1,parm:s2,ep,fssdp:sparse",
+                 "--fssdp", '{"overlap_degree": 2, "memory_capacity": 1}',
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    by = {(r["case"], r["variant"]): r for r in rows}
+    assert {r["variant"] for r in rows} == {"parm:baseline", "parm:s1", "parm:s2", "ep",
+                                            "fssdp:sparse"}
+    for (case, variant), r in by.items():
+        first = by[(case, "parm:baseline")]["step_s"]
+        assert r["ratio_to_first"] == pytest.approx(r["step_s"] / first)
+    assert by[("gshard-top2-cap1.25", "parm:s1")]["spec"]["mp"] == 2
+    assert "fssdp" in by[("gshard-top2-cap1.25", "fssdp:sparse")]
+    text = capsys.readouterr().out
+    assert "x first" in text and "[parm:s2]" in text and "share one batch" in text
+    for bad, msg in (("tutel", "not modelled"), ("parm:auto", "choose from"),
+                     ("ep,ep", "twice")):
+        with pytest.raises(SystemExit, match=msg):
+            main([*args, "--compare", bad])
+    with pytest.raises(SystemExit, match="one chunk"):
+        main([*args, "--compare", "parm:s1", "--schedules", "sequential,optsche"])
+    with pytest.raises(SystemExit, match="does not read"):
+        main([*args, "--compare", "fssdp:sparse", "--fssdp", '{"window": 3}'])
