@@ -16,8 +16,8 @@ Section 3.2), ``permute`` and ``route`` backward. Hierarchical all-to-alls run a
 intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.dispatch.phases`).
 Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a
 trained router's loads). Codecs: encode / decode as the C / D tasks, compressed rows on the
-wire (``Codec.wire_bytes``). Not modelled yet: the shared experts' task S, Parm's and HECATE's
-strategies.
+wire (``Codec.wire_bytes``). HECATE's placement: :mod:`.fssdp` (the exchange over held slots,
+with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet: the shared experts' task S.
 """
 
 from __future__ import annotations
