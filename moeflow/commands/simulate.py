@@ -95,6 +95,7 @@ def register(sub) -> None:
                    help="write PREFIX-<config>.png: rank 0's predicted 7r tasks per lane, drawn "
                         "as `bench schedule --gantt` draws measured ones")
     layer.set_defaults(func=run_simulate_layer)
+    add_train_parser(ssub)
 
 
 def _specs(args: argparse.Namespace):
@@ -372,3 +373,185 @@ def _finish_row(args: argparse.Namespace, res: dict, case, measured: dict) -> di
         _gantt(res, path, f"predicted {res['name']}")
         res["gantt"] = path
     return res
+
+
+# -- moeflow simulate train -----------------------------------------------------------------
+
+def add_train_parser(ssub) -> None:
+    """``moeflow simulate train``: ``moeflow train``'s model arguments (``--preset``, ``--set``,
+    ``--batch-size``, ``--mp``, ``--esp``, ``--ep-size``, ``--esp-placement``, ``--nproc``) and
+    the models."""
+    from moeflow.config import PRESETS, TrainConfig
+
+    p = ssub.add_parser("train", help="predict one `moeflow train` step (every block, every MoE "
+                                      "layer, the gradient sync) from fits or a profile")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="model size, as `moeflow train --preset`")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
+                   help="override a ModelConfig field, as `moeflow train --set` (the tuner's "
+                        "'auto' settings are not modelled: give a2a / schedule / "
+                        "pipeline_degree values, else the config's defaults are used)")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
+                   help="sequences per data-parallel rank per step (as `moeflow train`)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks (default 2, as `moeflow train`); the layout is --nodes x "
+                        "--ranks-per-node when given")
+    g = p.add_argument_group("the models and the layout")
+    g.add_argument("--links", default=None, metavar="JSON", help="`moeflow bench links` fits")
+    g.add_argument("--compute", default=None, metavar="JSON",
+                   help="`moeflow bench compute` fits (gemm, gemm_backward, experts, "
+                        "elementwise)")
+    g.add_argument("--profile", default=None, metavar="NAME", help="a hardware profile")
+    g.add_argument("--nodes", type=int, default=1, help="nodes of the simulated layout")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (default: --nproc / --nodes)")
+    g.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the run would be: cuda pads capacity buffers "
+                        "(capacity_padding='auto')")
+    g.add_argument("--zipf", type=float, default=None, metavar="S",
+                   help="skewed loads: a Zipf(S) routing sample (default: the uniform "
+                        "expectation)")
+    g.add_argument("--routing-seed", type=int, default=0, help="seed of the --zipf sample")
+    g.add_argument("--out", default=None, metavar="JSON", help="write the prediction")
+    v = p.add_argument_group("the MoE layers' strategy")
+    v.add_argument("--mp", type=int, default=1, help="Parm: MP (tensor-parallel) group size")
+    v.add_argument("--esp", type=int, default=1, help="Parm: ESP group size")
+    v.add_argument("--ep-size", type=int, default=None,
+                   help="Parm: EP group size (default: ranks / --esp)")
+    v.add_argument("--esp-placement", default="esp-in-node",
+                   choices=("esp-in-node", "ep-in-node"), help="Parm: Section IV-A's case")
+    v.add_argument("--fssdp", default="{}", metavar="JSON",
+                   help="FSSDP variants: overlap_degree, memory_capacity, rematerialize")
+    v.add_argument("--compare", default=None, metavar="A,B,...",
+                   help="predict the step with every MoE layer under each variant (ep, "
+                        "parm:baseline, parm:s1, parm:s2, parm:s2-aas, fssdp:static, "
+                        "fssdp:sparse, a2a:NAME, codec:NAME), with the ratio to the first "
+                        "(default: the config's own: placement / parallel_schedule)")
+    p.set_defaults(func=run_simulate_train)
+
+
+def _train_layout(args: argparse.Namespace) -> tuple[int, int]:
+    nodes = args.nodes
+    per = args.ranks_per_node if args.ranks_per_node is not None else args.nproc // nodes
+    if nodes < 1 or per < 1 or (args.ranks_per_node is None and args.nproc % nodes):
+        raise SystemExit(f"moeflow simulate train: --nodes {nodes} does not divide --nproc "
+                         f"{args.nproc}; give --ranks-per-node")
+    return nodes, per
+
+
+def _config_variant(mcfg) -> str:
+    if mcfg.placement == "fssdp":
+        return f"fssdp:{(mcfg.fssdp or {}).get('materialize', 'static')}"
+    if mcfg.parallel_schedule in ("s1", "s2"):
+        return f"parm:{mcfg.parallel_schedule}"
+    return "ep"
+
+
+def run_simulate_train(args: argparse.Namespace) -> int:
+    from collections import namedtuple
+
+    from moeflow.commands.common import parse_overrides
+    from moeflow.config import ModelConfig, model_preset
+    from moeflow.measure.profiles import load_profile
+    from moeflow.models.cost import model_cost
+    from moeflow.simulate import LayerSpec, cost_model
+    from moeflow.simulate.loads import sample_routing, zipf_popularity
+    from moeflow.simulate.train import TrainSpec, simulate_train
+
+    try:
+        mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate train: {e}") from None
+    if mcfg.structure == "bigmac":
+        raise SystemExit("moeflow simulate train: structure='bigmac' is not modelled (its "
+                         "exchanged width differs from d_model); use the vanilla structure")
+    block = mcfg.moe_layer_ids()[0] if mcfg.moe_layer_ids() else None
+    if block is None:
+        raise SystemExit("moeflow simulate train: the model has no MoE block")
+    moe = mcfg.moe_config(block)
+    for name in ("a2a", "schedule", "pipeline_degree", "codec"):
+        if str(getattr(moe, name)).startswith("auto"):
+            raise SystemExit(f"moeflow simulate train: {name}={getattr(moe, name)!r} is tuned "
+                             f"at run time and not modelled; give --set {name}=VALUE")
+    nodes, per = _train_layout(args)
+    world = nodes * per
+    if args.mp > 1 or args.esp > 1:
+        if mcfg.d_ff % args.mp or mcfg.n_heads % args.mp:
+            raise SystemExit(f"moeflow simulate train: --mp {args.mp} must divide n_heads "
+                             f"{mcfg.n_heads} and d_ff {mcfg.d_ff}")
+    names = variants(args) if args.compare is not None else [_config_variant(mcfg)]
+    if (args.mp > 1 or args.esp > 1) and any(not n.startswith("parm:") for n in names):
+        raise SystemExit(f"moeflow simulate train: with --mp {args.mp} / --esp {args.esp} the "
+                         "MoE layers run Parm's schedules: compare parm:baseline, parm:s1, "
+                         "parm:s2, parm:s2-aas")
+    profile = load_profile(args.profile) if args.profile else None
+    costs = cost_model(args.links, args.compute, profile, nodes, per)
+    T = args.batch_size * mcfg.seq_len          # tokens per rank (per MP group with MP)
+    try:
+        spec = LayerSpec(tokens=T, d_model=mcfg.d_model, d_expert=moe.d_expert,
+                         num_experts=moe.num_experts, top_k=moe.top_k,
+                         capacity_factor=moe.capacity_factor, activation=moe.activation,
+                         schedule=moe.schedule, pipeline_degree=moe.pipeline_degree,
+                         a2a=moe.a2a, nodes=nodes, ranks_per_node=per,
+                         trim_padding=args.device == "cpu", codec=moe.codec,
+                         codec_backward=moe.codec_backward)
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate train: the MoE layer: {e}") from None
+    routing, how = None, "uniform"
+    if args.zipf is not None:
+        routing = sample_routing(zipf_popularity(spec.num_experts, args.zipf), world, T,
+                                 spec.top_k, args.routing_seed)
+        how = f"zipf {args.zipf}, seed {args.routing_seed}"
+    cost = model_cost(mcfg)
+    a = 3 if moe.activation == "swiglu" else 2
+    bias = ((a - 1) * moe.d_expert + mcfg.d_model) if mcfg.expert_bias else 0
+    experts_total = len(mcfg.moe_layer_ids()) * moe.num_experts * (
+        a * mcfg.d_model * moe.d_expert + bias)
+    n_dense = mcfg.n_layers - len(mcfg.moe_layer_ids())
+    sharded = mcfg.n_layers * 4 * mcfg.d_model ** 2 + n_dense * 2 * mcfg.d_model * mcfg.d_ff
+    dense = cost.params_total - experts_total - sharded + sharded // args.mp
+    Case = namedtuple("Case", "name")
+    rows, first = [], None
+    for variant in names:
+        if variant.startswith("parm:"):
+            ep = args.ep_size if args.ep_size is not None else world // args.esp
+            expert_ranks, dp = ep * args.esp, world // args.mp
+        else:
+            expert_ranks, dp = world, world
+        layer = simulate_variant(args, costs, Case(f"{args.preset}-block{block}"), spec,
+                                 variant, routing)
+        tspec = TrainSpec(tokens=T, seq_len=mcfg.seq_len, d_model=mcfg.d_model,
+                          n_heads=mcfg.n_heads, d_ff=mcfg.d_ff, vocab_size=mcfg.vocab_size,
+                          n_layers=mcfg.n_layers, moe_blocks=tuple(mcfg.moe_layer_ids()),
+                          dense_params=dense, expert_params=experts_total // expert_ranks,
+                          dp_size=dp, expert_dp_size=world // expert_ranks, mp=args.mp,
+                          nodes=nodes, ranks_per_node=per)
+        res = simulate_train(tspec, costs, {b: layer for b in tspec.moe_blocks})
+        first = res["step_s"] if first is None else first
+        res.update(variant=variant, routing=how, ratio_to_first=res["step_s"] / first,
+                   moe_layer={k: layer[k] for k in ("step_s", "forward_s", "backward_s",
+                                                    "comm_s", "exposed_comm_s")})
+        rows.append(res)
+    print(format_train_table(rows, args.preset, world))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
+                       "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def format_train_table(rows: list[dict], preset: str, world: int) -> str:
+    parts = list(dict.fromkeys(k for r in rows for k in r["parts_s"]))
+    head = (f"{'variant':<16} {'step ms':>9} " + " ".join(f"{p[:12]:>12}" for p in parts)
+            + f" {'tok/s':>10} {'x first':>7}")
+    lines = [f"moeflow train --preset {preset} on {world} ranks, one step (predicted)", head,
+             "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['variant']:<16} {r['step_s'] * 1e3:>9.2f} "
+                     + " ".join(f"{r['parts_s'].get(p, 0.0) * 1e3:>12.2f}" for p in parts)
+                     + f" {r['tokens_per_s']:>10.0f} {r['ratio_to_first']:>7.3f}")
+    lines.append("parts in ms: dense compute (forward + backward), every MoE layer's predicted "
+                 "step, the gradient all-reduces, the optimizer; tok/s: distinct tokens per step "
+                 "/ step")
+    return "\n".join(lines)
