@@ -42,6 +42,11 @@ def register(sub) -> None:
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --nproc, so nodes x ranks = bench layer's "
                         "world)")
+    g.add_argument("--custom-layer", action="store_true",
+                   help="predict one layer of --num-experts, --top-k, --capacity-factor (0: "
+                        "dropless) and --activation (bench layer's --compare flags) instead of "
+                        "bench layer's configs, e.g. a paper's setting (each further "
+                        "--schedules entry adds its row at --pipeline-degree)")
     g.add_argument("--routing", default=None, choices=("bench", "uniform"),
                    help="bench (default): plan the expert ids each rank's router picks on "
                         "`bench layer`'s inputs, so the bytes and loads are the measured run's; "
@@ -136,7 +141,7 @@ def _specs(args: argparse.Namespace):
     # a CUDA run is predicted without a GPU here, so "cuda" is not checked for one)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     out = []
-    for case in cases_for(schedules, args.pipeline_degree, algorithms):
+    for case in _cases(args, schedules, algorithms):
         if case.num_experts % (args.nodes * per):
             raise SystemExit(f"moeflow simulate layer: bench layer's config {case.name} has "
                              f"{case.num_experts} experts, which do not divide among --nodes "
@@ -251,6 +256,26 @@ def simulate_variant(args: argparse.Namespace, costs, case, spec, variant: str,
     except ConfigError as e:
         raise SystemExit(f"moeflow simulate layer: --compare {variant}, row {case.name}: "
                          f"{e}") from None
+
+
+def _cases(args: argparse.Namespace, schedules: list[str], algorithms: tuple[str, ...]):
+    """bench layer's configs, or with ``--custom-layer`` the one layer its flags describe."""
+    from dataclasses import replace
+
+    from moeflow.bench.layer import BenchCase
+
+    if not args.custom_layer:
+        return cases_for(schedules, args.pipeline_degree, algorithms)
+    f = None if args.capacity_factor == 0 else args.capacity_factor
+    name = (f"custom-e{args.num_experts}-top{args.top_k}-"
+            + ("dropless" if f is None else f"cap{f:g}") + f"-{args.activation}")
+    base = BenchCase(name, args.num_experts, args.top_k, f, activation=args.activation)
+    cases = [base] + [replace(base, name=f"{name}-{s}-r{args.pipeline_degree}", schedule=s,
+                              pipeline_degree=args.pipeline_degree)
+                      for s in schedules if s != "sequential"]
+    if list(algorithms) == ["direct"]:
+        return cases
+    return [replace(c, name=f"{c.name}@{a}", a2a=a) for a in algorithms for c in cases]
 
 
 def _routing(args: argparse.Namespace, case, spec) -> tuple[list | None, str]:
