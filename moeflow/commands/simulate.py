@@ -557,7 +557,8 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                    moe_layer={k: layer[k] for k in ("step_s", "forward_s", "backward_s",
                                                     "comm_s", "exposed_comm_s")})
         rows.append(res)
-    print(format_train_table(rows, args.preset, world))
+    label = f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
+    print(format_train_table(rows, label, world))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
@@ -566,11 +567,11 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_train_table(rows: list[dict], preset: str, world: int) -> str:
+def format_train_table(rows: list[dict], label: str, world: int) -> str:
     parts = list(dict.fromkeys(k for r in rows for k in r["parts_s"]))
     head = (f"{'variant':<16} {'step ms':>9} " + " ".join(f"{p[:12]:>12}" for p in parts)
             + f" {'tok/s':>10} {'x first':>7}")
-    lines = [f"moeflow train --preset {preset} on {world} ranks, one step (predicted)", head,
+    lines = [f"moeflow train {label} on {world} ranks, one step (predicted)", head,
              "-" * len(head)]
     for r in rows:
         lines.append(f"{r['variant']:<16} {r['step_s'] * 1e3:>9.2f} "
