@@ -266,3 +266,38 @@ def test_compare_predicts_variants_side_by_side(tmp_path, capsys):
         main([*args, "--compare", "parm:s1", "--schedules", "sequential,optsche"])
     with pytest.raises(SystemExit, match="does not read"):
         main([*args, "--compare", "fssdp:sparse", "--fssdp", '{"window": 3}'])
+
+
+def test_custom_layer_replaces_the_bench_configs(tmp_path):
+    """``--custom-layer``: one layer of --num-experts / --top-k / --capacity-factor (0:
+    dropless) / --activation, a row per further schedule, as a paper's setting needs."""
+    from moeflow.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["simulate", "layer", "--custom-layer", "--num-experts", "16", "--top-k", "1",
+                 "--capacity-factor", "0", "--activation", "swiglu", "--nproc", "4",
+                 "--profile", "schemoe-32gpu", "--tokens", "64", "--routing", "uniform",
+                 "--schedules", "sequential,optsche", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in rows] == ["custom-e16-top1-dropless-swiglu",
+                                         "custom-e16-top1-dropless-swiglu-optsche-r2"]
+    spec = rows[0]["spec"]
+    assert (spec["num_experts"], spec["top_k"], spec["capacity_factor"],
+            spec["activation"]) == (16, 1, None, "swiglu")
+    assert rows[1]["spec"]["schedule"] == "optsche"
+
+
+def test_profile_inter_groups_share_the_node_link():
+    """A profile's ``inter`` class (one rank per node) runs its ranks_per_node groups at once,
+    as bench links measures it: the node's link is shared, so the slope grows with them."""
+    from moeflow.measure.profiles import load_profile
+    from moeflow.simulate.costs import profile_links
+
+    prof = load_profile("schemoe-32gpu")
+    one = profile_links(prof, 8, 1)[("inter", "all_to_all")]
+    four = profile_links(prof, 8, 4)[("inter", "all_to_all")]
+    assert four.beta == pytest.approx(4 * one.beta)
+    assert one.beta == pytest.approx(7 / 8 / prof.inter.bandwidth_Bps)
+    links = profile_links(prof, 8, 4)
+    assert links[("inter", "all_reduce")].beta == pytest.approx(2 * four.beta)
+    assert links[("world", "reduce_scatter")] == links[("world", "all_gather")]
