@@ -191,6 +191,17 @@ def variants(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _check_unused(args: argparse.Namespace, names: list[str], layout: bool = True) -> None:
+    """Refuse layout (``layout``) / FSSDP flags that no variant reads."""
+    if layout and (args.mp > 1 or args.esp > 1 or args.ep_size is not None) and \
+            not any(n.startswith("parm:") for n in names):
+        raise SystemExit("moeflow simulate: --mp / --esp / --ep-size describe Parm's layout, "
+                         "and no variant is a Parm one: add --compare parm:baseline,parm:s1,...")
+    if args.fssdp.strip() not in ("", "{}") and not any(n.startswith("fssdp:") for n in names):
+        raise SystemExit("moeflow simulate: --fssdp is read by the fssdp variants only: add "
+                         "--compare fssdp:static or fssdp:sparse")
+
+
 def _parm_spec(args: argparse.Namespace, case, spec, sched: str):
     from moeflow.simulate.parm import ParmSpec
 
@@ -356,6 +367,7 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
             measured = {r["name"]: r for r in json.load(f)["results"]}
     rows = []
     names = variants(args)
+    _check_unused(args, names)
     for case, spec in specs:
         routing, how = _routing(args, case, spec)
         first = None
@@ -464,10 +476,15 @@ def _train_layout(args: argparse.Namespace) -> tuple[int, int]:
     return nodes, per
 
 
-def _config_variant(mcfg) -> str:
+def _config_variant(mcfg, args: argparse.Namespace) -> str:
+    """The variant ``moeflow train`` would run: FSSDP, Parm's schedule where the layout has
+    MP or ESP (the baseline by default), else expert parallelism."""
     if mcfg.placement == "fssdp":
         return f"fssdp:{(mcfg.fssdp or {}).get('materialize', 'static')}"
-    if mcfg.parallel_schedule in ("s1", "s2"):
+    if args.mp > 1 or args.esp > 1:
+        if mcfg.parallel_schedule == "auto":
+            raise SystemExit("moeflow simulate train: parallel_schedule='auto' (Algorithm 1 "
+                             "per call) is not modelled: --compare parm:s1,parm:s2")
         return f"parm:{mcfg.parallel_schedule}"
     return "ep"
 
@@ -504,7 +521,8 @@ def run_simulate_train(args: argparse.Namespace) -> int:
         if mcfg.d_ff % args.mp or mcfg.n_heads % args.mp:
             raise SystemExit(f"moeflow simulate train: --mp {args.mp} must divide n_heads "
                              f"{mcfg.n_heads} and d_ff {mcfg.d_ff}")
-    names = variants(args) if args.compare is not None else [_config_variant(mcfg)]
+    names = variants(args) if args.compare is not None else [_config_variant(mcfg, args)]
+    _check_unused(args, names, layout=False)     # the MP / ESP layout shapes the dense part too
     if (args.mp > 1 or args.esp > 1) and any(not n.startswith("parm:") for n in names):
         raise SystemExit(f"moeflow simulate train: with --mp {args.mp} / --esp {args.esp} the "
                          "MoE layers run Parm's schedules: compare parm:baseline, parm:s1, "

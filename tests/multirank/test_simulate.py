@@ -243,8 +243,9 @@ def test_compare_predicts_variants_side_by_side(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     args = ["simulate", "layer", "--nodes", "2", "--ranks-per-node", "2", "--profile",
             "parm-testbed-b", "--tokens", "64", "--d-model", "32", "--d-expert", "64",
-            "--routing", "uniform", "--mp", "2", "--esp", "2"]
-    assert main([*args, "--compare", "parm:baseline,parm:s1,parm:s2,ep,fssdp:sparse",
+            "--routing", "uniform"]
+    parm = ["--mp", "2", "--esp", "2"]
+    assert main([*args, *parm, "--compare", "parm:baseline,parm:s1,parm:s2,ep,fssdp:sparse",
                  "--fssdp", '{"overlap_degree": 2, "memory_capacity": 1}',
                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
@@ -263,7 +264,9 @@ def test_compare_predicts_variants_side_by_side(tmp_path, capsys):
         with pytest.raises(SystemExit, match=msg):
             main([*args, "--compare", bad])
     with pytest.raises(SystemExit, match="one chunk"):
-        main([*args, "--compare", "parm:s1", "--schedules", "sequential,optsche"])
+        main([*args, *parm, "--compare", "parm:s1", "--schedules", "sequential,optsche"])
+    with pytest.raises(SystemExit, match="no variant is a Parm one"):
+        main([*args, *parm, "--compare", "ep,fssdp:static"])
     with pytest.raises(SystemExit, match="does not read"):
         main([*args, "--compare", "fssdp:sparse", "--fssdp", '{"window": 3}'])
 

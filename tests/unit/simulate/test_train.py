@@ -78,3 +78,19 @@ def test_cli_takes_train_model_arguments(tmp_path, capsys):
               "--compare", "ep"])
     assert main(["simulate", "train", "--profile", "parm-testbed-b", "--nproc", "4", "--mp",
                  "2", "--esp", "2", "--compare", "parm:baseline,parm:s2"]) == 0
+
+
+def test_the_config_decides_the_strategy_and_unused_flags_are_refused(tmp_path):
+    from moeflow.cli import main
+
+    out = tmp_path / "p.json"
+    base = ["simulate", "train", "--profile", "parm-testbed-b", "--nproc", "4"]
+    assert main([*base, "--mp", "2", "--esp", "2", "--set", "parallel_schedule=s2",
+                 "--out", str(out)]) == 0
+    assert [r["variant"] for r in json.loads(out.read_text())["results"]] == ["parm:s2"]
+    assert main([*base, "--mp", "2", "--out", str(out)]) == 0            # train's default
+    assert [r["variant"] for r in json.loads(out.read_text())["results"]] == ["parm:baseline"]
+    with pytest.raises(SystemExit, match="--fssdp is read by the fssdp variants"):
+        main([*base, "--fssdp", '{"overlap_degree": 2}'])
+    with pytest.raises(SystemExit, match="no variant is a Parm one"):
+        main(["simulate", "layer", "--nproc", "4", "--profile", "schemoe-32gpu", "--mp", "2"])
