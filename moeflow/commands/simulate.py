@@ -42,6 +42,11 @@ def register(sub) -> None:
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --nproc, so nodes x ranks = bench layer's "
                         "world)")
+    g.add_argument("--custom-layer", action="store_true",
+                   help="predict one layer of --num-experts, --top-k, --capacity-factor (0: "
+                        "dropless) and --activation (bench layer's --compare flags) instead of "
+                        "bench layer's configs, e.g. a paper's setting (each further "
+                        "--schedules entry adds its row at --pipeline-degree)")
     g.add_argument("--routing", default=None, choices=("bench", "uniform"),
                    help="bench (default): plan the expert ids each rank's router picks on "
                         "`bench layer`'s inputs, so the bytes and loads are the measured run's; "
@@ -67,6 +72,27 @@ def register(sub) -> None:
                    help="thread (default, the library): one communication thread runs every "
                         "collective in issue order; link: a lane per link class (intra, inter), "
                         "so the phases of successive hierarchical all-to-alls overlap")
+    v = layer.add_argument_group(
+        "variants: --compare A,B,... predicts every row under each (side by side, with the "
+        "ratio to the first)",
+        "ep (plain expert parallelism, the default); parm:baseline, parm:s1, parm:s2, "
+        "parm:s2-aas (Parm's schedules on the --mp / --esp layout); fssdp:static, fssdp:sparse "
+        "(HECATE's placement, --fssdp options); a2a:NAME, codec:NAME (expert parallelism "
+        "with that all-to-all or codec). --compare tutel / moeflow-fixed (bench layer's peers) "
+        "are not modelled")
+    v.add_argument("--mp", type=int, default=1, help="Parm variants: the MP (tensor-parallel) "
+                                                     "group size")
+    v.add_argument("--esp", type=int, default=1, help="Parm variants: the ESP group size")
+    v.add_argument("--ep-size", type=int, default=None,
+                   help="Parm variants: the EP group size (default: ranks / --esp, as "
+                        "`moeflow train`)")
+    v.add_argument("--esp-placement", default="esp-in-node", choices=("esp-in-node",
+                                                                       "ep-in-node"),
+                   help="Parm variants: which groups sit inside a node (Section IV-A)")
+    v.add_argument("--fssdp", default="{}", metavar="JSON",
+                   help='FSSDP variants: MoEConfig.fssdp fields the model reads, e.g. '
+                        '\'{"overlap_degree": 4, "memory_capacity": 1, "rematerialize": true}\' '
+                        "(t and m as counts; materialize comes from the variant)")
     g.add_argument("--measured", default=None, metavar="JSON",
                    help="a `moeflow bench layer --out` file of the same arguments: adds the "
                         "measured step and the ratio predicted / measured per row")
@@ -74,15 +100,13 @@ def register(sub) -> None:
                    help="write PREFIX-<config>.png: rank 0's predicted 7r tasks per lane, drawn "
                         "as `bench schedule --gantt` draws measured ones")
     layer.set_defaults(func=run_simulate_layer)
+    add_train_parser(ssub)
 
 
 def _specs(args: argparse.Namespace):
     from moeflow.schedule import SCHEDULERS
     from moeflow.simulate import LayerSpec
 
-    if args.compare is not None:
-        raise SystemExit("moeflow simulate layer: --compare (a peer's layer) is not modelled; "
-                         "drop it")
     if args.codec.startswith("auto"):
         raise SystemExit(f"moeflow simulate layer: --codec {args.codec} (tuned at run time) is "
                          "not modelled; name a codec (none, fp16, int8, zfp, ...)")
@@ -117,7 +141,7 @@ def _specs(args: argparse.Namespace):
     # a CUDA run is predicted without a GPU here, so "cuda" is not checked for one)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     out = []
-    for case in cases_for(schedules, args.pipeline_degree, algorithms):
+    for case in _cases(args, schedules, algorithms):
         if case.num_experts % (args.nodes * per):
             raise SystemExit(f"moeflow simulate layer: bench layer's config {case.name} has "
                              f"{case.num_experts} experts, which do not divide among --nodes "
@@ -136,6 +160,133 @@ def _specs(args: argparse.Namespace):
         except ConfigError as e:
             raise SystemExit(f"moeflow simulate layer: config {case.name}: {e}") from None
     return out
+
+
+PEERS = ("tutel", "moeflow-fixed", "deepspeed")
+VARIANTS = ("ep", "parm:baseline", "parm:s1", "parm:s2", "parm:s2-aas", "fssdp:static",
+            "fssdp:sparse")
+
+
+def variants(args: argparse.Namespace) -> list[str]:
+    """The ``--compare`` variants (default: ``ep``), each checked."""
+    from moeflow.registry import registry
+
+    if args.compare is None:
+        return ["ep"]
+    out = [v.strip() for v in args.compare.split(",") if v.strip()]
+    for v in out:
+        if v in PEERS:
+            raise SystemExit(f"moeflow simulate layer: --compare {v} (a peer's layer) is not "
+                             "modelled; compare moeflow's own variants: "
+                             f"{', '.join(VARIANTS)}, a2a:NAME, codec:NAME")
+        kind, _, name = v.partition(":")
+        ok = (v in VARIANTS or (kind == "a2a" and name) or
+              (kind == "codec" and name in registry("codec")))
+        if not ok:
+            raise SystemExit(f"moeflow simulate layer: --compare has {v!r}; choose from "
+                             f"{', '.join(VARIANTS)}, a2a:NAME, codec:NAME (a registered codec)")
+    if len(set(out)) != len(out):
+        raise SystemExit(f"moeflow simulate layer: --compare {args.compare} names a variant "
+                         "twice")
+    return out
+
+
+def _check_unused(args: argparse.Namespace, names: list[str], layout: bool = True) -> None:
+    """Refuse layout (``layout``) / FSSDP flags that no variant reads."""
+    if layout and (args.mp > 1 or args.esp > 1 or args.ep_size is not None) and \
+            not any(n.startswith("parm:") for n in names):
+        raise SystemExit("moeflow simulate: --mp / --esp / --ep-size describe Parm's layout, "
+                         "and no variant is a Parm one: add --compare parm:baseline,parm:s1,...")
+    if args.fssdp.strip() not in ("", "{}") and not any(n.startswith("fssdp:") for n in names):
+        raise SystemExit("moeflow simulate: --fssdp is read by the fssdp variants only: add "
+                         "--compare fssdp:static or fssdp:sparse")
+
+
+def _parm_spec(args: argparse.Namespace, case, spec, sched: str):
+    from moeflow.simulate.parm import ParmSpec
+
+    if spec.pipeline_degree > 1 or spec.codec != "none":
+        raise SystemExit(f"moeflow simulate layer: --compare parm:{sched}: the Parm model runs "
+                         f"one chunk without codecs, and row {case.name} has pipeline_degree "
+                         f"{spec.pipeline_degree}, codec {spec.codec}; give --schedules "
+                         "sequential and --codec none")
+    ep = args.ep_size if args.ep_size is not None else spec.world // args.esp
+    try:
+        return ParmSpec(tokens=spec.tokens, d_model=spec.d_model, d_expert=spec.d_expert,
+                        num_experts=spec.num_experts, top_k=spec.top_k,
+                        capacity_factor=spec.capacity_factor, mp=args.mp, ep=ep, esp=args.esp,
+                        esp_in_node=args.esp_placement == "esp-in-node",
+                        schedule=sched.split("-")[0], saa=sched != "s2-aas",
+                        activation=spec.activation, nodes=spec.nodes,
+                        ranks_per_node=spec.ranks_per_node)
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate layer: --compare parm:{sched}: {e} (flags --mp, "
+                         "--esp, --ep-size, --esp-placement)") from None
+
+
+def _fssdp_spec(args: argparse.Namespace, mode: str):
+    from moeflow.simulate.fssdp import FSSDPSpec
+
+    try:
+        opts = json.loads(args.fssdp)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"moeflow simulate layer: --fssdp {args.fssdp!r} is not JSON: {e}")
+    known = {"overlap_degree", "memory_capacity", "rematerialize"}
+    extra = set(opts) - known
+    if extra:
+        raise SystemExit(f"moeflow simulate layer: --fssdp has {sorted(extra)}, which the "
+                         f"model does not read; give only {sorted(known)} (materialize comes "
+                         "from the variant, fssdp:static or fssdp:sparse)")
+    try:
+        return FSSDPSpec(materialize=mode, **opts)
+    except (ConfigError, TypeError) as e:
+        raise SystemExit(f"moeflow simulate layer: --fssdp: {e}") from None
+
+
+def simulate_variant(args: argparse.Namespace, costs, case, spec, variant: str,
+                     routing) -> dict:
+    """One row: ``spec`` (the bench layer case) under ``variant``."""
+    from dataclasses import replace
+
+    from moeflow.simulate import simulate_layer
+    from moeflow.simulate.parm import simulate_parm
+
+    kind, _, name = variant.partition(":")
+    try:
+        if kind == "parm":
+            pspec = _parm_spec(args, case, spec, name)
+            # the MP ranks hold one batch: each MP group gates its first rank's sample
+            mp_routing = None if routing is None else [routing[r - r % pspec.mp]
+                                                       for r in range(spec.world)]
+            return simulate_parm(pspec, costs, mp_routing)
+        if kind == "fssdp":
+            return simulate_layer(spec, costs, routing, _fssdp_spec(args, name))
+        if kind in ("a2a", "codec"):
+            return simulate_layer(replace(spec, **{kind: name}), costs, routing)
+        return simulate_layer(spec, costs, routing)
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate layer: --compare {variant}, row {case.name}: "
+                         f"{e}") from None
+
+
+def _cases(args: argparse.Namespace, schedules: list[str], algorithms: tuple[str, ...]):
+    """bench layer's configs, or with ``--custom-layer`` the one layer its flags describe."""
+    from dataclasses import replace
+
+    from moeflow.bench.layer import BenchCase
+
+    if not args.custom_layer:
+        return cases_for(schedules, args.pipeline_degree, algorithms)
+    f = None if args.capacity_factor == 0 else args.capacity_factor
+    name = (f"custom-e{args.num_experts}-top{args.top_k}-"
+            + ("dropless" if f is None else f"cap{f:g}") + f"-{args.activation}")
+    base = BenchCase(name, args.num_experts, args.top_k, f, activation=args.activation)
+    cases = [base] + [replace(base, name=f"{name}-{s}-r{args.pipeline_degree}", schedule=s,
+                              pipeline_degree=args.pipeline_degree)
+                      for s in schedules if s != "sequential"]
+    if list(algorithms) == ["direct"]:
+        return cases
+    return [replace(c, name=f"{c.name}@{a}", a2a=a) for a in algorithms for c in cases]
 
 
 def _routing(args: argparse.Namespace, case, spec) -> tuple[list | None, str]:
@@ -178,17 +329,21 @@ def _gantt(result: dict, path: str, title: str) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'config':<34} {'world':>5} {'pred ms':>8} {'fwd ms':>7} {'bwd ms':>7} "
-            f"{'comm ms':>8} {'exposed':>8} {'meas ms':>8} {'pred/meas':>9}")
+    ratio = any("ratio_to_first" in r for r in rows)
+    width = max([34] + [len(r["name"]) for r in rows])
+    head = (f"{'config':<{width}} {'world':>5} {'pred ms':>8} {'fwd ms':>7} {'bwd ms':>7} "
+            f"{'comm ms':>8} {'exposed':>8} {'meas ms':>8} {'pred/meas':>9}"
+            + (f" {'x first':>7}" if ratio else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         meas = r.get("measured_step_ms")
-        lines.append(f"{r['name']:<34} {r['world']:>5} {r['step_s'] * 1e3:>8.2f} "
+        lines.append(f"{r['name']:<{width}} {r['world']:>5} {r['step_s'] * 1e3:>8.2f} "
                      f"{r['forward_s'] * 1e3:>7.2f} {r['backward_s'] * 1e3:>7.2f} "
                      f"{r['comm_s'] * 1e3:>8.2f} {r['exposed_comm_s'] * 1e3:>8.2f} "
                      + (f"{meas:>8.2f} {r['step_s'] * 1e3 / meas:>9.2f}" if meas
-                        else f"{'-':>8} {'-':>9}"))
-    lines.append("pred: predicted forward+backward of the slowest rank; comm: all-to-all time; "
+                        else f"{'-':>8} {'-':>9}")
+                     + (f" {r['ratio_to_first']:>7.3f}" if ratio else ""))
+    lines.append("pred: predicted forward+backward of the slowest rank; comm: collective time; "
                  "exposed: the computing lane waiting (step - compute)")
     skew = list(dict.fromkeys(f"{r['name'].split('@')[0]} {r['load_max_over_mean']:.2f}"
                               for r in rows if r.get("load_max_over_mean", 1.0) > 1.0))
@@ -200,7 +355,7 @@ def format_table(rows: list[dict]) -> str:
 
 def run_simulate_layer(args: argparse.Namespace) -> int:
     from moeflow.measure.profiles import load_profile
-    from moeflow.simulate import cost_model, simulate_layer
+    from moeflow.simulate import cost_model
 
     specs = _specs(args)
     profile = load_profile(args.profile) if args.profile else None
@@ -211,26 +366,236 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
         with open(args.measured) as f:
             measured = {r["name"]: r for r in json.load(f)["results"]}
     rows = []
+    names = variants(args)
+    _check_unused(args, names)
     for case, spec in specs:
         routing, how = _routing(args, case, spec)
-        res = simulate_layer(spec, costs, routing)
-        res["name"], res["routing"] = case.name, how
-        if not case.grouped_mm:
-            res["note"] = ("one matmul per expert in the measured run; simulated with the "
-                           "grouped experts' fit")
-        if case.name in measured:
-            m = measured[case.name]
-            res["measured_step_ms"] = m["step_ms"]
-            res["measured_world"] = m["world_size"]
-        if args.gantt:
-            path = f"{args.gantt}-{case.name}.png"
-            _gantt(res, path, f"predicted {case.name}")
-            res["gantt"] = path
-        rows.append(res)
+        first = None
+        for variant in names:
+            res = simulate_variant(args, costs, case, spec, variant, routing)
+            res["name"] = case.name if names == ["ep"] else f"{case.name}[{variant}]"
+            res["case"], res["variant"], res["routing"] = case.name, variant, how
+            first = res["step_s"] if first is None else first
+            if len(names) > 1:
+                res["ratio_to_first"] = res["step_s"] / first
+            rows.append(_finish_row(args, res, case, measured))
     print(format_table(rows))
+    if len(names) > 1:
+        print(f"x first: the row's predicted step over the same config's {names[0]} row")
+    if args.mp > 1 and any(n.startswith("parm:") for n in names) and \
+            any(not n.startswith("parm:") for n in names):
+        print(f"note: the parm rows' MP groups of {args.mp} ranks share one batch of --tokens "
+              f"(Parm's replicated MoE input), the other rows give every rank its own: they "
+              f"carry {args.mp}x the distinct tokens")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
                        "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
+
+
+def _finish_row(args: argparse.Namespace, res: dict, case, measured: dict) -> dict:
+    """Notes, the measured twin (matched by the bench layer config's name; only the ``ep``
+    variant is what bench layer measures) and the Gantt chart of one row."""
+    if not case.grouped_mm:
+        res["note"] = ("one matmul per expert in the measured run; simulated with the "
+                       "grouped experts' fit")
+    if case.name in measured and res["variant"] == "ep":
+        m = measured[case.name]
+        res["measured_step_ms"] = m["step_ms"]
+        res["measured_world"] = m["world_size"]
+    if args.gantt and "collectives" not in res:   # Parm's steps are not the 7r tasks drawn
+        path = f"{args.gantt}-{res['name']}.png"
+        _gantt(res, path, f"predicted {res['name']}")
+        res["gantt"] = path
+    return res
+
+
+# -- moeflow simulate train -----------------------------------------------------------------
+
+def add_train_parser(ssub) -> None:
+    """``moeflow simulate train``: ``moeflow train``'s model arguments (``--preset``, ``--set``,
+    ``--batch-size``, ``--mp``, ``--esp``, ``--ep-size``, ``--esp-placement``, ``--nproc``) and
+    the models."""
+    from moeflow.config import PRESETS, TrainConfig
+
+    p = ssub.add_parser("train", help="predict one `moeflow train` step (every block, every MoE "
+                                      "layer, the gradient sync) from fits or a profile")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="model size, as `moeflow train --preset`")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
+                   help="override a ModelConfig field, as `moeflow train --set` (the tuner's "
+                        "'auto' settings are not modelled: give a2a / schedule / "
+                        "pipeline_degree values, else the config's defaults are used)")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
+                   help="sequences per data-parallel rank per step (as `moeflow train`)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks (default 2, as `moeflow train`); the layout is --nodes x "
+                        "--ranks-per-node when given")
+    g = p.add_argument_group("the models and the layout")
+    g.add_argument("--links", default=None, metavar="JSON", help="`moeflow bench links` fits")
+    g.add_argument("--compute", default=None, metavar="JSON",
+                   help="`moeflow bench compute` fits (gemm, gemm_backward, experts, "
+                        "elementwise)")
+    g.add_argument("--profile", default=None, metavar="NAME", help="a hardware profile")
+    g.add_argument("--nodes", type=int, default=1, help="nodes of the simulated layout")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (default: --nproc / --nodes)")
+    g.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the run would be: cuda pads capacity buffers "
+                        "(capacity_padding='auto')")
+    g.add_argument("--zipf", type=float, default=None, metavar="S",
+                   help="skewed loads: a Zipf(S) routing sample (default: the uniform "
+                        "expectation)")
+    g.add_argument("--routing-seed", type=int, default=0, help="seed of the --zipf sample")
+    g.add_argument("--out", default=None, metavar="JSON", help="write the prediction")
+    v = p.add_argument_group("the MoE layers' strategy")
+    v.add_argument("--mp", type=int, default=1, help="Parm: MP (tensor-parallel) group size")
+    v.add_argument("--esp", type=int, default=1, help="Parm: ESP group size")
+    v.add_argument("--ep-size", type=int, default=None,
+                   help="Parm: EP group size (default: ranks / --esp)")
+    v.add_argument("--esp-placement", default="esp-in-node",
+                   choices=("esp-in-node", "ep-in-node"), help="Parm: Section IV-A's case")
+    v.add_argument("--fssdp", default="{}", metavar="JSON",
+                   help="FSSDP variants: overlap_degree, memory_capacity, rematerialize")
+    v.add_argument("--compare", default=None, metavar="A,B,...",
+                   help="predict the step with every MoE layer under each variant (ep, "
+                        "parm:baseline, parm:s1, parm:s2, parm:s2-aas, fssdp:static, "
+                        "fssdp:sparse, a2a:NAME, codec:NAME), with the ratio to the first "
+                        "(default: the config's own: placement / parallel_schedule)")
+    p.set_defaults(func=run_simulate_train)
+
+
+def _train_layout(args: argparse.Namespace) -> tuple[int, int]:
+    nodes = args.nodes
+    per = args.ranks_per_node if args.ranks_per_node is not None else args.nproc // nodes
+    if nodes < 1 or per < 1 or (args.ranks_per_node is None and args.nproc % nodes):
+        raise SystemExit(f"moeflow simulate train: --nodes {nodes} does not divide --nproc "
+                         f"{args.nproc}; give --ranks-per-node")
+    return nodes, per
+
+
+def _config_variant(mcfg, args: argparse.Namespace) -> str:
+    """The variant ``moeflow train`` would run: FSSDP, Parm's schedule where the layout has
+    MP or ESP (the baseline by default), else expert parallelism."""
+    if mcfg.placement == "fssdp":
+        return f"fssdp:{(mcfg.fssdp or {}).get('materialize', 'static')}"
+    if args.mp > 1 or args.esp > 1:
+        if mcfg.parallel_schedule == "auto":
+            raise SystemExit("moeflow simulate train: parallel_schedule='auto' (Algorithm 1 "
+                             "per call) is not modelled: --compare parm:s1,parm:s2")
+        return f"parm:{mcfg.parallel_schedule}"
+    return "ep"
+
+
+def run_simulate_train(args: argparse.Namespace) -> int:
+    from collections import namedtuple
+
+    from moeflow.commands.common import parse_overrides
+    from moeflow.config import ModelConfig, model_preset
+    from moeflow.measure.profiles import load_profile
+    from moeflow.models.cost import model_cost
+    from moeflow.simulate import LayerSpec, cost_model
+    from moeflow.simulate.loads import sample_routing, zipf_popularity
+    from moeflow.simulate.train import TrainSpec, simulate_train
+
+    try:
+        mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate train: {e}") from None
+    if mcfg.structure == "bigmac":
+        raise SystemExit("moeflow simulate train: structure='bigmac' is not modelled (its "
+                         "exchanged width differs from d_model); use the vanilla structure")
+    block = mcfg.moe_layer_ids()[0] if mcfg.moe_layer_ids() else None
+    if block is None:
+        raise SystemExit("moeflow simulate train: the model has no MoE block")
+    moe = mcfg.moe_config(block)
+    for name in ("a2a", "schedule", "pipeline_degree", "codec"):
+        if str(getattr(moe, name)).startswith("auto"):
+            raise SystemExit(f"moeflow simulate train: {name}={getattr(moe, name)!r} is tuned "
+                             f"at run time and not modelled; give --set {name}=VALUE")
+    nodes, per = _train_layout(args)
+    world = nodes * per
+    if args.mp > 1 or args.esp > 1:
+        if mcfg.d_ff % args.mp or mcfg.n_heads % args.mp:
+            raise SystemExit(f"moeflow simulate train: --mp {args.mp} must divide n_heads "
+                             f"{mcfg.n_heads} and d_ff {mcfg.d_ff}")
+    names = variants(args) if args.compare is not None else [_config_variant(mcfg, args)]
+    _check_unused(args, names, layout=False)     # the MP / ESP layout shapes the dense part too
+    if (args.mp > 1 or args.esp > 1) and any(not n.startswith("parm:") for n in names):
+        raise SystemExit(f"moeflow simulate train: with --mp {args.mp} / --esp {args.esp} the "
+                         "MoE layers run Parm's schedules: compare parm:baseline, parm:s1, "
+                         "parm:s2, parm:s2-aas")
+    profile = load_profile(args.profile) if args.profile else None
+    costs = cost_model(args.links, args.compute, profile, nodes, per)
+    T = args.batch_size * mcfg.seq_len          # tokens per rank (per MP group with MP)
+    try:
+        spec = LayerSpec(tokens=T, d_model=mcfg.d_model, d_expert=moe.d_expert,
+                         num_experts=moe.num_experts, top_k=moe.top_k,
+                         capacity_factor=moe.capacity_factor, activation=moe.activation,
+                         schedule=moe.schedule, pipeline_degree=moe.pipeline_degree,
+                         a2a=moe.a2a, nodes=nodes, ranks_per_node=per,
+                         trim_padding=args.device == "cpu", codec=moe.codec,
+                         codec_backward=moe.codec_backward)
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate train: the MoE layer: {e}") from None
+    routing, how = None, "uniform"
+    if args.zipf is not None:
+        routing = sample_routing(zipf_popularity(spec.num_experts, args.zipf), world, T,
+                                 spec.top_k, args.routing_seed)
+        how = f"zipf {args.zipf}, seed {args.routing_seed}"
+    cost = model_cost(mcfg)
+    a = 3 if moe.activation == "swiglu" else 2
+    bias = ((a - 1) * moe.d_expert + mcfg.d_model) if mcfg.expert_bias else 0
+    experts_total = len(mcfg.moe_layer_ids()) * moe.num_experts * (
+        a * mcfg.d_model * moe.d_expert + bias)
+    n_dense = mcfg.n_layers - len(mcfg.moe_layer_ids())
+    sharded = mcfg.n_layers * 4 * mcfg.d_model ** 2 + n_dense * 2 * mcfg.d_model * mcfg.d_ff
+    dense = cost.params_total - experts_total - sharded + sharded // args.mp
+    Case = namedtuple("Case", "name")
+    rows, first = [], None
+    for variant in names:
+        if variant.startswith("parm:"):
+            ep = args.ep_size if args.ep_size is not None else world // args.esp
+            expert_ranks, dp = ep * args.esp, world // args.mp
+        else:
+            expert_ranks, dp = world, world
+        layer = simulate_variant(args, costs, Case(f"{args.preset}-block{block}"), spec,
+                                 variant, routing)
+        tspec = TrainSpec(tokens=T, seq_len=mcfg.seq_len, d_model=mcfg.d_model,
+                          n_heads=mcfg.n_heads, d_ff=mcfg.d_ff, vocab_size=mcfg.vocab_size,
+                          n_layers=mcfg.n_layers, moe_blocks=tuple(mcfg.moe_layer_ids()),
+                          dense_params=dense, expert_params=experts_total // expert_ranks,
+                          dp_size=dp, expert_dp_size=world // expert_ranks, mp=args.mp,
+                          nodes=nodes, ranks_per_node=per)
+        res = simulate_train(tspec, costs, {b: layer for b in tspec.moe_blocks})
+        first = res["step_s"] if first is None else first
+        res.update(variant=variant, routing=how, ratio_to_first=res["step_s"] / first,
+                   moe_layer={k: layer[k] for k in ("step_s", "forward_s", "backward_s",
+                                                    "comm_s", "exposed_comm_s")})
+        rows.append(res)
+    label = f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
+    print(format_train_table(rows, label, world))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
+                       "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def format_train_table(rows: list[dict], label: str, world: int) -> str:
+    parts = list(dict.fromkeys(k for r in rows for k in r["parts_s"]))
+    head = (f"{'variant':<16} {'step ms':>9} " + " ".join(f"{p[:12]:>12}" for p in parts)
+            + f" {'tok/s':>10} {'x first':>7}")
+    lines = [f"moeflow train {label} on {world} ranks, one step (predicted)", head,
+             "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['variant']:<16} {r['step_s'] * 1e3:>9.2f} "
+                     + " ".join(f"{r['parts_s'].get(p, 0.0) * 1e3:>12.2f}" for p in parts)
+                     + f" {r['tokens_per_s']:>10.0f} {r['ratio_to_first']:>7.3f}")
+    lines.append("parts in ms: dense compute (forward + backward), every MoE layer's predicted "
+                 "step, the gradient all-reduces, the optimizer; tok/s: distinct tokens per step "
+                 "/ step")
+    return "\n".join(lines)

@@ -5,7 +5,8 @@ on modelled lanes (ScheMoE Section 4's two-lane model, on every rank, with colle
 task times, :mod:`.engine` runs lanes, dependencies and collectives, :mod:`.layer` builds one
 expert-parallel layer's step from the schedulers and the dispatch planning code, :mod:`.exchange`
 the steps of each all-to-all (the hierarchical ones' intra- and inter-node phases), :mod:`.loads`
-skewed routing samples (Zipf, a trained router's loads).
+skewed routing samples (Zipf, a trained router's loads), :mod:`.parm` Parm's schedules (every
+rank's collectives under MP + EP + ESP), :mod:`.fssdp` HECATE's placement, spAG and spRS.
 """
 
 from moeflow.simulate.costs import CostModel, cost_model

@@ -96,7 +96,8 @@ def profile_links(profile: Profile, nodes: int, ranks_per_node: int
 
     An all-to-all of a B-byte send buffer among g ranks sends ``B (g-1)/g`` per rank; across
     nodes, a node's ``ranks_per_node`` ranks share its inter-node link and send
-    ``B (W - ranks_per_node) / W`` each over it. p2p is one flow on one link."""
+    ``B (W - ranks_per_node) / W`` each over it; the ``inter`` class (one rank per node) runs
+    its ``ranks_per_node`` groups at once over the same links. p2p is one flow on one link."""
     intra, inter, per, world = profile.intra, profile.inter, ranks_per_node, nodes * ranks_per_node
     out = {("intra", "p2p"): intra.alpha_beta()}
     if per > 1:
@@ -107,18 +108,24 @@ def profile_links(profile: Profile, nodes: int, ranks_per_node: int
             raise ConfigError(f"profile {profile.name!r} has no [inter_node] link, but the "
                               f"layout has nodes={nodes}; give a profile with one or --nodes 1")
         out[("inter", "p2p")] = inter.alpha_beta()
+        # an inter-node group holds one rank per node, and the node's ranks_per_node such groups
+        # run at once (as `bench links` measures a class: every group together), sharing the
+        # node's link
         out[("inter", "all_to_all")] = AlphaBeta(inter.latency_s,
-                                                 (nodes - 1) / nodes / inter.bandwidth_Bps,
+                                                 per * (nodes - 1) / nodes / inter.bandwidth_Bps,
                                                  nodes)
         if per > 1:
             beta = max(per * (world - per) / world / inter.bandwidth_Bps,
                        (per - 1) / world / intra.bandwidth_Bps)
             out[("world", "all_to_all")] = AlphaBeta(inter.latency_s + intra.latency_s, beta,
                                                      world)
-    # a ring all-gather of a B-byte output moves B (g-1)/g per rank, as the all-to-all above
+    # a ring all-gather of a B-byte output (a reduce-scatter of a B-byte input) moves
+    # B (g-1)/g per rank, as the all-to-all above; a ring all-reduce twice that
     for cls in ("intra", "inter", "world"):
         if (cls, "all_to_all") in out:
-            out[(cls, "all_gather")] = out[(cls, "all_to_all")]
+            a2a = out[(cls, "all_to_all")]
+            out[(cls, "all_gather")] = out[(cls, "reduce_scatter")] = a2a
+            out[(cls, "all_reduce")] = AlphaBeta(2 * a2a.alpha, 2 * a2a.beta, a2a.group_size)
     return out
 
 

@@ -29,6 +29,8 @@ class SimTask:
     link: str | None = None     # the link class of a communication task
     stage: str | None = None    # the step of an all-to-all ("all_to_all", "intra", "inter")
     remote_bytes: int = 0       # bytes of it sent to other nodes
+    ranks: tuple | None = None  # the group's global ranks (Parm / HECATE collectives)
+    elements: int = 0           # elements this rank puts in (the tracer's count), if recorded
     start: float | None = None
     end: float | None = None
 
@@ -37,7 +39,9 @@ class SimTask:
                 "start_s": self.start, "end_s": self.end, "size": self.size,
                 **({"link": self.link} if self.link else {}),
                 **({"stage": self.stage} if self.stage else {}),
-                **({"collective": self.collective} if self.collective else {})}
+                **({"collective": self.collective} if self.collective else {}),
+                **({"ranks": list(self.ranks), "elements": self.elements}
+                   if self.ranks is not None else {})}
 
 
 def run(lanes: dict[tuple[int, str], list[SimTask]]) -> float:

@@ -16,8 +16,8 @@ Section 3.2), ``permute`` and ``route`` backward. Hierarchical all-to-alls run a
 intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.dispatch.phases`).
 Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a
 trained router's loads). Codecs: encode / decode as the C / D tasks, compressed rows on the
-wire (``Codec.wire_bytes``). Not modelled yet: the shared experts' task S, Parm's and HECATE's
-strategies.
+wire (``Codec.wire_bytes``). HECATE's placement: :mod:`.fssdp` (the exchange over held slots,
+with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet: the shared experts' task S.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from moeflow.registry import registry
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.schedule.schedulers import SCHEDULERS
 from moeflow.schedule.tasks import Task
-from moeflow.simulate import engine
+from moeflow.simulate import engine, fssdp as fssdp_model
 from moeflow.simulate.costs import CostModel
 from moeflow.simulate.engine import SimTask
 from moeflow.simulate.exchange import HIERARCHICAL, a2a_seconds, exchange_steps, node_pairs
@@ -42,7 +42,7 @@ from moeflow.simulate.exchange import HIERARCHICAL, a2a_seconds, exchange_steps,
 __all__ = ["LayerSpec", "a2a_seconds", "count_matrix", "simulate_layer", "lane_orders"]
 A2AS = ("direct", "pairwise") + HIERARCHICAL        # the all-to-alls with a link model here
 COMM_LANES = ("thread", "link")
-COMM_TASKS = ("counts", "A1", "A2")     # the collectives of one step
+COMM_TASKS = ("counts", "A1", "A2", "spAG", "spRS")    # the collectives of a step
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -172,20 +172,28 @@ def chunk_matrices(spec: LayerSpec, counts: np.ndarray) -> list[np.ndarray]:
     return [c.reshape(W, W, e_local).sum(2) for c in chunk_counts(counts, spec.pipeline_degree)]
 
 
-def counts_seconds(spec: LayerSpec, costs: CostModel) -> tuple[float, str]:
+def count_width(spec: LayerSpec, fssdp: bool = False) -> int:
+    """int64 values each rank puts in the count exchange: its per-expert counts, node_dedup's
+    tokens per destination node, FSSDP's two measured times (KeptChoices' extras)."""
+    return (spec.num_experts + (spec.nodes if spec.a2a == "node_dedup" else 0)
+            + (2 if fssdp else 0))
+
+
+def counts_seconds(spec: LayerSpec, costs: CostModel, fssdp: bool = False
+                   ) -> tuple[float, str]:
     """The count matrix's exchange before the forward's first chunk
     (:func:`moeflow.dispatch.plan.exchange_counts`): an all-gather of every rank's per-expert
     counts (int64) over the EP group, on the computing thread."""
     if spec.world == 1:
         return 0.0, "self"
     cls = ("intra" if spec.nodes == 1 else "inter" if spec.ranks_per_node == 1 else "world")
-    # node_dedup gathers its tokens per destination node beside the counts
-    width = spec.num_experts + (spec.nodes if spec.a2a == "node_dedup" else 0)
+    width = count_width(spec, fssdp)
     return costs.link(cls, "all_gather").predict(spec.world * width * 8), cls
 
 
 def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase: str,
-                lanes: dict, last: dict, dedup: tuple | None = None) -> None:
+                lanes: dict, last: dict, dedup: tuple | None = None,
+                fssdp: bool = False) -> None:
     """Queue one pass (forward or backward) on every rank's lanes; ``last[rank]`` is the last
     computing task queued before it (the pass waits for it)."""
     W, d, h, B = spec.world, spec.d_model, spec.d_expert, spec.elem_bytes
@@ -227,8 +235,8 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
         for name, sec, size in outer:
             last[p] = add(name, sec, size, [last[p]] if last[p] else [])
         if fwd:
-            sec, link = counts_seconds(spec, costs)
-            width = E + (spec.nodes if spec.a2a == "node_dedup" else 0)
+            sec, link = counts_seconds(spec, costs, fssdp)
+            width = count_width(spec, fssdp)
             last[p] = add("counts", sec, spec.world * width * 8, [last[p]], lane="comm",
                           collective="forward/counts", link=link)
         done: dict[Task, SimTask] = {}
@@ -276,12 +284,21 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
         last[p] = tail
 
 
-def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = None) -> dict:
+def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = None,
+                   fssdp: "fssdp_model.FSSDPSpec | None" = None) -> dict:
     """The predicted step (forward + backward) of ``spec``: step time (the slowest rank),
     forward / backward split, per-kind busy time, exposed communication, and every task's
-    start / end per rank and lane (seconds from the step's start)."""
-    dedup = None
-    if spec.a2a == "node_dedup":
+    start / end per rank and lane (seconds from the step's start). ``fssdp``: HECATE's
+    placement (:mod:`.fssdp`): the exchange runs over held slots, with spAG / spRS."""
+    dedup, fp = None, None
+    if fssdp is not None:
+        if spec.a2a == "node_dedup":
+            raise ConfigError("LayerSpec.a2a='node_dedup' cannot be combined with FSSDP in the "
+                              "simulator (the library plans node_dedup over static experts); "
+                              "use a2a='direct' or a hierarchical one")
+        fp = fssdp_model.plan(spec, fssdp, routing)
+        counts = fp["counts"]
+    elif spec.a2a == "node_dedup":
         if routing is None:     # distinct nodes per token need ids: uniform draws, seed 0
             from moeflow.simulate.loads import sample_routing
             routing = sample_routing(np.full(spec.num_experts, 1.0 / spec.num_experts),
@@ -291,15 +308,23 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
         dedup = (counts, node_pairs(spec, routing))
     else:
         counts = count_matrix(spec, routing)
-    mats = chunk_matrices(spec, counts)
+    # FSSDP: held slot v = d * slots + j plays a global expert's role (token_plan.py)
+    mats = chunk_matrices(spec if fp is None else
+                          replace(spec, num_experts=spec.world * fp["slots"]), counts)
     rank_rows = counts.sum(0).reshape(spec.world, -1).sum(1)
     lanes: dict = {}
     for p in range(spec.world):
         for lane in ("compute", "comm", "comm/intra", "comm/inter"):
             lanes[(p, lane)] = []
     last = {p: None for p in range(spec.world)}
-    _pass_tasks(spec, costs, mats, "forward", lanes, last, dedup)
-    _pass_tasks(spec, costs, mats, "backward", lanes, last, dedup)
+    if fp is not None:          # spAG(P, P') before the layer (Section 3.2)
+        _sparse_tasks(spec, costs, fp, "spAG", "forward", lanes, last)
+    _pass_tasks(spec, costs, mats, "forward", lanes, last, dedup, fssdp=fp is not None)
+    if fp is not None and fssdp.rematerialize:      # HECATE-RM: the second spAG
+        _sparse_tasks(spec, costs, fp, "spAG", "backward", lanes, last)
+    _pass_tasks(spec, costs, mats, "backward", lanes, last, dedup, fssdp=fp is not None)
+    if fp is not None:          # spRS(P', P): the copies' gradients to the owners
+        _sparse_tasks(spec, costs, fp, "spRS", "backward", lanes, last)
     step = engine.run(lanes)
     tasks = [t for v in lanes.values() for t in v]
     fwd_end = max(t.end for t in tasks if t.phase == "forward")
@@ -331,8 +356,33 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
             "inter_node_bytes": [sum(t.remote_bytes for t in tasks if t.rank == p)
                                  for p in range(spec.world)],
             "step_bytes": _step_bytes(tasks, spec.world),
+            **({} if fp is None else {"fssdp": {
+                "holders": [sorted(h) for h in fp["placement"].holders],
+                "slots": fp["slots"], "spag_send_bytes": fp["spag_send_bytes"],
+                "sprs_send_bytes": fp["sprs_send_bytes"]}}),
             "tasks": sorted((t.record() for t in tasks),
                             key=lambda rec: (rec["rank"], rec["start_s"]))}
+
+
+def _sparse_tasks(spec: LayerSpec, costs: CostModel, fp: dict, name: str, phase: str,
+                  lanes: dict, last: dict) -> None:
+    """spAG or spRS on every rank's computing thread, one step of all ranks together."""
+    if spec.world == 1:
+        return
+    p1 = fp["placement"]
+    if name == "spAG":
+        send, recv, owner = fp["spag_send_bytes"], fp["replica_bytes"], True
+    else:
+        send, owner = fp["sprs_send_bytes"], False
+        recv = [0] * spec.world        # an owner receives each replica's copy
+        for e, h in enumerate(p1.holders):
+            recv[p1.owners[e]] += (len(h) - 1) * fp["expert_bytes"]
+    sec = fssdp_model.sparse_seconds(spec, costs, p1, send, recv, owner)
+    for p in range(spec.world):
+        t = SimTask(name, p, "comm", "compute", phase, sec, [last[p]] if last[p] else [],
+                    collective=f"{phase}/{name}", size=int(send[p]), stage=name)
+        lanes[(p, "compute")].append(t)
+        last[p] = t
 
 
 def _step_bytes(tasks: list[SimTask], world: int) -> dict[str, list[int]]:

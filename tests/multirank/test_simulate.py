@@ -233,3 +233,74 @@ def test_local_size_makes_the_bench_layer_nodes(tmp_path):
     with pytest.raises(SystemExit, match="does not divide"):
         main(["simulate", "layer", "--nproc", "4", "--local-size", "3", "--profile",
               "schemoe-32gpu"])
+
+
+def test_compare_predicts_variants_side_by_side(tmp_path, capsys):
+    """``--compare A,B,...``: every config under each variant, with the ratio to the first;
+    Parm's and HECATE's variants run their own models; peers and unknown names are refused."""
+    from moeflow.cli import main
+
+    out = tmp_path / "cmp.json"
+    args = ["simulate", "layer", "--nodes", "2", "--ranks-per-node", "2", "--profile",
+            "parm-testbed-b", "--tokens", "64", "--d-model", "32", "--d-expert", "64",
+            "--routing", "uniform"]
+    parm = ["--mp", "2", "--esp", "2"]
+    assert main([*args, *parm, "--compare", "parm:baseline,parm:s1,parm:s2,ep,fssdp:sparse",
+                 "--fssdp", '{"overlap_degree": 2, "memory_capacity": 1}',
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    by = {(r["case"], r["variant"]): r for r in rows}
+    assert {r["variant"] for r in rows} == {"parm:baseline", "parm:s1", "parm:s2", "ep",
+                                            "fssdp:sparse"}
+    for (case, variant), r in by.items():
+        first = by[(case, "parm:baseline")]["step_s"]
+        assert r["ratio_to_first"] == pytest.approx(r["step_s"] / first)
+    assert by[("gshard-top2-cap1.25", "parm:s1")]["spec"]["mp"] == 2
+    assert "fssdp" in by[("gshard-top2-cap1.25", "fssdp:sparse")]
+    text = capsys.readouterr().out
+    assert "x first" in text and "[parm:s2]" in text and "share one batch" in text
+    for bad, msg in (("tutel", "not modelled"), ("parm:auto", "choose from"),
+                     ("ep,ep", "twice")):
+        with pytest.raises(SystemExit, match=msg):
+            main([*args, "--compare", bad])
+    with pytest.raises(SystemExit, match="one chunk"):
+        main([*args, *parm, "--compare", "parm:s1", "--schedules", "sequential,optsche"])
+    with pytest.raises(SystemExit, match="no variant is a Parm one"):
+        main([*args, *parm, "--compare", "ep,fssdp:static"])
+    with pytest.raises(SystemExit, match="does not read"):
+        main([*args, "--compare", "fssdp:sparse", "--fssdp", '{"window": 3}'])
+
+
+def test_custom_layer_replaces_the_bench_configs(tmp_path):
+    """``--custom-layer``: one layer of --num-experts / --top-k / --capacity-factor (0:
+    dropless) / --activation, a row per further schedule, as a paper's setting needs."""
+    from moeflow.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["simulate", "layer", "--custom-layer", "--num-experts", "16", "--top-k", "1",
+                 "--capacity-factor", "0", "--activation", "swiglu", "--nproc", "4",
+                 "--profile", "schemoe-32gpu", "--tokens", "64", "--routing", "uniform",
+                 "--schedules", "sequential,optsche", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in rows] == ["custom-e16-top1-dropless-swiglu",
+                                         "custom-e16-top1-dropless-swiglu-optsche-r2"]
+    spec = rows[0]["spec"]
+    assert (spec["num_experts"], spec["top_k"], spec["capacity_factor"],
+            spec["activation"]) == (16, 1, None, "swiglu")
+    assert rows[1]["spec"]["schedule"] == "optsche"
+
+
+def test_profile_inter_groups_share_the_node_link():
+    """A profile's ``inter`` class (one rank per node) runs its ranks_per_node groups at once,
+    as bench links measures it: the node's link is shared, so the slope grows with them."""
+    from moeflow.measure.profiles import load_profile
+    from moeflow.simulate.costs import profile_links
+
+    prof = load_profile("schemoe-32gpu")
+    one = profile_links(prof, 8, 1)[("inter", "all_to_all")]
+    four = profile_links(prof, 8, 4)[("inter", "all_to_all")]
+    assert four.beta == pytest.approx(4 * one.beta)
+    assert one.beta == pytest.approx(7 / 8 / prof.inter.bandwidth_Bps)
+    links = profile_links(prof, 8, 4)
+    assert links[("inter", "all_reduce")].beta == pytest.approx(2 * four.beta)
+    assert links[("world", "reduce_scatter")] == links[("world", "all_gather")]
