@@ -12,7 +12,9 @@ a barrier before and after, so a step's time is the slowest rank's; the modes' o
 one per repetition, so no mode always runs first. The ratio over EP is paired per repetition.
 Per step and mode it also records the loss (world mean: the modes must agree to float32
 accuracy, the same function on the same batches) and the tokens each rank's experts computed
-in each MoE layer (the straggler HECATE removes, Section 2).
+in each MoE layer (the straggler HECATE removes, Section 2), and the CPU seconds the step took
+summed over the ranks (``time.process_time``, this process's threads: gloo's included), which
+tells whether the ranks' cores, not the slowest rank, set the step time.
 
 Modes (``--modes``):
 
@@ -174,7 +176,7 @@ def bench_worker(opts: dict) -> dict:
             if mode == "shadow":
                 _add_shadowing(loads, opts["t"])
             runs.append({"mode": mode, "trainer": tr, "loads": loads, "times": [],
-                         "losses": [], "rank_tokens": [], "expert_counts": []})
+                         "losses": [], "rank_tokens": [], "expert_counts": [], "cpu": []})
         n = len(runs)
         for i in range(steps):
             for j in range(n):
@@ -182,8 +184,9 @@ def bench_worker(opts: dict) -> dict:
                 tr = r["trainer"]
                 torch.manual_seed(opts["seed"] + 1000 * tr.step + topo.rank)
                 _barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 stats = tr.train_step()
+                cpu = time.process_time() - c0
                 _barrier()
                 dt = time.perf_counter() - t0
                 counts = r["loads"].take()
@@ -192,13 +195,16 @@ def bench_worker(opts: dict) -> dict:
                 r["rank_tokens"].append(_rank_tokens(r["loads"].layers, counts, world))
                 if i >= opts["warmup"]:
                     r["times"].append(dt)
+                    r["cpu"].append(cpu)
     # the world's loss per step and the global expert counts (one all-reduce per mode)
     out_modes = {}
     for r in runs:
         loss = torch.tensor(r["losses"], dtype=torch.float64)
+        cpu = torch.tensor(r["cpu"], dtype=torch.float64)
         counts = torch.stack(r["expert_counts"])            # (steps, layers, experts)
         if dist.is_initialized():
             dist.all_reduce(loss)
+            dist.all_reduce(cpu)
             dist.all_reduce(counts)
         loss /= world
         # EP layers' rank tokens need the global counts: recompute them from the sums
@@ -210,7 +216,8 @@ def bench_worker(opts: dict) -> dict:
                     toks = [int(v) for v in counts[s, li].view(world, -1).sum(1)]
                 row.append(toks)
             tokens.append(row)
-        out_modes[r["mode"]] = {"step_s": r["times"], "loss": loss.tolist(),
+        out_modes[r["mode"]] = {"step_s": r["times"], "cpu_s": cpu.tolist(),
+                                "loss": loss.tolist(),
                                 "expert_counts": counts.tolist(), "rank_tokens": tokens}
     return summarize(out_modes, opts, world, start)
 
@@ -233,6 +240,7 @@ def summarize(modes: dict, opts: dict, world: int, start_step: int) -> dict:
                     for step in r["expert_counts"][warm:] for c in step]
         summary[mode] = {
             "step_ms": _spread([1e3 * t for t in r["step_s"]]),
+            "cpu_s_all_ranks": _spread(r["cpu_s"]) if r.get("cpu_s") else None,
             "ep_over_mode": _spread(ratios), "ep_over_mode_paired": ratios,
             "rank_tokens_max_over_mean": _spread(rank_skew),
             "expert_max_over_mean": _spread(exp_skew),
@@ -244,14 +252,17 @@ def summarize(modes: dict, opts: dict, world: int, start_step: int) -> dict:
 
 def format_result(res: dict) -> str:
     lines = [f"{'mode':<10}{'ms/step min/med/max':>24}{'EP / mode med [min-max]':>26}"
-             f"{'rank max/mean':>15}{'expert max/mean':>17}{'|dloss| vs EP':>15}"]
+             f"{'rank max/mean':>15}{'expert max/mean':>17}{'|dloss| vs EP':>15}"
+             f"{'CPU s (ranks)':>15}"]
     for mode, s in res["summary"].items():
         st, q = s["step_ms"], s["ep_over_mode"]
         lines.append(f"{mode:<10}{st['min']:>8.0f}/{st['median']:>6.0f}/{st['max']:>6.0f}"
                      f"{q['median']:>12.2f}x [{q['min']:.2f}-{q['max']:.2f}]"
                      f"{s['rank_tokens_max_over_mean']['median']:>15.2f}"
                      f"{s['expert_max_over_mean']['median']:>17.2f}"
-                     f"{s['max_abs_loss_diff_vs_ep']:>15.2e}")
+                     f"{s['max_abs_loss_diff_vs_ep']:>15.2e}"
+                     + (f"{s['cpu_s_all_ranks']['median']:>15.2f}" if s.get("cpu_s_all_ranks")
+                        else ""))
     return "\n".join(lines)
 
 

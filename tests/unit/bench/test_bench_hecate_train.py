@@ -50,7 +50,7 @@ def test_one_process_runs_every_mode_with_equal_losses():
 
 def test_summary_pairs_ratios_per_repetition():
     def mode(times, loss, tokens):
-        return {"step_s": times, "loss": loss, "expert_counts": [[[3, 1]]] * 2,
+        return {"step_s": times, "cpu_s": times, "loss": loss, "expert_counts": [[[3, 1]]] * 2,
                 "rank_tokens": [[tokens]] * 2}
     modes = {"ep": mode([2.0, 4.0], [1.0, 0.5], [3, 1]),
              "hecate": mode([1.0, 4.0], [1.0, 0.5 + 1e-7], [2, 2])}
