@@ -13,8 +13,9 @@ one per repetition, so no mode always runs first. The ratio over EP is paired pe
 Per step and mode it also records the loss (world mean: the modes must agree to float32
 accuracy, the same function on the same batches) and the tokens each rank's experts computed
 in each MoE layer (the straggler HECATE removes, Section 2), and the CPU seconds the step took
-summed over the ranks (``time.process_time``, this process's threads: gloo's included), which
-tells whether the ranks' cores, not the slowest rank, set the step time.
+summed over the ranks and the most any rank used (``time.process_time``, this process's
+threads: gloo's included), which tells whether the ranks' cores, not the slowest rank, set the
+step time.
 
 Modes (``--modes``):
 
@@ -201,10 +202,12 @@ def bench_worker(opts: dict) -> dict:
     for r in runs:
         loss = torch.tensor(r["losses"], dtype=torch.float64)
         cpu = torch.tensor(r["cpu"], dtype=torch.float64)
+        cpu_max = cpu.clone()
         counts = torch.stack(r["expert_counts"])            # (steps, layers, experts)
         if dist.is_initialized():
             dist.all_reduce(loss)
             dist.all_reduce(cpu)
+            dist.all_reduce(cpu_max, op=dist.ReduceOp.MAX)
             dist.all_reduce(counts)
         loss /= world
         # EP layers' rank tokens need the global counts: recompute them from the sums
@@ -217,6 +220,7 @@ def bench_worker(opts: dict) -> dict:
                 row.append(toks)
             tokens.append(row)
         out_modes[r["mode"]] = {"step_s": r["times"], "cpu_s": cpu.tolist(),
+                                "cpu_s_max_rank": cpu_max.tolist(),
                                 "loss": loss.tolist(),
                                 "expert_counts": counts.tolist(), "rank_tokens": tokens}
     return summarize(out_modes, opts, world, start)
@@ -241,6 +245,8 @@ def summarize(modes: dict, opts: dict, world: int, start_step: int) -> dict:
         summary[mode] = {
             "step_ms": _spread([1e3 * t for t in r["step_s"]]),
             "cpu_s_all_ranks": _spread(r["cpu_s"]) if r.get("cpu_s") else None,
+            "cpu_s_max_rank": (_spread(r["cpu_s_max_rank"]) if r.get("cpu_s_max_rank")
+                               else None),
             "ep_over_mode": _spread(ratios), "ep_over_mode_paired": ratios,
             "rank_tokens_max_over_mean": _spread(rank_skew),
             "expert_max_over_mean": _spread(exp_skew),
