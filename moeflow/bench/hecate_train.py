@@ -127,8 +127,9 @@ def _add_shadowing(loads: _Loads, n_shadow: int) -> None:
 
 def _rank_tokens(layers, counts: torch.Tensor, world: int) -> list[list[int]]:
     """Tokens each rank's experts computed in each MoE layer in the last step: FSSDP layers'
-    own record (``last_loads``: over ``P'``), EP layers' global counts summed over each rank's
-    contiguous block of experts."""
+    own record (``last_loads``: over ``P'``, the same on every rank), EP layers' ``counts``
+    summed over each rank's contiguous block of experts (this rank's counts here: the worker
+    recomputes EP's rows from the all-reduced counts after the run)."""
     from moeflow.placement.layer_experts import FSSDPExperts
 
     out = []
