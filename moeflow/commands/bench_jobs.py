@@ -1,7 +1,8 @@
 """``moeflow bench parm-train``, ``moeflow bench group-limited``, ``moeflow bench
-recompute`` and ``moeflow bench dense-shard``: benchmarks whose options live beside their code
-(:mod:`moeflow.bench.parm_train`, :mod:`moeflow.bench.group_limited`,
-:mod:`moeflow.bench.recompute`, :mod:`moeflow.bench.dense_shard`), started the same way as
+recompute``, ``moeflow bench dense-shard`` and ``moeflow bench hecate-train``: benchmarks whose
+options live beside their code (:mod:`moeflow.bench.parm_train`,
+:mod:`moeflow.bench.group_limited`, :mod:`moeflow.bench.recompute`,
+:mod:`moeflow.bench.dense_shard`, :mod:`moeflow.bench.hecate_train`), started the same way as
 every other bench."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 
 
 def register_bench(bsub) -> None:
-    from moeflow.bench import dense_shard, group_limited, parm_train, recompute
+    from moeflow.bench import dense_shard, group_limited, hecate_train, parm_train, recompute
 
     p = bsub.add_parser("parm-train", help="Parm's Table V analog: moeflow train step time per "
                                            "MP / ESP layout on an emulated cluster (as root)",
@@ -39,3 +40,10 @@ def register_bench(bsub) -> None:
     dense_shard.add_arguments(p)
     p.set_defaults(func=lambda args: (dense_shard.run(args, "moeflow "
                                                       + shlex.join(sys.argv[1:])), 0)[1])
+
+    p = bsub.add_parser("hecate-train", help="HECATE end to end: moeflow train's step under EP, "
+                                             "shadowing, re-placement, HECATE and HECATE-RM "
+                                             "(interleaved, paired ratios over EP, losses, loads)",
+                        description=hecate_train.__doc__.splitlines()[0])
+    hecate_train.add_arguments(p)
+    p.set_defaults(func=hecate_train.run)
