@@ -23,7 +23,6 @@ trained under EP or FSSDP variants (HECATE Sections 3.2, 4.2 and 5.3-5.4). Share
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 
 import numpy as np
