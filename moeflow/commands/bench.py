@@ -7,7 +7,8 @@ import shlex
 import sys
 
 from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
-from moeflow.commands import bench_bigmac, bench_compute, bench_jobs, bench_net, bench_parm
+from moeflow.commands import (bench_bigmac, bench_compute, bench_hecate_model, bench_jobs,
+                              bench_net, bench_parm)
 from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
 from moeflow.registry import did_you_mean
 
@@ -20,6 +21,7 @@ def register(sub) -> None:
     layer.set_defaults(func=run_layer)
     bench_bigmac.register_bench(bsub)
     bench_compute.register_bench(bsub)
+    bench_hecate_model.register_bench(bsub)
     bench_jobs.register_bench(bsub)
     bench_net.register_bench(bsub)
     bench_parm.register_bench(bsub)

@@ -412,6 +412,16 @@ def check_eight_ranks() -> None:
                 assert any(len(h) > 1 for rec in got[0][case, variant]
                            for h in rec["holders"]), \
                     f"{case}/{variant}: Algorithm 1 held no expert on a second rank"
+            # t = 3 > m = 1: the topology-aware lines 6-11 once the window has loads (step 1
+            # on), every rank the same P', none holding more than m = 1 replica
+            recs = [got[r][case, "fssdp_sparse"] for r in range(w.WORLD)]
+            for step in range(1, STEPS):
+                assert all(rs[step]["branch"] == "slots_by_load" for rs in recs), \
+                    f"{case}: 8 ranks took {recs[0][step]['branch']!r} at step {step}"
+                holders = recs[0][step]["holders"]
+                assert all(rs[step]["holders"] == holders for rs in recs)
+                extra = [sum(r in h for h in holders) - 1 for r in range(w.WORLD)]
+                assert max(extra) <= 1 and sum(extra) > 0, (case, step, holders)
     finally:
         w.WORLD = four
     print(f"8 ranks (4 nodes x {LOCAL}): {FULL_CASES} x {AUTO_VARIANTS} over {STEPS} AdamW "
