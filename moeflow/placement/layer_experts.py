@@ -25,7 +25,9 @@ re-shards (a layer may then own any number of experts on a rank).
 3. With ``rematerialize=True`` (HECATE-RM, Section 3.2: "SparseAllGather is launched twice for
    an MoE layer in each iteration") the stacked tensor's storage is freed after the forward and
    refilled by a second spAG when the backward reaches the layer (:class:`_Regather`), as FSDP
-   frees and re-gathers its flat parameters. Under autocast the stacked tensor is in the
+   frees and re-gathers its flat parameters; with ``overlap_regather`` that second spAG is
+   launched on a lane earlier in the backward, under the next block's attention backward
+   (:mod:`moeflow.placement.regather`). Under autocast the stacked tensor is in the
    autocast dtype (:meth:`FSSDPExperts._held_dtype`): what the backward reads is then that
    tensor, which the free releases, not autocast's own copies of fp32 weights.
 
@@ -43,6 +45,7 @@ checkpointed forward neither frees its held experts nor schedules :class:`_Regat
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -298,6 +301,9 @@ class FSSDPExperts(nn.Module):
         self.lane: CommLane | None = None   # the layer's lane (begin), for overlap_backward
         self.sprs_on_lane = 0               # spRS run on the lane so far (overlap_backward)
         self.regather_on_lane = 0           # re-gathers launched early (overlap_regather)
+        # host seconds the last backward's refill spent on its spAG: running it, or waiting
+        # for the one launched early (the re-gather's exposed time; benchmarks read it)
+        self.regather_exposed_s: float | None = None
         self.last_ticket: regather.RegatherTicket | None = None   # the last forward's (RM)
         self.holder_groups = None
         if options.transport != "p2p" and world > 1:
@@ -619,12 +625,14 @@ class FSSDPExperts(nn.Module):
         (the spAG ``overlap_regather`` launched, or one run now)."""
         flat, nbytes, placement = ticket.flat, ticket.nbytes, ticket.placement
         held = placement.held(self.rank)
+        t0 = time.perf_counter()
         early = regather.collect(ticket, group_timeout(self.lane_group).total_seconds())
         if early is None:
             got, nbytes_ag = _run_spag(self._spag(placement, self.group), self.owners,
                                        self.rank, self._owned_rows())
         else:
             got, nbytes_ag = early
+        self.regather_exposed_s = time.perf_counter() - t0
         ticket.spent, ticket.flat = True, None
         flat.untyped_storage().resize_(nbytes)
         data = flat.data             # own version counter: the graph's saved views stay valid

@@ -70,13 +70,16 @@ def test_backward_overlap_rows(results):
 def test_regather_overlap_rows(results):
     res = results[0]["regather"]
     rows = {r["variant"]: r for r in res["rows"]}
-    assert sorted(rows) == ["attention backward", "overlapped", "spAG alone", "summary", "sync"]
-    for v in ("sync", "overlapped", "spAG alone", "attention backward"):
+    assert sorted(rows) == ["attention backward", "overlapped", "re-gather exposed, overlapped",
+                            "re-gather exposed, sync", "spAG alone", "summary", "sync"]
+    for v in ("sync", "overlapped", "spAG alone", "attention backward",
+              "re-gather exposed, sync", "re-gather exposed, overlapped"):
         assert 0 < rows[v]["min_ms"] <= rows[v]["ms"] <= rows[v]["max_ms"]
         assert len(rows[v]["samples_ms"]) == 2
     s = rows["summary"]
     # only the overlapped model launched its re-gather on the lane: warm-up 0 + 2 repetitions
     assert s["regather_on_lane"] == {"sync": 0, "overlapped": 2}
-    assert s["hidden_paired_min"] <= s["hidden_paired_median"] <= s["hidden_paired_max"]
+    assert s["hidden_paired_min"] <= s["hidden_paired_median"] <= s["hidden_paired_max"] <= 1
+    assert len(s["saved_over_spag_paired"]) == 2
     assert s["bytes_moved"] > 0 and len(res["loadavg_1min_start_end"]) == 2
     assert "re-gather hidden" in spag_overlap.format_result(res)
