@@ -216,6 +216,15 @@ class MoELayer(nn.Module):
             return
         self.strategy.prefetch(self.lane)
 
+    def regather_on_grad(self, t: torch.Tensor) -> None:
+        """HECATE FSSDP with ``fssdp.overlap_regather`` (HECATE-RM, Section 3.2): when the
+        backward computes ``t``'s gradient, start this layer's re-gathering spAG (of its last
+        forward's freed experts) on the communication lane, so that it overlaps the backward
+        between there and this layer's (the GPT passes the next block's attention output, and
+        the loss for its last MoE layer). Call it after this layer's forward, once; a no-op for
+        other placements, without the option, or when nothing was freed."""
+        self.strategy.regather_on_grad(t, self.lane)
+
     def _note_rows(self, plan, training: bool = False) -> None:
         """The tuner's row count: training forwards only (evaluation batches of another size
         must not re-tune; ``training``: a checkpoint's first forward, grad enabled or not)."""

@@ -134,6 +134,13 @@ def build_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
     """The model config the ranks build: ``recompute="moe_act"`` sets
     ``MoEConfig.recompute`` in every MoE block (the run's ``config.json`` keeps the model
     config as given: recomputation changes memory and time, not the function)."""
+    if train_cfg.recompute == "full" and model_cfg.placement == "fssdp" and any(
+            model_cfg.moe_config(i).fssdp.overlap_regather
+            for i in range(model_cfg.n_layers) if model_cfg.is_moe(i)):
+        raise ConfigError("--recompute: TrainConfig.recompute='full' is invalid with "
+                          "MoEConfig.fssdp.overlap_regather=True: the blocks' recomputation "
+                          "gathers the experts itself (HECATE-RM frees nothing to re-gather "
+                          "early); set fssdp.overlap_regather=false or use --recompute none")
     if train_cfg.recompute != "moe_act":
         return model_cfg
     return dataclasses.replace(model_cfg, moe={**(model_cfg.moe or {}), "recompute": "moe_act"})

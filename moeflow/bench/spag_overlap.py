@@ -24,10 +24,20 @@ figure says how long the two ran side by side, the wall-clock one how much time 
 ``--backward`` (:func:`backward_worker`): the block's forward + backward with the spRS on the
 critical path against the spRS on the lane under the attention backward
 (``MoEConfig.fssdp.overlap_backward``, Section 3.2), interleaved.
+
+``--regather`` (:func:`regather_worker`): HECATE-RM's re-gathering spAG on the critical path
+(at the start of the MoE layer's backward) against launched on the lane when the next block's
+attention backward starts (``MoEConfig.fssdp.overlap_regather``, Section 3.2): an FSSDP block
+followed by a dense block, the backward timed (after an untimed forward), interleaved, with the re-gather's spAG alone
+and the next block's attention backward alone for scale. ``hidden``: 1 - the host time the
+MoE layer's backward spent on the re-gather with the overlap (waiting for it) over the same
+without it (running it), per repetition (paired), min / median / max (slowest rank of each);
+and the wall-clock saving (sync - overlapped backward) over the spAG alone.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -174,6 +184,131 @@ def backward_worker(opts: dict) -> dict:
     return {"topology": repr(topo), "options": opts, "backward": True, "rows": rows}
 
 
+def _two_blocks(opts: dict, topo: Topology, **fssdp):
+    """An FSSDP block (attention, then the MoE layer with HECATE-RM and hand-set ``P'``, as
+    :func:`_block`) and the dense block after it (GPT blocks 1 and 0 of a ``moe_every=2``
+    model); the torch seed is fixed, so every call builds the same weights."""
+    from moeflow.config import ModelConfig
+    from moeflow.models.gpt import Block
+
+    world = topo.world_size
+    cfg = ModelConfig(vocab_size=64, seq_len=opts["seq_len"], d_model=opts["d_model"],
+                      n_layers=2, n_heads=opts["n_heads"], d_ff=4 * opts["d_model"],
+                      moe_every=2, num_experts=opts["experts_per_rank"] * world,
+                      d_expert=opts["d_expert"], top_k=1, capacity_factor=None, seed=3,
+                      placement="fssdp",
+                      fssdp=dict(materialize="manual", transport=opts["transports"][0],
+                                 rematerialize=True, **fssdp))
+    torch.manual_seed(11)
+    moe, nxt = Block(cfg, 1, topo), Block(cfg, 0, topo)
+    experts: FSSDPExperts = moe.ffn.experts
+    holders = random_holders(cfg.num_experts, world, experts.owners, opts["replicas"], seed=17)
+    experts.set_holders(holders)
+    return moe, nxt, holders
+
+
+def regather_worker(opts: dict) -> dict:
+    """``--regather``: an FSSDP block then a dense block, the backward timed after an untimed
+    forward (loss ``out.square().mean()``), with HECATE-RM's re-gather on the critical path
+    (``overlap_regather=False``) and launched on the lane under the dense block's attention
+    backward (``True``); the re-gather's spAG alone (the same ``P'``, the owned rows) and the
+    dense block's attention backward alone, for scale. The four in alternating order (ABCD,
+    DCBA, ...), ranks aligned, slowest rank. ``hidden`` per repetition: (sync - overlapped) /
+    spAG alone."""
+    from moeflow.placement.layer_experts import _run_spag, _spag_op
+
+    topo = Topology.from_env()
+    dev = torch.device("cpu")
+    load = [os.getloadavg()[0]]
+    models = {o: _two_blocks(opts, topo, overlap_regather=o) for o in (False, True)}
+    torch.manual_seed(1 + topo.rank)
+    x = torch.randn(opts["batch"], opts["seq_len"], opts["d_model"])
+    moe, nxt, holders = models[False]
+    ex = moe.ffn.experts
+    p1 = ex.owners.materialize(holders)
+    spag = _spag_op(ex.owners, p1, ex.numel, ex.slots.dtype, dev, topo.world_group)
+    owned = {e: ex.slots.detach()[i] for e, i in ex.slot_index.items()}
+    h = x.clone().requires_grad_()
+    g = torch.randn_like(x)
+
+    graph = {}
+
+    def forward(overlap: bool):         # untimed: the graph the timed backward runs
+        moe, nxt, _ = models[overlap]
+        moe.zero_grad(set_to_none=True)
+        nxt.zero_grad(set_to_none=True)
+        graph[overlap] = nxt(moe(x), regather=moe.ffn).square().mean()
+
+    setup = {"sync": lambda: forward(False), "overlapped": lambda: forward(True),
+             "attention backward": lambda: graph.__setitem__("a", nxt.attn(nxt.ln1(h)))}
+    names = {"sync": lambda: graph.pop(False).backward(),
+             "overlapped": lambda: graph.pop(True).backward(),
+             "spAG alone": lambda: _run_spag(spag, ex.owners, topo.rank, owned),
+             "attention backward": lambda: graph.pop("a").backward(g)}
+    times = {n: [] for n in names}
+    exposed = {False: [], True: []}     # host seconds the layer's backward spent on it
+    for i in range(opts["warmup"] + opts["reps"]):
+        order = list(names.items())
+        for name, fn in (order if i % 2 == 0 else order[::-1]):   # ABCD DCBA: no order bias
+            if name in setup:
+                setup[name]()
+            watch = start_aligned(topo, dev)
+            fn()
+            t = slowest(watch.stop(), topo)
+            if i < opts["warmup"]:
+                continue
+            times[name].append(t)
+            if name in ("sync", "overlapped"):
+                e = models[name == "overlapped"][0].ffn.experts.regather_exposed_s
+                exposed[name == "overlapped"].append(
+                    host_all_reduce([e], "max", topo.world_group)[0] if topo.distributed
+                    else e)
+    load.append(os.getloadavg()[0])
+    saved = [(a - b) / s for a, b, s in zip(times["sync"], times["overlapped"],
+                                            times["spAG alone"])]
+    hidden = [1 - b / a for a, b in zip(exposed[False], exposed[True])]
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    rows = [{"variant": n, "ms": 1e3 * med[n], "min_ms": 1e3 * min(ts),
+             "max_ms": 1e3 * max(ts), "samples_ms": [1e3 * t for t in ts]}
+            for n, ts in times.items()]
+    for o, es in exposed.items():
+        rows.append({"variant": "re-gather exposed, " + ("overlapped" if o else "sync"),
+                     "ms": 1e3 * statistics.median(es), "min_ms": 1e3 * min(es),
+                     "max_ms": 1e3 * max(es), "samples_ms": [1e3 * e for e in es]})
+    rows.append({"variant": "summary",
+                 "hidden_medians": 1 - statistics.median(exposed[True])
+                 / statistics.median(exposed[False]),
+                 "hidden_paired_min": min(hidden), "hidden_paired_median":
+                 statistics.median(hidden), "hidden_paired_max": max(hidden),
+                 "hidden_paired": hidden,
+                 "saved_over_spag_medians": (med["sync"] - med["overlapped"])
+                 / med["spAG alone"],
+                 "saved_over_spag_paired": saved,
+                 "regather_on_lane": {"sync": models[False][0].ffn.experts.regather_on_lane,
+                                      "overlapped": models[True][0].ffn.experts.regather_on_lane},
+                 "bytes_moved": sum(len(h) - 1 for h in holders) * ex.expert_bytes})
+    return {"topology": repr(topo), "options": opts, "regather": True, "rows": rows,
+            "loadavg_1min_start_end": load}
+
+
+def format_regather(res: dict) -> str:
+    lines = [res["topology"], f"{'backward':<30} {'median ms':>10} {'min':>8} "
+                              f"{'max':>8}", "-" * 50]
+    for r in res["rows"]:
+        if r["variant"] == "summary":
+            lines.append(f"re-gather hidden: {100 * r['hidden_paired_median']:.0f}% of its "
+                         f"exposed time (paired per repetition, "
+                         f"{100 * r['hidden_paired_min']:.0f}..{100 * r['hidden_paired_max']:.0f}"
+                         f"%; from the medians {100 * r['hidden_medians']:.0f}%); backward "
+                         f"saving / spAG alone {r['saved_over_spag_medians']:.2f} (medians); "
+                         f"{r['bytes_moved'] / 1e6:.1f} MB moved; launched on the lane "
+                         f"{r['regather_on_lane']}")
+            continue
+        lines.append(f"{r['variant']:<30} {r['ms']:>10.2f} {r['min_ms']:>8.2f} "
+                     f"{r['max_ms']:>8.2f}")
+    return "\n".join(lines)
+
+
 def format_backward(res: dict) -> str:
     lines = [res["topology"], f"{'forward + backward':<20} {'median ms':>10} {'min':>8} "
                               f"{'max':>8}", "-" * 50]
@@ -191,6 +326,8 @@ def format_backward(res: dict) -> str:
 def format_result(res: dict) -> str:
     if res.get("backward"):
         return format_backward(res)
+    if res.get("regather"):
+        return format_regather(res)
     lines = [res["topology"],
              f"{'transport':<10} {'variant':<10} {'median ms':>10} {'min':>8} {'max':>8}",
              "-" * 50]
@@ -208,4 +345,4 @@ def format_result(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["VARIANTS", "backward_worker", "bench_worker", "format_result"]
+__all__ = ["VARIANTS", "backward_worker", "bench_worker", "format_result", "regather_worker"]

@@ -187,6 +187,11 @@ def register_hecate_bench(bsub) -> None:
                    help="instead: forward + backward with the spRS on the critical path vs on "
                         "the lane under the attention backward (fssdp.overlap_backward); the "
                         "first --transports entry")
+    o.add_argument("--regather", action="store_true",
+                   help="instead: forward + backward of an FSSDP block (HECATE-RM) and the "
+                        "dense block after it, with the re-gathering spAG on the critical path "
+                        "vs on the lane under the next attention backward "
+                        "(fssdp.overlap_regather); the first --transports entry")
     o.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     o.add_argument("--reps", type=int, default=7, help="timed repetitions per variant")
     o.add_argument("--out", default=None, help="write the results as JSON here")
@@ -203,7 +208,8 @@ def run_spag(args: argparse.Namespace) -> int:
 
 
 def run_spag_overlap(args: argparse.Namespace) -> int:
-    from moeflow.bench.spag_overlap import backward_worker, bench_worker, format_result
+    from moeflow.bench.spag_overlap import (backward_worker, bench_worker, format_result,
+                                            regather_worker)
 
     for name in ("d_model", "n_heads", "seq_len", "batch", "d_expert", "experts_per_rank",
                  "reps"):
@@ -216,7 +222,11 @@ def run_spag_overlap(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("d_model", "n_heads", "seq_len", "batch", "d_expert",
                                           "experts_per_rank", "replicas", "transports",
                                           "warmup", "reps")}
-    worker = backward_worker if args.backward else bench_worker
+    if args.backward and args.regather:
+        raise SystemExit("moeflow bench spag-overlap: --backward and --regather are two "
+                         "different measurements; give one")
+    worker = (backward_worker if args.backward else regather_worker if args.regather
+              else bench_worker)
     return report(run_on_ranks(worker, args, opts), args, format_result)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ModelConfig
+from moeflow.errors import ConfigError
 from moeflow.init import seeded_normal
 from moeflow.layer import MoELayer
 from moeflow.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
@@ -71,10 +72,16 @@ class Block(nn.Module):
                     else DenseMLP(cfg, topo))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, regather: MoELayer | None = None) -> torch.Tensor:
+        """``regather``: the previous block's MoE layer, whose backward comes right after this
+        block's attention backward: with ``fssdp.overlap_regather`` its HECATE-RM spAG starts
+        when this attention's backward does (HECATE Section 3.2)."""
         if isinstance(self.ffn, MoELayer):
             self.ffn.prefetch()          # HECATE FSSDP: spAG overlaps the attention (Fig. 1c)
-        x = x + self.drop(self.attn(self.ln1(x)))
+        a = self.attn(self.ln1(x))
+        if regather is not None:
+            regather.regather_on_grad(a)
+        x = x + self.drop(a)
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
@@ -133,12 +140,29 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {S} exceeds ModelConfig.seq_len="
                              f"{self.cfg.seq_len}; crop the input or raise seq_len")
         x = self.tok(idx) + self.pos(torch.arange(S, device=idx.device))
+        recompute = self.checkpoint_blocks and torch.is_grad_enabled()
+        if recompute:
+            self._refuse_overlap_regather()
+        prev = None                      # the last block's MoE layer (overlap_regather)
         for block in self.blocks:
-            if self.checkpoint_blocks and torch.is_grad_enabled():
+            if recompute:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, regather=prev)
+            prev = block.ffn if isinstance(block.ffn, MoELayer) else None
         logits = self.ln_f(x) @ self.tok.weight.t()
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                            targets.reshape(-1))
+        if prev is not None:             # the last block's re-gather: at the backward's start
+            prev.regather_on_grad(logits if loss is None else loss)
+        return logits, loss
+
+    def _refuse_overlap_regather(self) -> None:
+        for i, m in enumerate(self.moe_layers()):
+            o = getattr(m.cfg, "fssdp", None)
+            if getattr(o, "overlap_regather", False):
+                raise ConfigError(
+                    f"MoEConfig.fssdp.overlap_regather=True (MoE layer {i}) is invalid with "
+                    "activation recomputation (GPT.checkpoint_blocks, --recompute full): the "
+                    "recomputation gathers the experts itself and frees nothing to re-gather; "
+                    "set overlap_regather=False or use --recompute none")

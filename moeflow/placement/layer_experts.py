@@ -25,7 +25,9 @@ re-shards (a layer may then own any number of experts on a rank).
 3. With ``rematerialize=True`` (HECATE-RM, Section 3.2: "SparseAllGather is launched twice for
    an MoE layer in each iteration") the stacked tensor's storage is freed after the forward and
    refilled by a second spAG when the backward reaches the layer (:class:`_Regather`), as FSDP
-   frees and re-gathers its flat parameters. Under autocast the stacked tensor is in the
+   frees and re-gathers its flat parameters; with ``overlap_regather`` that second spAG is
+   launched on a lane earlier in the backward, under the next block's attention backward
+   (:mod:`moeflow.placement.regather`). Under autocast the stacked tensor is in the
    autocast dtype (:meth:`FSSDPExperts._held_dtype`): what the backward reads is then that
    tensor, which the free releases, not autocast's own copies of fp32 weights.
 
@@ -43,6 +45,7 @@ checkpointed forward neither frees its held experts nor schedules :class:`_Regat
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -62,6 +65,7 @@ from moeflow.placement.materialize import (LoadWindow, algorithm1_branch, calibr
 from moeflow.placement.memory import capacity_from_budget, free_bytes, slot_bytes
 from moeflow.placement.options import FSSDPOptions
 from moeflow.placement.placement import Placement
+from moeflow.placement import regather
 from moeflow.placement.timing import LazyInterval
 from moeflow.placement.token_plan import KeptChoices, fssdp_plan
 from moeflow.schedule.streams import Clock, CommLane, Handoff
@@ -208,19 +212,20 @@ class _DrainBackward(torch.autograd.Function):
 
 class _Regather(torch.autograd.Function):
     """Identity on the layer's returned rows; its backward (run before the experts' backward)
-    refills the freed materialized tensor with a second spAG (HECATE-RM)."""
+    refills the freed materialized tensor with a second spAG (HECATE-RM), or with the one
+    ``overlap_regather`` launched earlier (:mod:`moeflow.placement.regather`)."""
 
     @staticmethod
-    def forward(ctx, back, store, flat, nbytes, placement):
-        # flat comes in a list: autograd must not see it as an input of this node
-        ctx.store, ctx.flat, ctx.nbytes, ctx.placement = store, flat[0], nbytes, placement
+    def forward(ctx, back, store, ticket):
+        # the ticket (its flat tensor) comes in a list: autograd must not see it as an input
+        ctx.store, ctx.ticket = store, ticket[0]
         return back.view_as(back)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.store.refill(ctx.flat, ctx.nbytes, ctx.placement)
-        ctx.flat = None
-        return grad, None, None, None, None
+        ctx.store.refill(ctx.ticket)
+        ctx.ticket = None
+        return grad, None, None
 
 
 class FSSDPExperts(nn.Module):
@@ -295,6 +300,11 @@ class FSSDPExperts(nn.Module):
         self.transport_ms: tuple[float, float] | None = None    # auto's (p2p, broadcast)
         self.lane: CommLane | None = None   # the layer's lane (begin), for overlap_backward
         self.sprs_on_lane = 0               # spRS run on the lane so far (overlap_backward)
+        self.regather_on_lane = 0           # re-gathers launched early (overlap_regather)
+        # host seconds the last backward's refill spent on its spAG: running it, or waiting
+        # for the one launched early (the re-gather's exposed time; benchmarks read it)
+        self.regather_exposed_s: float | None = None
+        self.last_ticket: regather.RegatherTicket | None = None   # the last forward's (RM)
         self.holder_groups = None
         if options.transport != "p2p" and world > 1:
             self.holder_groups = shared_holder_groups(group, group_timeout(group))
@@ -542,11 +552,13 @@ class FSSDPExperts(nn.Module):
         placement, flat = self._current
         self._current = None
         self.held.bind({})
+        self.last_ticket = None
         if not checkpointed and self.options.rematerialize and back.requires_grad \
                 and self.world > 1:
             nbytes = flat.untyped_storage().nbytes()
             flat.untyped_storage().resize_(0)
-            back = _Regather.apply(back, self, [flat], nbytes, placement)
+            self.last_ticket = regather.RegatherTicket(flat, nbytes, placement)
+            back = _Regather.apply(back, self, [self.last_ticket])
         if self.options.overlap_backward and back.requires_grad and self.world > 1:
             back = _DrainBackward.apply(back)   # backward: before _Regather's refill
         return back
@@ -584,11 +596,44 @@ class FSSDPExperts(nn.Module):
             for e, i in self.slot_index.items():
                 grad[i] += out[e]
 
-    def refill(self, flat: torch.Tensor, nbytes: int, placement: Placement) -> None:
-        """The second spAG of HECATE-RM: the freed held experts, back into their storage."""
+    def regather_on_grad(self, t: torch.Tensor, lane: CommLane) -> None:
+        """``overlap_regather``: launch the last forward's re-gathering spAG (HECATE-RM's
+        second spAG) on a communication lane when the backward computes ``t``'s gradient (the
+        next block's attention output: Section 3.2, the spAG under the attention backward).
+        The lane is the one carrying a pending ``overlap_backward`` spRS, if any (one thread
+        issues the backward's lane collectives, in order), else ``lane``. Once per forward;
+        a no-op without a freed forward (no RM, no grad, a checkpointed call)."""
+        ticket, self.last_ticket = self.last_ticket, None
+        if ticket is None or not self.options.overlap_regather:
+            return
+        regather.on_grad(t, lambda: self.launch_regather(ticket, lane))
+
+    def launch_regather(self, ticket: regather.RegatherTicket, lane: CommLane) -> None:
+        """Queue ``ticket``'s spAG on the backward's lane (inside a backward: hook time)."""
+        lane = _BACKWARD_PENDING[-1][0].lane if _BACKWARD_PENDING else lane
+        op = self._spag(ticket.placement, self.lane_group)  # groups exist: made in forward
+        owned = self._owned_rows()
+        if regather.launch(ticket, lambda: _run_spag(op, self.owners, self.rank, owned),
+                           list(owned.values()), lane, self.slots.device):
+            self.regather_on_lane += 1
+            timeout = group_timeout(self.lane_group).total_seconds()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: regather.settle(ticket, timeout))
+
+    def refill(self, ticket: regather.RegatherTicket) -> None:
+        """The second spAG of HECATE-RM: the freed held experts, back into their storage
+        (the spAG ``overlap_regather`` launched, or one run now)."""
+        flat, nbytes, placement = ticket.flat, ticket.nbytes, ticket.placement
         held = placement.held(self.rank)
-        got, nbytes_ag = _run_spag(self._spag(placement, self.group), self.owners, self.rank,
-                                   self._owned_rows())
+        t0 = time.perf_counter()
+        early = regather.collect(ticket, group_timeout(self.lane_group).total_seconds())
+        if early is None:
+            got, nbytes_ag = _run_spag(self._spag(placement, self.group), self.owners,
+                                       self.rank, self._owned_rows())
+        else:
+            got, nbytes_ag = early
+        self.regather_exposed_s = time.perf_counter() - t0
+        ticket.spent, ticket.flat = True, None
         flat.untyped_storage().resize_(nbytes)
         data = flat.data             # own version counter: the graph's saved views stay valid
         with torch.no_grad():

@@ -38,6 +38,13 @@ class FSSDPOptions:
     ``overlap_backward``: run the backward's spRS on the layer's communication lane, so that it
     overlaps the block's attention backward (Section 3.2); the backward waits for it before
     the next FSSDP layer's backward and at its end (timing changes only).
+    ``overlap_regather``: with ``rematerialize``, issue HECATE-RM's second spAG (the re-gather
+    of the freed experts) on the communication lane when the backward of what follows the
+    layer starts, and wait for it at the layer's backward (Section 3.2: the spAG overlaps the
+    attention backward). The GPT triggers it at the next block's attention backward (the last
+    MoE layer: at the start of the backward); elsewhere :meth:`moeflow.layer.MoELayer.
+    regather_on_grad` names the trigger tensor, and without one the re-gather runs in place.
+    Refused under ``--recompute full`` (the recomputation gathers the experts itself).
 
     Algorithm 1 (``materialize="sparse"``, :mod:`moeflow.placement.materialize`):
     ``overlap_degree`` is ``t`` (None: ``T_non-MoE * bw / expert_size`` from the measured time
@@ -76,6 +83,7 @@ class FSSDPOptions:
     replace_every: int = 0
     transport: str = "p2p"
     overlap_backward: bool = False
+    overlap_regather: bool = False
 
     def __post_init__(self) -> None:
         o = "MoEConfig.fssdp"
@@ -88,7 +96,8 @@ class FSSDPOptions:
             raise ConfigError(f"{o}.materialize={self.materialize!r} is invalid: choose one of "
                               f"{', '.join(MATERIALIZATIONS)} ('static': P' = P; 'manual': the "
                               "holders set with FSSDPExperts.set_holders)")
-        for name in ("rematerialize", "early_gather", "calibrate", "overlap_backward"):
+        for name in ("rematerialize", "early_gather", "calibrate", "overlap_backward",
+                     "overlap_regather"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ConfigError(f"{o}.{name}={v!r} is invalid: must be true or false")
@@ -148,6 +157,11 @@ class FSSDPOptions:
             raise ConfigError(f"{o}: materialize='sparse' derives the overlap degree t from a "
                               "bandwidth: give bandwidth_Bps, links (a `moeflow bench links` "
                               "JSON) or overlap_degree")
+        if self.overlap_regather and not self.rematerialize:
+            raise ConfigError(f"{o}.overlap_regather=True is invalid with rematerialize=False: "
+                              "only HECATE-RM frees the experts after the forward and gathers "
+                              "them again in backward; set rematerialize=True, or drop "
+                              "overlap_regather")
         if self.calibrate and self.materialize != "sparse":
             raise ConfigError(f"{o}.calibrate=True is invalid with materialize="
                               f"{self.materialize!r}: calibration re-runs Algorithm 1; use "

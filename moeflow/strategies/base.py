@@ -41,7 +41,8 @@ class ExpertStrategy:
     tokens, call) -> (back, shared_y)``: rows out to the experts and back (``shared_y`` None
     when the shared experts did not run inside it); ``end(back)``: release what
     ``experts()`` held; ``finish(y, aux_loss, call) -> (y, aux_loss)``: after the combine;
-    ``prefetch(lane)``: optional early communication; ``stats()``: extra statistics.
+    ``prefetch(lane)``, ``regather_on_grad(t, lane)``: optional early communication (in the
+    forward; in the backward, from ``t``'s gradient on); ``stats()``: extra statistics.
 
     Under ``torch.utils.checkpoint`` (:mod:`moeflow.plan_record`) the first forward's
     ``record_state()`` is kept, and the recomputation calls ``prepare`` with the first
@@ -115,6 +116,10 @@ class ExpertStrategy:
         return y, aux_loss
 
     def prefetch(self, lane) -> None:
+        return None
+
+    def regather_on_grad(self, t: torch.Tensor, lane) -> None:
+        """Optional: start the backward's communication when ``t``'s gradient is computed."""
         return None
 
     def stats(self) -> dict[str, float]:

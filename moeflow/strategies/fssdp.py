@@ -58,5 +58,8 @@ class FSSDP(ExpertStrategy):
         if self.layer.cfg.fssdp.early_gather:
             self.layer.experts.prefetch(lane)
 
+    def regather_on_grad(self, t, lane) -> None:
+        self.layer.experts.regather_on_grad(t, lane)      # no-op unless overlap_regather
+
     def stats(self) -> dict[str, float]:
         return self.layer.experts.stats()

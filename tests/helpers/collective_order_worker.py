@@ -89,6 +89,13 @@ CASES = {
                                              fssdp=dict(materialize="manual",
                                                         rematerialize=True,
                                                         early_gather=True)), HOLDERS),
+    # a 3-block FSSDP GPT (HECATE-RM, Algorithm 1): the re-gathering spAG launched on the lane
+    # under the next block's attention backward (the last layer's at the loss), behind the
+    # spRS of the layer after it (overlap_backward)
+    "fssdp_gpt_regather_sprs_lane": (None, "gpt", dict(
+        placement="fssdp", fssdp=dict(materialize="sparse", overlap_degree=2, memory_capacity=2,
+                                      rematerialize=True, overlap_regather=True,
+                                      overlap_backward=True)), None),
 }
 # the cases whose layer runs under torch.utils.checkpoint: use_reentrant
 CHECKPOINTED = {"ep_r2_optsche_checkpoint": False, "ep_r2_optsche_checkpoint_reentrant": True,
@@ -187,11 +194,39 @@ def topology(layout) -> Topology:
                              esp_in_node=in_node)
 
 
+def run_gpt(topo: Topology, overrides: dict) -> list[tuple]:
+    """A 3-block MoE GPT in float64: this rank's events of three training steps (the first
+    has no load window yet, so Algorithm 1 replicates from the second on)."""
+    from moeflow.config import ModelConfig
+    from moeflow.models.gpt import GPT
+
+    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, d_ff=32,
+                      moe_every=1, num_experts=8, d_expert=12, top_k=2, capacity_factor=None,
+                      seed=5, **overrides)
+    model = GPT(cfg, topo).double()
+    rec = Recorder(topo.rank)
+    dist.barrier()
+    with rec.patched():
+        rec.on = True
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + topo.rank)
+            idx = torch.randint(0, 32, (2, 8), generator=gen)
+            _, loss = model(idx, torch.randint(0, 32, (2, 8), generator=gen))
+            (loss + model.aux_loss).backward()
+        rec.on = False
+    for layer in model.moe_layers():
+        layer.lane.close()
+    dist.barrier()
+    return rec.events
+
+
 def run_case(key: str) -> tuple[list[tuple], tuple]:
     """This rank's events of two forward + backward steps, and its ESP group's global ranks
     (empty without ESP)."""
     layout, name, overrides, holders = CASES[key]
     topo = topology(layout)
+    if name == "gpt":
+        return run_gpt(topo, overrides), ()
     layer = parity.make_layer(name, topo, **overrides)
     if holders is not None:
         layer.experts.set_holders(holders)

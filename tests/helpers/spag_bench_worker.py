@@ -1,5 +1,5 @@
 """Rank side of tests/multirank/test_bench_spag.py: ``moeflow bench spag`` and ``moeflow bench
-spag-overlap`` (and ``--backward``) workers on tiny sizes (structure and invariants, not speed)."""
+spag-overlap`` (and ``--backward``, ``--regather``) workers on tiny sizes (structure and invariants, not speed)."""
 
 from __future__ import annotations
 
@@ -12,4 +12,5 @@ OVERLAP = dict(d_model=16, n_heads=2, seq_len=8, batch=1, d_expert=16, experts_p
 
 def worker() -> dict:
     return {"spag": spag.bench_worker(SPAG), "overlap": spag_overlap.bench_worker(OVERLAP),
-            "backward": spag_overlap.backward_worker(dict(OVERLAP, transports=["p2p"]))}
+            "backward": spag_overlap.backward_worker(dict(OVERLAP, transports=["p2p"])),
+            "regather": spag_overlap.regather_worker(dict(OVERLAP, transports=["p2p"]))}

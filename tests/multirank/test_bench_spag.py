@@ -1,6 +1,7 @@
 """``moeflow bench spag`` (spAG / spRS per transport, interleaved) and ``moeflow bench
 spag-overlap`` (the early spAG against the attention forward; ``--backward``: the spRS on
-the lane against the attention backward) on 4 ranks: every row present,
+the lane against the attention backward; ``--regather``: HECATE-RM's re-gather on the lane
+under the next block's attention backward) on 4 ranks: every row present,
 spreads ordered, the overlap figures in range, the tables print."""
 
 from __future__ import annotations
@@ -63,3 +64,22 @@ def test_backward_overlap_rows(results):
     # only the overlapped block ran its spRS on the lane: warm-up 0 + 2 repetitions
     assert rows["summary"]["sprs_on_lane"] == {"sync": 0, "overlapped": 2}
     assert "sync / overlapped (paired)" in spag_overlap.format_result(res)
+
+
+@pytest.mark.multirank
+def test_regather_overlap_rows(results):
+    res = results[0]["regather"]
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert sorted(rows) == ["attention backward", "overlapped", "re-gather exposed, overlapped",
+                            "re-gather exposed, sync", "spAG alone", "summary", "sync"]
+    for v in ("sync", "overlapped", "spAG alone", "attention backward",
+              "re-gather exposed, sync", "re-gather exposed, overlapped"):
+        assert 0 < rows[v]["min_ms"] <= rows[v]["ms"] <= rows[v]["max_ms"]
+        assert len(rows[v]["samples_ms"]) == 2
+    s = rows["summary"]
+    # only the overlapped model launched its re-gather on the lane: warm-up 0 + 2 repetitions
+    assert s["regather_on_lane"] == {"sync": 0, "overlapped": 2}
+    assert s["hidden_paired_min"] <= s["hidden_paired_median"] <= s["hidden_paired_max"] <= 1
+    assert len(s["saved_over_spag_paired"]) == 2
+    assert s["bytes_moved"] > 0 and len(res["loadavg_1min_start_end"]) == 2
+    assert "re-gather hidden" in spag_overlap.format_result(res)

@@ -263,3 +263,9 @@ def test_every_bench_starts_from_the_cli():
     assert args.top_k == 2 and args.func is group_limited.run
     assert parm_train.main.__module__ == group_limited.main.__module__.replace(
         "group_limited", "parm_train")
+
+
+def test_bench_spag_overlap_refuses_two_measurements():
+    with pytest.raises(SystemExit, match="--backward and --regather are two different "
+                                         "measurements"):
+        main(["bench", "spag-overlap", "--backward", "--regather"])
