@@ -50,7 +50,7 @@ CASES: dict[str, dict] = {
                                router="deepseek_v3", aux_loss_coef=0.001,
                                router_options=dict(n_group=4, topk_group=2,
                                                    routed_scaling_factor=2.5)),
-    # shared experts (issue 20): Qwen2-MoE's gated one; DeepSeek-V3's two beside its router;
+    # shared experts: Qwen2-MoE's gated one; DeepSeek-V3's two beside its router;
     # BigMac (shared experts read x, not the descended z)
     "shared_gated_capacity": dict(num_experts=8, top_k=2, capacity_factor=1.0,
                                   activation="swiglu", num_shared_experts=1,
@@ -62,7 +62,7 @@ CASES: dict[str, dict] = {
                                                    routed_scaling_factor=2.5)),
     "shared_bias_bigmac": dict(num_experts=8, top_k=2, structure="bigmac",
                                downscale_factor=0.5, num_shared_experts=1, expert_bias=True),
-    # GPT-OSS (issue 20): router bias, expert biases, clamped SwiGLU (small limit: it clamps)
+    # GPT-OSS: router bias, expert biases, clamped SwiGLU (small limit: it clamps)
     "gpt_oss_pieces": dict(num_experts=8, top_k=2, capacity_factor=None,
                            activation="clamped_swiglu", expert_bias=True,
                            activation_options=dict(alpha=1.702, limit=0.5),

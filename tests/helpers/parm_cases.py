@@ -28,7 +28,7 @@ CASES = {                                          # parity case name -> MoEConf
     "dropless_k2": {},
     "expert_bias_swiglu_dropless": {},
     "expert_bias_capacity": {"pipeline_degree": 2},
-    "shared_gated_capacity": {},                   # shared experts beside ESP (issue 20)
+    "shared_gated_capacity": {},                   # shared experts beside ESP (DeepSeek-V3, Qwen2-MoE)
 }
 HIDDEN = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}   # the hidden dim of stacked weights
 

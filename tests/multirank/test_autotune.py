@@ -1,4 +1,4 @@
-"""Auto-tuning of a2a / schedule / pipeline_degree (issue 18): config, retune rule, and on 2
+"""Auto-tuning of a2a / schedule / pipeline_degree: config, retune rule, and on 2
 gloo ranks in float64: the same function as a fixed choice, the same choice on every rank, no
 re-tune on resume, a re-tune after the rows grow more than 2x."""
 

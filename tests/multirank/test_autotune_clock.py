@@ -1,4 +1,4 @@
-"""The tuner's time budget (issue 18, MoEConfig.autotune_budget_s): config checks, the clock's
+"""The tuner's time budget (MoEConfig.autotune_budget_s): config checks, the clock's
 rule, and on 2 gloo ranks in float64 (tests/helpers/autotune_lossy_worker.py): a tiny budget cuts the
 tuning short yet gives one valid choice on every rank, the same function as that choice fixed,
 in about the time of the one measurement that is always made."""

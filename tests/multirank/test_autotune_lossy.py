@@ -1,4 +1,4 @@
-"""codec="auto:lossy" (issue 18): config checks, the codec error measurement, and on 2 gloo
+"""codec="auto:lossy": config checks, the codec error measurement, and on 2 gloo
 ranks in float64: budget 0 keeps the lossless layer exactly, a generous budget picks a codec
 within it on every rank alike (the same function as that codec fixed), the checkpoint keeps
 the choice and a changed budget re-tunes."""

@@ -1,4 +1,4 @@
-"""prepare_model and the replica check of the first sync_gradients (issue 15, problem 1)."""
+"""prepare_model and the replica check of the first sync_gradients."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One process, 2 threads: moeflow's layer with capacity_padding "pad" vs "trim", same weights,
-interleaved forward + backward steps (2 warm-up + 15), medians and minima (issue 18,
-docs/benchmarks/layer.md). Benchmark tool, not library code:
+interleaved forward + backward steps (2 warm-up + 15), medians and minima
+(docs/benchmarks/layer.md). Benchmark tool, not library code:
 ``PYTHONPATH=$PWD python docs/benchmarks/scripts/capacity_padding_1proc.py``."""
 import torch, time, statistics as st, moeflow as mf
 torch.set_num_threads(2)

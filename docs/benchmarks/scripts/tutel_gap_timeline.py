@@ -1,4 +1,4 @@
-"""Where the time of one MoE layer step goes, moeflow vs Tutel (issue 18, docs/benchmarks/layer.md,
+"""Where the time of one MoE layer step goes, moeflow vs Tutel (docs/benchmarks/layer.md,
 "The 100 Mbit/s gap to Tutel"): every torch.distributed call inside a step (name, bytes of its
 tensors, call and completion time) and the node link's bytes (/proc/self/net/dev of the rank's
 network namespace, loopback excluded), 2 blocks of DBG_STEPS steps per layer. Benchmark tool,

@@ -1,7 +1,7 @@
 """A/B of moeflow variants and Tutel at the bench's timing (barrier, step, slowest rank),
 interleaved, with each variant's bytes on the node link and the TCP loss counters of the rank's
-network namespace (/proc/self/net/{dev,snmp,netstat}) summed over its steps (issue 18,
-docs/benchmarks/layer.md, "The 100 Mbit/s gap to Tutel"). Benchmark tool, not library code.
+network namespace (/proc/self/net/{dev,snmp,netstat}) summed over its steps
+(docs/benchmarks/layer.md, "The 100 Mbit/s gap to Tutel"). Benchmark tool, not library code.
 Variants (DBG_VARIANTS): moeflow (capacity_padding "auto": trim on CPU), pad, nocount (pad,
 with the count all-gather replaced by a local fill: valid only with equal token counts, a
 what-if), tutel, raw_even / raw_split (one bare all_to_all_single of the layer's size, without

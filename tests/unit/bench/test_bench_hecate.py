@@ -66,7 +66,7 @@ def test_random_holders_keep_owners_and_bound_replicas():
     assert any(len(h) > 1 for h in holders)
 
 
-# -- issue 17's added systems and columns: shadowing, memory accounting ----------------------
+# -- the added systems and columns: shadowing, memory accounting ----------------------
 
 def test_shadow_placement_replicates_top_experts_everywhere_owners_static():
     from moeflow.bench.shadow import shadow_placement

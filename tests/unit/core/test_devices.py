@@ -206,7 +206,7 @@ _SYNC_OPS = {_ATEN._local_scalar_dense.default, _ATEN.nonzero.default,
              _ATEN.masked_select.default}
 _BOOL_INDEX_OPS = {_ATEN.index.Tensor, _ATEN.index_put.default, _ATEN.index_put_.default}
 # The MoE layer's own engine (dispatch, schedule, comm, experts): its budget is the layer's
-# (issue 14: zero in capacity mode, one in dropless), asserted with the layer, not here.
+# (docs/gpu.md: zero in capacity mode, one in dropless), asserted with the layer, not here.
 _LAYER_ENGINE = ("moeflow/layer.py", "moeflow/dispatch/", "moeflow/schedule/", "moeflow/comm/",
                  "moeflow/experts/", "moeflow/routing/")
 

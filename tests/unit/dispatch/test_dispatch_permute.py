@@ -1,4 +1,4 @@
-"""permute / combine as row gathers in both directions (issue 18): gradients by gradcheck
+"""permute / combine as row gathers in both directions: gradients by gradcheck
 and the GShard semantics (choice-major priority, capacity drops) against a slow loop."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared experts through ModelConfig (issue 20): ``moeflow train --set num_shared_experts=1``
+"""Shared experts through ModelConfig: ``moeflow train --set num_shared_experts=1``
 builds a GPT whose MoE layers have them, and a 2-step training run in one process works."""
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def test_row_expert_index_without_host_copies(counts):
 @pytest.mark.parametrize("schedule,r", [("sequential", 1), ("optsche", 2)])
 def test_backward_without_input_grad_skips_the_way_back(schedule, r):
     """A leaf input without grad: same parameter gradients, and the backward's C2/A2/D2
-    carry nothing (issue 18: Tutel's backward skips that exchange too)."""
+    carry nothing (Tutel's backward skips that exchange too)."""
     from moeflow import MoEConfig, MoELayer
     from moeflow.schedule.executor import Timeline
 

@@ -1,6 +1,6 @@
 """The compiled ZFP coder's on-disk cache (zfp.numba_backend): a damaged cache file is recovered
 from, a read-only package directory works, processes compiling at once share one compile, and
-coders compiled in different processes load together (the "'descr' is NULL" of issue 19)."""
+coders compiled in different processes load together (the "'descr' is NULL" report, docs/codecs.md)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_a_damaged_cache_warns_once_with_its_path_and_is_compiled_afresh(tmp_pat
         where = numba_backend.cache_dir()
         damaged = sorted(where.glob("*encode_1d*.nbc")) + sorted(where.glob("*decode_1d*.nbi"))
         assert len(damaged) == 2, sorted(where.iterdir())
-        for f in damaged:                                 # the tail overwritten, as in issue 19
+        for f in damaged:                                 # the tail overwritten, as in that report
             data = f.read_bytes()
             f.write_bytes(data[:-64] + b"\xff" * 64)
         numba_backend.set_cache_dir(tmp_path)             # a new process, as far as zfp knows
@@ -118,7 +118,7 @@ def test_two_processes_compiling_at_once_compile_once_and_leave_a_valid_cache(tm
 
 @pytest.mark.slow
 def test_coders_compiled_in_different_processes_load_together(tmp_path):
-    """Issue 19's "'descr' is NULL": process A compiles the 1-D encoder, B loads it and
+    """The "'descr' is NULL" report: process A compiles the 1-D encoder, B loads it and
     compiles the 2-D one, C loads both. When every dimensionality's coder had one name, A's and
     B's first compiles got the same symbol and environment names (numba numbers functions per
     process), and C failed in every call of the 2-D coder; this sequence reproduced it."""
