@@ -25,7 +25,8 @@ micro-batches of ``batch_size`` sequences, adds their gradients and synchronises
 steps once; the router biases (DeepSeek-V3) are updated once per step with the loads of all N.
 FSDP2 (``TrainConfig.dense_shard="fsdp"``, ``--dense-shard fsdp``, :mod:`moeflow.parallel.fsdp`):
 the dense part's parameters, gradients and AdamW state are sharded over the data-parallel
-ranks; the experts keep their layout.
+ranks; the experts keep their layout. The GPT is built sharded from the start
+(:mod:`moeflow.models.fsdp_build`): no rank holds the whole dense part, at start-up either.
 Activation recomputation (``TrainConfig.recompute``, ``--recompute full|moe_act``): every block
 under non-reentrant ``torch.utils.checkpoint``, or only the MoE experts' activations.
 
@@ -60,8 +61,9 @@ from moeflow.data import Corpus
 from moeflow.devices import autocast, host_all_reduce, resolve_device, resolve_dtype
 from moeflow.launch import restart_count
 from moeflow.models import GPT
+from moeflow.models.fsdp_build import build_fsdp_gpt
 from moeflow.parallel.grad_clip import clip_gradients
-from moeflow.parallel.fsdp import set_gradient_sync, shard_dense
+from moeflow.parallel.fsdp import set_gradient_sync
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import prepare_model
 from moeflow.routing import update_router_biases
@@ -255,13 +257,14 @@ class Trainer:
         self.corpus = Corpus.load(data)
         self.device = resolve_device(train_cfg.device, "TrainConfig.device")
         self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
-        # replicas start equal (broadcast from rank 0 of each replica group)
-        self.model = prepare_model(
-            GPT(fixed_shape_batches(build_config(model_cfg, train_cfg)), topo).to(self.device),
-            topo)
+        gpt_cfg = fixed_shape_batches(build_config(model_cfg, train_cfg))
+        if train_cfg.dense_shard == "fsdp":
+            # FSDP2 on the dense part (parallel.fsdp), sharded from the start: no rank ever
+            # holds the whole dense part (models.fsdp_build)
+            self.model = build_fsdp_gpt(gpt_cfg, topo, self.device)
+        else:      # replicas start equal (broadcast from rank 0 of each replica group)
+            self.model = prepare_model(GPT(gpt_cfg, topo).to(self.device), topo)
         self.model.checkpoint_blocks = train_cfg.recompute == "full"
-        if train_cfg.dense_shard == "fsdp":        # FSDP2 on the dense part (parallel.fsdp)
-            shard_dense(self.model, topo)
         self.opt = make_optimizer(self.model, train_cfg)
         self.step = 0
         self.start_step = 0           # the step this run started from (resumed: the checkpoint's)

@@ -17,7 +17,8 @@ preset, FSDP2 applied for ``fsdp``), runs ``warmup + steps`` training steps
   shard), split into the experts and the dense part.
 
 The largest rank's numbers count for a launch (step times: the slowest rank's, ranks aligned
-by a barrier before each step).
+by a barrier before each step). ``--modes fsdp`` runs one mode alone (a model too large to
+run replicated); the ratios then are left out.
 
     moeflow bench dense-shard --preset medium --nproc 4 --set n_layers=12 --set num_experts=4 \\
         --set d_expert=2048 --set seq_len=256 --batch-size 1 --steps 1 --repeats 2 \\
@@ -103,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per launch")
     p.add_argument("--steps", type=int, default=1, help="timed steps per launch (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="the --dense-shard modes to launch, interleaved in this order "
+                        "(default: replicate fsdp)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -116,11 +120,12 @@ def run(args: argparse.Namespace, command: str = "moeflow bench dense-shard") ->
     from moeflow.launch import launch_local
 
     overrides = parse_overrides(args.overrides, ModelConfig)
-    runs = {m: [] for m in MODES}
+    modes = list(getattr(args, "modes", None) or MODES)
+    runs = {m: [] for m in modes}
     mib = 2 ** 20
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for mode in MODES:
+            for mode in modes:
                 res = launch_local(rank_worker, args.nproc, args.preset, overrides, mode,
                                    args.batch_size, args.warmup, args.steps, tmp,
                                    timeout_s=1200, threads=args.threads)
@@ -147,13 +152,17 @@ def run(args: argparse.Namespace, command: str = "moeflow bench dense-shard") ->
                   for r in rs for s in r["state_mib"]]
         summary[mode] = {"peak_rss_mib": _spread([max(r["peak_rss_mib"]) for r in rs]),
                          "peak_added_mib": _spread([max(r["peak_added_mib"]) for r in rs]),
+                         "peak_rss_after_build_mib": _spread(
+                             [max(r["peak_rss_after_build_mib"]) for r in rs]),
                          "dense_state_mib": _spread(dense),
                          "expert_state_mib": _spread(expert),
                          "step_s": _spread([t for r in rs for t in r["step_s"]])}
-    rep_, fsdp = summary["replicate"], summary["fsdp"]
-    summary["ratios_fsdp_over_replicate"] = {
-        k: fsdp[k]["median"] / rep_[k]["median"]
-        for k in ("peak_rss_mib", "peak_added_mib", "dense_state_mib")}
+    if set(MODES) <= set(summary):
+        rep_, fsdp = summary["replicate"], summary["fsdp"]
+        summary["ratios_fsdp_over_replicate"] = {
+            k: fsdp[k]["median"] / rep_[k]["median"]
+            for k in ("peak_rss_mib", "peak_added_mib", "peak_rss_after_build_mib",
+                      "dense_state_mib")}
     out = {"command": command,
            "args": {k: v for k, v in vars(args).items() if k != "func"},
            "memory_source": "VmHWM / VmRSS of /proc/self/status (peak and current resident "

@@ -11,10 +11,16 @@ units), ``proj`` and ``down`` row parallel, so every block's output, hence every
 input, is replicated over the MP group, as Parm assumes (Section II-B). A shard is initialised
 as the slice of the global weight drawn from (seed, name). Embeddings, layer norms and the tied
 head stay replicated.
+
+With ``meta_dense=True`` the GPT's own dense modules (embeddings, layer norms, attention, dense
+MLPs, final norm) are built on the meta device, without values, and the MoE layers as usual:
+FSDP2 then shards the dense part and each rank fills only its local shards from
+:meth:`GPT.initial_value`, one parameter at a time (:mod:`moeflow.models.fsdp_build`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -63,13 +69,22 @@ class DenseMLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+def _dense_device(meta: bool):
+    """The meta device as the default for the dense modules built inside (``meta_dense``)."""
+    return torch.device("meta") if meta else contextlib.nullcontext()
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, topo: Topology):
+    def __init__(self, cfg: ModelConfig, index: int, topo: Topology, meta_dense: bool = False):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg, topo)
-        self.ffn = (MoELayer(cfg.moe_config(index), topo) if cfg.is_moe(index)
-                    else DenseMLP(cfg, topo))
+        with _dense_device(meta_dense):
+            self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+            self.attn = Attention(cfg, topo)
+        if cfg.is_moe(index):
+            self.ffn = MoELayer(cfg.moe_config(index), topo)
+        else:
+            with _dense_device(meta_dense):
+                self.ffn = DenseMLP(cfg, topo)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, regather: MoELayer | None = None) -> torch.Tensor:
@@ -86,42 +101,51 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, topo: Topology | None = None):
+    def __init__(self, cfg: ModelConfig, topo: Topology | None = None, meta_dense: bool = False):
+        """``meta_dense``: build the embeddings, layer norms, attention and dense MLPs on the
+        meta device, uninitialised (module docstring); the MoE layers are built as usual."""
         super().__init__()
         topo = topo or Topology.single()
         check_divisible("ModelConfig", "n_heads", cfg.n_heads, topo.mp_size)
         if cfg.num_moe_layers < cfg.n_layers:
             check_divisible("ModelConfig", "d_ff", cfg.d_ff, topo.mp_size)
         self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, i, topo) for i in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        with _dense_device(meta_dense):
+            self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i, topo, meta_dense) for i in range(cfg.n_layers))
+        with _dense_device(meta_dense):
+            self.ln_f = nn.LayerNorm(cfg.d_model)
         # activation recomputation (TrainConfig.recompute="full"): every block's forward runs
         # under non-reentrant torch.utils.checkpoint and again in backward
         self.checkpoint_blocks = False
         share_slots(fssdp_layers(self))          # HECATE Alg. 2: one slot tensor per rank
         self._init_dense()
 
-    def _init_dense(self) -> None:
-        """GPT-2 init from (seed, parameter name); residual projections scaled by 1/sqrt(2L).
-        A tensor-parallel shard gets its slice of the global weight."""
+    def initial_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole (unsharded) initial value of the GPT's own dense parameter ``name`` of
+        global ``shape``, float32 on CPU: GPT-2 init from (seed, name), residual projections
+        scaled by 1/sqrt(2L); biases 0, layer-norm weights 1."""
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        if "ln" in name.split(".")[-2]:
+            return torch.ones(shape)
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        std = resid_std if name.endswith(("proj.weight", "down.weight")) else 0.02
+        return seeded_normal(shape, std, self.cfg.seed, "gpt", name)
+
+    def _init_dense(self) -> None:
+        """Every dense parameter outside the MoE layers from :meth:`initial_value`; a
+        tensor-parallel shard gets its slice of the global weight. Parameters on the meta
+        device (``meta_dense``) are left to :mod:`moeflow.models.fsdp_build`."""
         moe_params = {id(p) for m in self.moe_layers() for p in m.parameters()}
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if id(p) in moe_params:
+                if id(p) in moe_params or p.is_meta:
                     continue                     # the MoE layer initialises its own
-                if name.endswith(".bias"):
-                    p.zero_()
-                elif "ln" in name.split(".")[-2]:
-                    p.fill_(1.0)
-                else:
-                    std = resid_std if name.endswith(("proj.weight", "down.weight")) else 0.02
-                    spec = tp_shard(p)
-                    shape = spec.global_shape if spec else tuple(p.shape)
-                    w = seeded_normal(shape, std, self.cfg.seed, "gpt", name)
-                    p.copy_(shard_of(w, spec) if spec else w)
+                spec = tp_shard(p)
+                w = self.initial_value(name, spec.global_shape if spec else tuple(p.shape))
+                p.copy_(shard_of(w, spec) if spec else w)
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]

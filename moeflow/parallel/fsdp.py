@@ -37,9 +37,18 @@ over DP only: the MP-replicated parameters still get the all-reduce over the MP 
 can hold different partial gradients, e.g. a router under Parm's S1), the MP shards need
 none. A sharded MP shard keeps its :class:`~moeflow.parallel.tensor_parallel.TPShard`
 (``TP_ATTR``), so the clipping norm counts each of its slices once over DP x MP.
+
+Sharded from the start (:func:`init_meta_shards`, torchtitan's meta-device initialisation):
+a model whose dense parameters are on the meta device is sharded by ``fully_shard`` without
+values; each rank then gives each parameter its local shard and fills it with its slice of the
+whole parameter's value, computed one parameter at a time on CPU, so no rank ever holds the
+whole dense part (:mod:`moeflow.models.fsdp_build` builds the GPT that way).
+
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -136,6 +145,72 @@ def shard_dense(model: nn.Module, topo: Topology) -> nn.Module:
     for m in tp:                  # FSDP2 made new parameters: the MP shards keep their spec
         setattr(m.weight, TP_ATTR, m.spec)
     return model
+
+
+def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``full`` as FSDP2 cut it for the sharded parameter ``p`` (a 1-D
+    mesh, ``Shard(d)``: ``torch.chunk`` over the mesh, the last ranks' blocks possibly empty)."""
+    (place,) = p.placements
+    mesh = p.device_mesh
+    chunks = torch.chunk(full, mesh.size(), dim=place.dim)
+    rank = mesh.get_local_rank()
+    if rank < len(chunks):
+        return chunks[rank]
+    shape = list(full.shape)
+    shape[place.dim] = 0
+    return full.new_empty(shape)
+
+
+@torch.no_grad()
+def init_meta_shards(model: nn.Module, initial_value: Callable[[str, tuple], torch.Tensor],
+                     device: torch.device | str = "cpu",
+                     dtype: torch.dtype | None = None) -> list[str]:
+    """Give every FSDP2 parameter of ``model`` still on the meta device its local shard on
+    ``device`` (in ``dtype``, or the parameter's), filled with its slice of
+    ``initial_value(name, global_shape)``: the whole parameter's value, asked for one
+    parameter at a time and dropped after its slice is copied (an MP shard of Parm's tensor
+    parallelism: its MP block of it, then that block's DP slice). Call after :func:`shard_dense`
+    on a model built with its dense part on the meta device. Returns the names filled.
+
+    A meta parameter that FSDP2 does not manage (not a DTensor) is refused: it would have to be
+    materialised whole."""
+    from torch.distributed.tensor import DTensor
+
+    meta = [(n, p) for n, p in model.named_parameters() if p.is_meta]
+    plain = [n for n, p in meta if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(f"init_meta_shards: {plain[:3]} are on the meta device but not "
+                         "sharded by FSDP2 (plain tensors); call shard_dense(model, topo) "
+                         "first, or build them on a real device")
+    names = {n for n, _ in meta}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:        # the real tensors are kept as they are
+        if not t.is_meta:
+            return t
+        return torch.empty_like(t, device=device, dtype=dtype if t.is_floating_point()
+                                else None)
+
+    from moeflow.parallel.tensor_parallel import TP_ATTR, shard_of, tp_shard
+
+    # an MP shard (Parm's tensor parallelism) keeps its spec on the new parameter object
+    specs = {n: tp_shard(p) for n, p in model.named_parameters() if tp_shard(p) is not None}
+    model._apply(empty)          # FSDPModule._apply re-pads and re-registers the local shards
+    for name, p in model.named_parameters():
+        if name in specs:
+            setattr(p, TP_ATTR, specs[name])
+        if name in names:
+            spec = specs.get(name)   # an MP shard: its MP block of the value first
+            full = initial_value(name, spec.global_shape if spec else tuple(p.shape))
+            if spec is not None:
+                full = shard_of(full, spec)
+            local = p.to_local()
+            part = local_slice(full, p)
+            if part.shape != local.shape:
+                raise RuntimeError(f"init_meta_shards: {name}'s slice {tuple(part.shape)} "
+                                   f"differs from its local shard {tuple(local.shape)}")
+            local.copy_(part)
+            del full, part
+    return sorted(names)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -19,7 +19,9 @@ kinds of tensors are replicated (see ``grad_sync``):
 
 FSDP2's shards of the dense part (``parallel.fsdp``, DTensor parameters) differ on every rank
 by design; neither function touches them (:func:`prepare_model` runs before the model is
-sharded, so the shards are slices of equal weights).
+sharded, so the shards are slices of equal weights). Tensors still on the meta device (a dense
+part built without values, :mod:`moeflow.models.fsdp_build`) have nothing to broadcast: their
+values come later from the seed, equal on every rank by construction.
 
 :func:`prepare_model` broadcasts both kinds from their source. :func:`check_replicas` compares
 them without moving them: one float64 checksum pair per tensor, all of them in one small
@@ -58,10 +60,11 @@ def _split(model: nn.Module, buffers: bool) -> tuple[list, list, list]:
     """(name, tensor) of the replicated, the expert and the tensor-parallel tensors, in module
     order. FSDP2's shards (DTensor parameters, ``parallel.fsdp``) are none of them: each rank
     holds a different slice by design, cut from weights that were equal when they were
-    sharded."""
+    sharded. Meta tensors (no values yet) are left out too."""
     named = [(n, p) for n, p in model.named_parameters() if not is_fsdp_param(p)]
     if buffers:
         named += list(model.named_buffers())
+    named = [(n, t) for n, t in named if not t.is_meta]
     replicated = [(n, t) for n, t in named if not _is_expert(t) and tp_shard(t) is None]
     experts = [(n, t) for n, t in named if _is_expert(t)]
     tp = [(n, t) for n, t in named if tp_shard(t) is not None]

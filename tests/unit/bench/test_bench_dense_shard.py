@@ -33,3 +33,16 @@ def test_state_bytes_counts_params_grads_and_moments_once():
         (expert, expert, 2 * expert)
     assert (got["dense_params"], got["dense_grads"], got["dense_optimizer"]) == \
         (dense, dense, 2 * dense)
+
+
+def test_modes_default_to_both_and_one_can_run_alone():
+    import argparse
+
+    import pytest
+
+    p = argparse.ArgumentParser()
+    dense_shard.add_arguments(p)
+    assert p.parse_args([]).modes == ["replicate", "fsdp"]
+    assert p.parse_args(["--modes", "fsdp"]).modes == ["fsdp"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--modes", "zero3"])
