@@ -17,8 +17,9 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    far (OptSche at each r > 1, :func:`screen_order`); then every other usable all-to-all
    algorithm (``check_topology`` passes), lossless. On several nodes ``node_dedup`` moves
    ahead where it saves at least ``DEDUP_MIN_SAVING`` of the rows crossing nodes on the
-   tuning batch: first of the other algorithms, or the first entry of all when the probed
-   link time says the budget holds one candidate (:func:`dedup_place`). The best two
+   tuning batch: first of the other algorithms, or the first entry of all when it saves at
+   least ``DEDUP_FIRST_SAVING`` and the probed link time says the budget holds one candidate
+   (:func:`dedup_place`). The best two
    (codec, algorithm) pairs are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
@@ -84,6 +85,7 @@ SIMPLER_MARGIN = 0.05   # a simpler candidate within this fraction of the fastes
 RETUNE_RATIO = 2.0      # re-tune when the rows per forward change by more than this factor
 RETUNE_CHECK_EVERY = 50  # training forwards between the collective re-tune checks
 DEDUP_MIN_SAVING = 0.15  # node_dedup early when it saves at least this share of crossing rows
+DEDUP_FIRST_SAVING = 0.45  # ... and first, on a link the budget cannot hold twice, from here
 
 
 @dataclass
@@ -274,15 +276,19 @@ def dedup_place(saving: float, link_s: float | None, budget_s: float | None) -> 
     the probed inter-node bandwidth, the slowest rank's), None when not probed.
 
     Under ``DEDUP_MIN_SAVING`` the order stays the name order. Else ``node_dedup`` is the
-    first of the other algorithms; and it is the screen's first entry when a time budget is set
-    and four times ``link_s`` exceeds it: every step is longer than its link time, so the budget
-    cannot hold the first measurement (a warm-up and a step) of two candidates, and the one it
-    measures is the one that sends fewer link bytes (on the 2 x 2 cluster at 100 Mbit/s with
-    4096 tokens a step is about 14 s, 87-90 % of it exchange, and the 30 s budget measured only
-    ``direct``: docs/benchmarks/layer.md)."""
+    first of the other algorithms; and it is the screen's first entry when the saving is at
+    least ``DEDUP_FIRST_SAVING``, a time budget is set and four times ``link_s`` exceeds it:
+    every step is longer than its link time, so the budget cannot hold the first measurement
+    (a warm-up and a step) of two candidates, and the one it measures is then the one that
+    sends far fewer link bytes. Measured on the 2 x 2 cluster at 100 Mbit/s
+    (docs/benchmarks/layer.md): with node-limited top-2 (saving 0.5) ``node_dedup`` ran 1.31-1.60x
+    faster than ``direct``, at plain top-2 (saving 0.21-0.24) it tied at 512 tokens and, tried
+    first at 4096 tokens, ran at 0.89x Tutel where ``direct`` had run at 1.27-1.36x: a saving of
+    0.2 is not enough to measure it in place of ``direct``."""
     if saving < DEDUP_MIN_SAVING:
         return None
-    if budget_s is not None and link_s is not None and 4.0 * link_s > budget_s:
+    if (saving >= DEDUP_FIRST_SAVING and budget_s is not None and link_s is not None
+            and 4.0 * link_s > budget_s):
         return "first"
     return "early"
 

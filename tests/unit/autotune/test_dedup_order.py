@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.autotune import DEDUP_MIN_SAVING, dedup_place, screen_order
+from moeflow.autotune import DEDUP_FIRST_SAVING, DEDUP_MIN_SAVING, dedup_place, screen_order
 from moeflow.dispatch.phases import crossing_rows
 
 SCHED = ["sequential", "pipelined", "optsche"]
@@ -29,10 +29,15 @@ def test_crossing_rows_per_choice_and_per_node():
 
 def test_dedup_place():
     assert dedup_place(DEDUP_MIN_SAVING - 0.01, 1e9, 30.0) is None   # small saving: name order
-    assert dedup_place(0.21, 10.7, 30.0) == "first"   # 4 x link time > budget: it goes first
-    assert dedup_place(0.21, 7.4, 30.0) == "early"    # the budget holds two first measurements
-    assert dedup_place(0.21, None, 30.0) == "early"   # no link estimate
-    assert dedup_place(0.21, 1e9, None) == "early"    # unbounded: everything is screened
+    assert dedup_place(DEDUP_MIN_SAVING, 1.0, 30.0) == "early"
+    # uniform top-2 over 2 nodes (0.21), link time 12.3 s per step at 100 Mbit/s and 4096
+    # tokens: early, not first (tried first, it ran slower than direct had)
+    assert dedup_place(0.21, 12.3, 30.0) == "early"
+    assert dedup_place(0.5, 12.3, 30.0) == "first"    # node-limited: 4 x link time > budget
+    assert dedup_place(DEDUP_FIRST_SAVING, 7.6, 30.0) == "first"
+    assert dedup_place(0.5, 7.4, 30.0) == "early"     # the budget holds two first measurements
+    assert dedup_place(0.5, None, 30.0) == "early"    # no link estimate
+    assert dedup_place(0.5, 1e9, None) == "early"     # unbounded: everything is screened
 
 
 @pytest.mark.parametrize("budgeted", [True, False])
