@@ -96,6 +96,20 @@ def token_nodes(ids: torch.Tensor, experts_per_node: int, nodes: int) -> torch.T
     return hit.scatter_(1, torch.clamp(ids // experts_per_node, max=nodes), True)[:, :nodes]
 
 
+def crossing_rows(ids: torch.Tensor, experts_per_node: int, nodes: int, node: int
+                  ) -> tuple[int, int]:
+    """Rows that this rank's tokens (on ``node``) send to other nodes in one exchange, from
+    their ``(T, k)`` expert ids: one per (token, choice) on another node, as the per-expert
+    exchanges send (``direct``, ``hier2d``, ...), and one per (token, other node), as
+    ``node_dedup`` sends (DeepEP's inter-node dispatch). Ids ``>= nodes x experts_per_node``
+    (dropped choices) reach no node. A host read (two integers)."""
+    owner = torch.clamp(ids // experts_per_node, max=nodes)
+    per_choice = int(((owner != node) & (owner < nodes)).sum())
+    hit = token_nodes(ids, experts_per_node, nodes)
+    per_node = int(hit.sum()) - int(hit[:, node].sum())
+    return per_choice, per_node
+
+
 def kept_choices(expert_ids: torch.Tensor, slot: torch.Tensor, send_rows: int,
                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Capacity mode: the ``(T, k)`` ids with each dropped choice (``slot >= send_rows`` in an

@@ -36,3 +36,23 @@ def time_aligned(fn: Callable[[], object], topo: "Topology", device: torch.devic
     watch = start_aligned(topo, device)
     fn()
     return slowest(watch.stop(), topo)
+
+
+def inter_node_seconds_per_byte(topo: "Topology", device: torch.device,
+                                nbytes: int = 1 << 20) -> float:
+    """Seconds per byte a rank sends to other nodes, the node's other ranks sending at the same
+    time (as in an exchange: they share the node's link): one warm-up and one timed
+    ``all_to_all_single`` of ``nbytes`` per peer over ``topo.inter_node_group``, the slowest
+    rank's time over the bytes sent to other nodes (the alpha-beta model's beta, with its
+    alpha folded in: Parm section 4). Collective over the world; 0.0 on one node."""
+    N = topo.num_nodes
+    if N < 2 or not topo.distributed:
+        return 0.0
+    n = max(1, nbytes // 4)
+    send = torch.zeros(N * n, dtype=torch.float32, device=device)
+    recv = torch.empty_like(send)
+    group = topo.inter_node_group
+    t = 0.0
+    for _ in range(2):                       # the first is a warm-up
+        t = time_aligned(lambda: dist.all_to_all_single(recv, send, group=group), topo, device)
+    return t / (4 * n * (N - 1))

@@ -30,7 +30,9 @@ every rank all-gathers, per chunk, its choices per expert and its tokens per des
 which every split size follows on the host. It runs on the computing thread before the
 schedule; while the schedule runs, every collective is a lane task, in the schedule's order
 (docs/design.md, "One collective order per rank"); backward's run in autograd's order, the
-same graph on every rank.
+same graph on every rank. The gathered counts stay on the plan (``NodeDedupPlan.gathered``),
+so a checkpoint's recomputation, which replays the plan (:mod:`moeflow.plan_record`),
+exchanges no counts: it issues the first forward's all-to-alls and nothing else.
 
 Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
 ``direct``), trimmed (only kept pairs and choices travel: the count exchange above) or padded
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moeflow.comm.exchange import gather_device_counts
@@ -80,6 +83,16 @@ def check_config(cfg, topo) -> None:
 class NodeDedupPlan(DispatchPlan):
     experts: torch.Tensor | None = None      # (T, k) expert ids (E: dropped by capacity)
     positions: torch.Tensor | None = None    # capacity: (T, k) GShard slot of each kept choice
+    # what the exchange gathered (host arrays), kept for a checkpoint's recomputation, which
+    # replays this plan (moeflow/plan_record.py) and so gathers nothing again: (key, values),
+    # key r (the pipeline degree) with every rank's choices per expert and pairs per node per
+    # chunk (trimmed), key "padded" with every rank's tokens and capacity (padded)
+    gathered: tuple[object, np.ndarray] | None = None
+
+    def gathered_for(self, key) -> np.ndarray | None:
+        """What the first forward gathered under ``key`` (None: nothing, gather now)."""
+        return self.gathered[1] if self.gathered is not None and self.gathered[0] == key \
+            else None
 
 
 class NodeDedup(ExpertStrategy):
@@ -142,12 +155,16 @@ class NodeDedup(ExpertStrategy):
         # the distinct destination nodes of every token; per chunk, its choices per expert and
         # its pairs per node, gathered in one count exchange (the host synchronisation)
         hit = token_nodes(ids, En, N)                   # dropped choices reach no node
-        mine = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            flat = ids[lo:hi].reshape(-1)
-            mine += [flat.new_zeros(E + 1).index_add_(0, flat, torch.ones_like(flat))[:E],
-                     hit[lo:hi].sum(0).to(flat.dtype)]
-        got = gather_device_counts(torch.cat(mine), topo.world_group, P).reshape(P, r, E + N)
+        got = plan.gathered_for(r)      # a recomputation: the first forward's, not again
+        if got is None:
+            mine = []
+            for lo, hi in zip(bounds, bounds[1:]):
+                flat = ids[lo:hi].reshape(-1)
+                mine += [flat.new_zeros(E + 1).index_add_(0, flat, torch.ones_like(flat))[:E],
+                         hit[lo:hi].sum(0).to(flat.dtype)]
+            got = gather_device_counts(torch.cat(mine), topo.world_group,
+                                       P).reshape(P, r, E + N)
+            plan.gathered = (r, got)
         plan.counts, plan.ep_rank = got[:, :, :E].sum(1), topo.ep_rank
         lays = [ChunkLayout.build(got[:, i, :E], got[:, i, E:], bounds[i], bounds[i + 1],
                                   topo, El) for i in range(r)]

@@ -33,7 +33,8 @@ from moeflow.strategies.node_dedup_steps import AllToAll, CodedAllToAll, Hop, ta
 
 def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
     """The seven task functions over r chunks of consecutive tokens (collective: gathers
-    the ranks' token counts and capacities first)."""
+    the ranks' token counts and capacities first, unless ``plan`` holds them already: a
+    checkpoint's recomputation replays the first forward's)."""
     layer = strategy.layer
     topo, cfg = layer.topo, layer.cfg
     N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
@@ -43,7 +44,10 @@ def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
     M = send.shape[1] - k
     dev = send.device
     g = lambda node, local: node * L + local        # noqa: E731
-    TC = gather_host_ints([T, plan.capacity], topo.world_group, P)   # host ints: no device read
+    TC = plan.gathered_for("padded")     # a checkpoint's recomputation: the first forward's
+    if TC is None:
+        TC = gather_host_ints([T, plan.capacity], topo.world_group, P)   # no device read
+        plan.gathered = ("padded", TC)
     Tq, Cq = TC[:, 0], TC[:, 1]
     plan.counts = np.repeat(Cq.reshape(-1, 1), E, axis=1)
     plan.ep_rank = topo.ep_rank

@@ -96,9 +96,24 @@ CASES = {
         placement="fssdp", fssdp=dict(materialize="sparse", overlap_degree=2, memory_capacity=2,
                                       rematerialize=True, overlap_regather=True,
                                       overlap_backward=True)), None),
+    # the node-deduplicated exchange (2 nodes x 2), trimmed (its count gather inside the
+    # exchange) and padded (its gather of token counts and capacities), plain and checkpointed
+    "node_dedup_r2_optsche": (None, "capacity_k2", dict(a2a="node_dedup", **R2), None),
+    "node_dedup_r2_optsche_checkpoint": (None, "capacity_k2", dict(a2a="node_dedup", **R2),
+                                         None),
+    "node_dedup_r2_optsche_checkpoint_reentrant": (None, "capacity_k2",
+                                                   dict(a2a="node_dedup", **R2), None),
+    "node_dedup_pad_r2": (None, "capacity_k2",
+                          dict(a2a="node_dedup", capacity_padding="pad", **R2), None),
+    "node_dedup_pad_r2_checkpoint_reentrant": (None, "capacity_k2",
+                                               dict(a2a="node_dedup", capacity_padding="pad",
+                                                    **R2), None),
 }
 # the cases whose layer runs under torch.utils.checkpoint: use_reentrant
-CHECKPOINTED = {"ep_r2_optsche_checkpoint": False, "ep_r2_optsche_checkpoint_reentrant": True,
+CHECKPOINTED = {"node_dedup_r2_optsche_checkpoint": False,
+                "node_dedup_r2_optsche_checkpoint_reentrant": True,
+                "node_dedup_pad_r2_checkpoint_reentrant": True,
+                "ep_r2_optsche_checkpoint": False, "ep_r2_optsche_checkpoint_reentrant": True,
                 "parm_baseline_esp2_r2_checkpoint": False, "ep_r4_pipelined_checkpoint": True,
                 "fssdp_prefetch_rm_r2_checkpoint": False, "parm_s1_r2_checkpoint": False}
 

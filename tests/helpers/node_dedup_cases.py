@@ -41,6 +41,40 @@ def choose_node_dedup(layer, x) -> None:
 
 
 
+def dedup_rule_worker(name: str) -> dict:
+    """On 2 nodes x 2: ``a2a="auto"`` under a 1 ms budget (the tuner makes its first
+    measurement only), the inter-node link probe replaced by a slow one (1 s per byte: the
+    link time exceeds any budget, node_dedup goes first) and by a free one (0 s: the budget
+    holds more, node_dedup goes early), each followed by the parity step; per run the rule
+    (``TunedChoice.node_dedup_rule``), the first measured candidate and the choice, and this
+    rank's crossing rows from its routing (:func:`moeflow.dispatch.phases.crossing_rows`)."""
+    import moeflow.measure.timing as timing
+    from moeflow.dispatch.phases import crossing_rows
+
+    topo = Topology.from_env(local_size=2)
+    out: dict = {}
+    probe = timing.inter_node_seconds_per_byte
+    for link, spb in (("slow", 1.0), ("free", 0.0)):
+        seen: dict = {}
+
+        def tune(layer, x):
+            layer.tune(x)
+            seen.update(rule=layer.tuned.node_dedup_rule, first=layer.tuned.candidates[0],
+                        choice=layer.tuned.settings(), strategy=layer.strategy.name)
+            with torch.no_grad():
+                ids = layer.router(x.reshape(-1, layer.cfg.d_model)).experts
+            seen["rows"] = crossing_rows(ids, layer.cfg.num_experts // topo.num_nodes,
+                                         topo.num_nodes, topo.node_rank)
+
+        timing.inter_node_seconds_per_byte = lambda *a, _s=spb, **k: (probe(*a, **k), _s)[1]
+        try:
+            res = parity.run_rank(name, topo, tune, a2a="auto", autotune_budget_s=1e-3)
+        finally:
+            timing.inter_node_seconds_per_byte = probe
+        out[link] = dict(res, **seen)
+    return out
+
+
 def codec_worker(names: list[str], codecs: list[str], a2as: tuple = ("node_dedup",)) -> dict:
     """Every case with every codec (gradients encoded too) and all-to-all, at r = 2 with
     OptSche, on 2 nodes x 2 (with each result, the step's inter-node bytes:

@@ -5,7 +5,8 @@ Every (variant, mode) runs ``STEPS`` AdamW steps of one float64 layer on this ra
 mode None (no checkpoint), False (non-reentrant) or True (reentrant), and records per step:
 the output, the input gradient, the experts' and the dense parameters' gradients and values
 after the step, ``P'`` (FSSDP), and counters per step: the router's forwards, the count
-exchanges (EP: ``exchange_counts``; FSSDP: ``KeptChoices``; Parm: the EP&ESP block counts), Algorithm 1's runs
+exchanges (EP: ``exchange_counts``; FSSDP: ``KeptChoices``; Parm: the EP&ESP block counts;
+node_dedup: the gather inside its exchange), Algorithm 1's runs
 (``next_placement``), the load window's entries, the bytes the first forward's held experts
 still hold between forward and backward (FSSDP), and the DeepSeek-V3 router's counted loads
 before its bias update. The loss is ``(y * g).sum() / T`` (the aux loss is not trained: under
@@ -23,6 +24,8 @@ import torch.utils.checkpoint as ckpt
 import moeflow.parallel.parm.ep_esp as ep_esp
 import moeflow.placement.layer_experts as layer_experts
 import moeflow.schedule.pipeline as pipeline
+import moeflow.strategies.node_dedup as node_dedup
+import moeflow.strategies.node_dedup_padded as node_dedup_padded
 from moeflow import Topology, sync_gradients, update_router_biases
 from moeflow.placement.layer_experts import FSSDPExperts
 from tests.helpers import fssdp_layer_worker as fw
@@ -44,9 +47,15 @@ VARIANTS = {
     # Parm's S1 (MP-Split before the gate, EP&ESP-AlltoAll, MP-AllGather after), MP = ESP = 2
     "parm_s1_r2": dict(parallel_schedule="s1", pipeline_degree=2, schedule="optsche",
                        layout=(2, 1, 2, True)),
+    # the node-deduplicated exchange (2 nodes x 2): its counts are gathered inside the
+    # exchange and kept on its plan; trimmed at r = 2 (OptSche) and padded at r = 1
+    "node_dedup_r2": dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche"),
+    "node_dedup_pad_r1": dict(a2a="node_dedup", capacity_padding="pad"),
 }
 MODES = {"plain": None, "nonreentrant": False, "reentrant": True}
-DEFAULT = ["ep_r4", "deepseek_r1", "fssdp_sparse_r1", "parm_s1_r2"]     # the default run; the others: slow
+# the default run; the others: slow
+DEFAULT = ["ep_r4", "deepseek_r1", "fssdp_sparse_r1", "parm_s1_r2", "node_dedup_r2",
+           "node_dedup_pad_r1"]
 
 
 @contextlib.contextmanager
@@ -68,9 +77,13 @@ def counting(layer, counts: dict):
         return kept(*a, **k)
 
     pipeline.exchange_counts, layer_experts.KeptChoices = exchange_counting, kept_counting
-    gathers = {n: getattr(ep_esp, n) for n in ("gather_device_counts", "capacity_counts")}
-    for name, fn in gathers.items():      # Parm's EP&ESP block counts
-        setattr(ep_esp, name, lambda *a, _fn=fn, **k: (bump("count_exchanges"), _fn(*a, **k))[1])
+    # Parm's EP&ESP block counts; node_dedup's counts (trimmed) or token counts and
+    # capacities (padded), gathered inside its exchange
+    gathers = [(ep_esp, "gather_device_counts"), (ep_esp, "capacity_counts"),
+               (node_dedup, "gather_device_counts"), (node_dedup_padded, "gather_host_ints")]
+    gathers = {(mod, n): getattr(mod, n) for mod, n in gathers}
+    for (mod, name), fn in gathers.items():
+        setattr(mod, name, lambda *a, _fn=fn, **k: (bump("count_exchanges"), _fn(*a, **k))[1])
     ex = layer.experts
     if isinstance(ex, FSSDPExperts):
         nxt, add = ex.next_placement, ex.window.add
@@ -81,8 +94,8 @@ def counting(layer, counts: dict):
     finally:
         hook.remove()
         pipeline.exchange_counts, layer_experts.KeptChoices = exchange, kept
-        for name, fn in gathers.items():
-            setattr(ep_esp, name, fn)
+        for (mod, name), fn in gathers.items():
+            setattr(mod, name, fn)
         if isinstance(ex, FSSDPExperts):
             del ex.next_placement, ex.window.add
 

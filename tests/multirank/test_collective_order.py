@@ -94,13 +94,17 @@ def test_the_early_spag_runs_on_the_lane(events):
     ("ep_r2_optsche", "ep_r2_optsche_checkpoint"),
     ("ep_r2_optsche", "ep_r2_optsche_checkpoint_reentrant"),
     ("ep_r4_pipelined", "ep_r4_pipelined_checkpoint"),
-    ("fssdp_prefetch_rm_r2", "fssdp_prefetch_rm_r2_checkpoint")])
+    ("fssdp_prefetch_rm_r2", "fssdp_prefetch_rm_r2_checkpoint"),
+    ("node_dedup_r2_optsche", "node_dedup_r2_optsche_checkpoint"),
+    ("node_dedup_r2_optsche", "node_dedup_r2_optsche_checkpoint_reentrant"),
+    ("node_dedup_pad_r2", "node_dedup_pad_r2_checkpoint_reentrant")])
 def test_recomputation_repeats_the_exchange_only(events, plain, ckpt):
     """Under torch.utils.checkpoint the recomputation replays the first forward's plan
     (moeflow/plan_record.py): its collectives are the plain layer's plus the forward's
     all-to-alls once more, nothing else (the count matrix travels once per call; FSSDP's
     recomputed spAG of the recorded P' takes the place of HECATE-RM's backward one, and the
-    same P' is used). The per-group checks above hold them identical across ranks."""
+    same P' is used; node_dedup's counts, gathered inside its exchange, are kept on its plan
+    and not gathered again). The per-group checks above hold them identical across ranks."""
     a2a = "all_to_all_single"
     for rank in range(WORLD):
         ref = [e[:3] for e in events[rank][plain]]

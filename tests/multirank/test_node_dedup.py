@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import moeflow as mf
+from moeflow import autotune
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 from tests.helpers import node_dedup_cases, parity
@@ -204,6 +205,34 @@ def test_auto_screens_node_dedup_where_it_runs():
     assert "node_dedup" in candidate_algorithms(padded, mf.Topology(**TOPO))
     esp = mf.Topology(rank=0, world_size=4, local_size=2, ep_size=2, esp_size=2)
     assert "node_dedup" not in candidate_algorithms(mf.MoEConfig(**kw), esp)
+
+
+@pytest.mark.multirank
+def test_tuner_tries_node_dedup_first_where_the_link_dominates():
+    """The early-node_dedup rule (autotune.dedup_place) on 2 x 2 under a 1 ms budget: the
+    routing's saving is the share of crossing rows node_dedup does not send (summed over the
+    ranks); with a slow link (probe replaced: 1 s per byte) node_dedup is the one candidate the
+    budget measures and the layer runs it; with a free link it goes after the overlap trials,
+    so direct is measured. Every rank decides alike, and both steps equal the reference."""
+    name = "dropless_k_eq_E"       # top-4 of 4 experts: 2 crossing choices, 1 other node
+    got = launch_local(node_dedup_cases.dedup_rule_worker, 4, name, timeout_s=300)
+    ref = parity.reference(name, 4)
+    per_choice = sum(res["slow"]["rows"][0] for res in got.values())
+    per_node = sum(res["slow"]["rows"][1] for res in got.values())
+    assert per_choice == 2 * per_node > 0
+    for rank, res in got.items():
+        slow, free = res["slow"], res["free"]
+        for run in (slow, free):
+            assert run["rule"]["saving"] == pytest.approx(1 - per_node / per_choice)
+            assert run["rule"]["rows_per_choice"] == per_choice
+            assert run["rule"]["saving"] == 0.5 >= autotune.DEDUP_MIN_SAVING, run["rule"]
+        assert slow["rule"]["link_s"] > 1e3 and slow["rule"]["place"] == "first"
+        assert slow["first"]["a2a"] == "node_dedup" and slow["strategy"] == "node_dedup"
+        assert free["rule"]["link_s"] == 0.0 and free["rule"]["place"] == "early"
+        assert free["first"]["a2a"] == "direct", free["first"]
+        for link, run in (("slow", slow), ("free", free)):
+            parity.assert_rank_matches(run, ref, rank, 4, f"tuned, {link} link")
+    assert len({str(res["slow"]["rule"]) for res in got.values()}) == 1
 
 
 @pytest.mark.multirank

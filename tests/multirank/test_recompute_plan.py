@@ -1,9 +1,10 @@
 """A checkpointed MoE layer re-plans nothing (moeflow/plan_record.py), on 4 float64 ranks:
 EP at r = 1 and r = 4, the DeepSeek-V3 router, and FSSDP with Algorithm 1 from the load window
-(calibration and HECATE-RM on) at r = 1 and r = 4, Parm's S1 (MP = ESP = 2), each without checkpointing and under
-non-reentrant and reentrant torch.utils.checkpoint, 2 AdamW steps
+(calibration and HECATE-RM on) at r = 1 and r = 4, Parm's S1 (MP = ESP = 2), the
+node-deduplicated exchange (2 nodes x 2; trimmed at r = 2, padded at r = 1), each without
+checkpointing and under non-reentrant and reentrant torch.utils.checkpoint, 2 AdamW steps
 (tests/helpers/recompute_plan_worker.py). The default run covers EP r = 4, DeepSeek-V3,
-FSSDP r = 1 and Parm S1; EP r = 1 and FSSDP r = 4 are marked slow (the single-process
+FSSDP r = 1, Parm S1 and node_dedup; EP r = 1 and FSSDP r = 4 are marked slow (the single-process
 tests/unit/core/test_plan_record.py counts EP's forwards and count exchanges at r = 1 and 4)."""
 
 from __future__ import annotations
