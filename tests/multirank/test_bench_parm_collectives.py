@@ -69,6 +69,25 @@ def test_grid_elements_span_the_messages():
     assert sizes[0] == min(every) and sizes[-1] == max(every) and len(sizes) == 4
 
 
+def test_grid_elements_agree_over_the_ranks():
+    """The fits are collective: every rank must measure at the same sizes, also where a rank's
+    messages depend on its MP rank and slot (N_MP = 4, B L = 64: S2's capacity of 39 splits
+    9 / 10 / 10 / 10 over the MP ranks). Ranks used to fit at their own messages' sizes, and
+    the fits' all-to-all failed (gloo: size mismatch)."""
+    grids = []
+    for rank in range(8):
+        topo = Topology(rank=rank, world_size=8, local_size=2, ep_size=2, mp_size=4, esp_size=1)
+        grids.append(grid_elements(topo, [64], 256, 4, 2, [1.2]))
+        own = [p.elements for s in messages(topo, 64, 256, 4, 2, 1.2).values()
+               for p in s.values()]
+        assert grids[-1][0] <= min(own) and max(own) <= grids[-1][-1]
+    assert all(g == grids[0] for g in grids)
+    per_rank = {min(p.elements for s in messages(
+        Topology(rank=r, world_size=8, local_size=2, ep_size=2, mp_size=4, esp_size=1),
+        64, 256, 4, 2, 1.2).values() for p in s.values()) for r in range(8)}
+    assert len(per_rank) > 1          # the case the test is about: ranks' messages differ
+
+
 @pytest.fixture(scope="module")
 def results():
     return launch_local(worker.rank_worker, 4, timeout_s=240)
