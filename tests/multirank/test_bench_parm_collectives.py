@@ -95,7 +95,7 @@ def results():
 
 @pytest.mark.multirank
 def test_every_piece_timed_with_a_prediction(results):
-    got = results[0]
+    got = {k: v for k, v in results[0].items() if k != "crossing"}
     for layout, table in got.items():
         assert set(table) == set(CHAINS), layout
         for sched, d in table.items():
@@ -115,3 +115,18 @@ def test_every_piece_timed_with_a_prediction(results):
     assert [p["piece"] for p in got["2,2,1"]["s1"]["pieces"]] == ["a2a", "a2a_back", "ag_mp"]
     assert [p["piece"] for p in got["2,2,1"]["baseline"]["pieces"]] == ["a2a_ep",
                                                                       "a2a_ep_back"]
+
+
+@pytest.mark.multirank
+def test_crossing_names_the_groups_that_span_nodes(results):
+    """``bench parm`` marks per row which groups cross the nodes (2 nodes x 2 here)."""
+    for rank, got in results.items():
+        c = got["crossing"]
+        # (1,2,2), ESP in the node: EP {r, r+2} and the block (all 4) cross, ESP does not
+        assert c["1,2,2"] == {"mp": False, "ep": True, "esp": False, "ep_esp": True,
+                              "baseline": True, "s1_s2": True}, rank
+        # (2,2,1): MP, EP and the block are one node: nothing crosses
+        assert not any(c["2,2,1"].values()), rank
+        # (1,2,2), EP in the node: ESP {r, r+2} crosses, so the block does; EP does not
+        assert c["1,2,2e"] == {"mp": False, "ep": False, "esp": True, "ep_esp": True,
+                               "baseline": True, "s1_s2": True}, rank
