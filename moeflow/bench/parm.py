@@ -1,6 +1,8 @@
 """``moeflow bench parm``: Parm's schedules side by side (a scaled-down Table III / IV grid).
 
-For every layout (N_MP, N_EP, N_ESP) that fits the world and every MoE case (tokens per rank
+For every layout (N_MP, N_EP, N_ESP) that fits the world (N_MP, N_ESP in {1, 2} inside a node;
+or the ``layouts`` given, e.g. N_MP = 4 across two nodes, each row recording which groups
+cross the nodes, :func:`crossing`) and every MoE case (tokens per rank
 ``B L``, width ``M`` with ``H = 2 M``, capacity factor ``f``), one MoE layer per variant --
 ``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas`` and ``auto``
 (Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
