@@ -1,6 +1,8 @@
 """``moeflow bench parm``: Parm's schedules side by side (a scaled-down Table III / IV grid).
 
-For every layout (N_MP, N_EP, N_ESP) that fits the world and every MoE case (tokens per rank
+For every layout (N_MP, N_EP, N_ESP) that fits the world (N_MP, N_ESP in {1, 2} inside a node;
+or the ``layouts`` given, e.g. N_MP = 4 across two nodes, each row recording which groups
+cross the nodes, :func:`crossing`) and every MoE case (tokens per rank
 ``B L``, width ``M`` with ``H = 2 M``, capacity factor ``f``), one MoE layer per variant --
 ``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas`` and ``auto``
 (Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
@@ -51,13 +53,52 @@ def layouts(world: int, local: int) -> list[tuple[int, int, int]]:
     return out
 
 
+PLACEMENTS = {"esp-in-node": True, "ep-in-node": False}
+
+
+def parse_layout(text: str) -> tuple[int, int, int, bool]:
+    """``MPxEPxESP[:esp-in-node|:ep-in-node]`` -> (N_MP, N_EP, N_ESP, esp_in_node), for layouts
+    the default grid leaves out (N_MP or N_ESP = 4, groups spanning nodes: Section IV-A's
+    cases 2 and 3). Raises ValueError naming the text and the form."""
+    body, _, place = text.partition(":")
+    parts = body.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts) \
+            or (place and place not in PLACEMENTS):
+        raise ValueError(f"layout {text!r}: expected MPxEPxESP with positive sizes and an "
+                         f"optional :{' or :'.join(PLACEMENTS)}, e.g. 4x2x1 or 1x2x4:ep-in-node")
+    mp, ep, esp = (int(p) for p in parts)
+    return mp, ep, esp, PLACEMENTS[place or "esp-in-node"]
+
+
+def crossing(topo: Topology) -> dict[str, bool]:
+    """Which of this rank's Parm groups span more than one node (their traffic crosses the
+    inter-node link; a group inside a node never sees the link's bandwidth): ``mp``, ``ep``,
+    ``esp`` and ``ep_esp``, and what that means per schedule: the baseline moves the MoE
+    traffic on EP and ESP (Eq. 1), S1 / S2 on EP&ESP and MP (Eq. 11 / 14)."""
+    import torch.distributed as dist
+
+    def spans(group) -> bool:
+        if group is None:
+            return False
+        return len({r // topo.local_size for r in dist.get_process_group_ranks(group)}) > 1
+
+    out = {name: spans(getattr(topo, f"{name}_group"))
+           for name in ("mp", "ep", "esp", "ep_esp")}
+    out["baseline"] = out["ep"] or out["esp"]
+    out["s1_s2"] = out["ep_esp"] or out["mp"]
+    return out
+
+
 def bench_worker(opts: dict) -> dict:
     world_topo = Topology.from_env()
     device = resolve_device(opts.get("device", "cpu"))
     rows, fits_out = [], {}
     M, k = opts["d_model"], opts["top_k"]
-    for mp, ep, esp in layouts(world_topo.world_size, world_topo.local_size):
-        topo = Topology.from_env(ep_size=ep, mp_size=mp, esp_size=esp, esp_in_node=True)
+    grid_layouts = opts.get("layouts") or [
+        (*lay, True) for lay in layouts(world_topo.world_size, world_topo.local_size)]
+    for mp, ep, esp, in_node in grid_layouts:
+        topo = Topology.from_env(ep_size=ep, mp_size=mp, esp_size=esp, esp_in_node=in_node)
+        spans = crossing(topo)
         E = ep * opts["experts_per_ep"]
         # Algorithm 1's fits twice: at the default 16 Ki-256 Ki elements, and at sizes spanning
         # the messages this grid sends on this layout (no extrapolation); the auto layers take
@@ -66,7 +107,8 @@ def bench_worker(opts: dict) -> dict:
         fit_sets = {"default": measure_parm_fits(topo, device=device),
                     "grid": measure_parm_fits(topo, elements=grid, width=M, device=device)}
         use_fits(topo, fit_sets[opts.get("fit_sizes", "grid")])
-        fits_out[f"{mp},{ep},{esp}"] = {"grid_elements": grid,
+        key = f"{mp},{ep},{esp}" + ("" if in_node else ":ep-in-node")
+        fits_out[key] = {"grid_elements": grid,
                                         **{lab: f.to_json() for lab, f in fit_sets.items()}}
         coll_fits = {}
         if opts.get("collectives"):
@@ -75,7 +117,7 @@ def bench_worker(opts: dict) -> dict:
                 pf = fit_sets[lab]
                 coll_fits[lab] = {"ag_mp": pf.ag_mp, "a2a": pf.a2a, "overlap": pf.overlap,
                                   **{n: v for n, v in bf.items() if n != "points"}}
-                fits_out[f"{mp},{ep},{esp}"][lab]["baseline"] = {
+                fits_out[key][lab]["baseline"] = {
                     **{n: ab_json(v) for n, v in bf.items() if n != "points"},
                     "points": bf["points"]}
         for tokens in opts["tokens"]:
@@ -88,7 +130,8 @@ def bench_worker(opts: dict) -> dict:
                 preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp)
                          for lab, fs in fit_sets.items()}
                 pred = preds[opts.get("fit_sizes", "grid")]
-                row = {"n_mp": mp, "n_ep": ep, "n_esp": esp, "tokens_per_rank": tokens,
+                row = {"n_mp": mp, "n_ep": ep, "n_esp": esp, "esp_in_node": in_node,
+                       "crosses_nodes": spans, "tokens_per_rank": tokens,
                        "d_model": M, "d_expert": 2 * M, "num_experts": E, "top_k": k,
                        "capacity_factor": f,
                        "step_ms": {r["variant"]: r["step_ms"] for r in got},
@@ -172,12 +215,14 @@ def format_result(res: dict) -> str:
              + f" {'alg1':>5} {'pred s1':>8} {'pred s2':>8}", "-" * 100]
     for r in res["rows"]:
         t = r["step_ms"]
-        lines.append(f"{r['n_mp']},{r['n_ep']},{r['n_esp']:<5} {r['tokens_per_rank']:>5} "
+        lay = f"{r['n_mp']},{r['n_ep']},{r['n_esp']}" + ("" if r.get("esp_in_node", True) else "e")
+        lines.append(f"{lay:<9} {r['tokens_per_rank']:>5} "
                      f"{r['capacity_factor']:>4} " + " ".join(f"{t[v]:>9.1f}" for v, _ in VARIANTS)
                      + f" {r['auto_choice']:>5} {r['predicted_comm_ms']['s1']:>8.2f} "
                      f"{r['predicted_comm_ms']['s2']:>8.2f}")
     s = res["summary"]
-    lines.append("step ms (median); pred = Algorithm 1's communication time, ms")
+    lines.append("step ms (median); pred = Algorithm 1's communication time, ms; "
+                 "e: EP groups in a node (Section IV-A case 3)")
     for k, d in s["mean_speedup_over_baseline"].items():
         lines.append(f"{k}: mean speedup over baseline  S1 {d['s1']:.2f}x  S2 {d['s2']:.2f}x  "
                      f"Parm(auto) {d['auto']:.2f}x")

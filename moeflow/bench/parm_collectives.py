@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -268,9 +268,13 @@ def measure_baseline_fits(topo: Topology, elements, width: int = 64, warmup: int
 def grid_elements(topo: Topology, tokens: list[int], M: int, E: int, k: int,
                   factors: list[float], points: int = 4) -> list[int]:
     """``points`` sizes, geometric from the smallest to the largest message the grid's
-    schedules send on this layout (what the fits should span instead of extrapolating)."""
-    sizes = [m.elements for n in tokens for f in factors
-             for sched in messages(topo, n, M, E, k, f).values() for m in sched.values()]
+    schedules send on this layout (what the fits should span instead of extrapolating), on
+    any rank: the fits are collective, so every rank must measure the same sizes, and a rank's
+    messages depend on its MP rank and slot where the capacity does not split evenly over the
+    MP group (e.g. N_MP = 4). Arithmetic only: each rank's view of the layout, no collective."""
+    sizes = [m.elements for r in range(topo.world_size) for n in tokens for f in factors
+             for sched in messages(replace(topo, rank=r), n, M, E, k, f).values()
+             for m in sched.values()]
     lo, hi = min(sizes), max(sizes)
     if lo == hi:
         lo, hi = max(1, lo // 2), 2 * hi

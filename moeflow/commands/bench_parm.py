@@ -33,6 +33,11 @@ def register_bench(bsub) -> None:
                    help="sizes of the alpha-beta fits the auto layers take: 'grid' spans the "
                         "messages this grid sends (default), 'default' 16Ki-256Ki elements; "
                         "both sets' Algorithm 1 choices are recorded")
+    p.add_argument("--layouts", type=_list(str), default=None,
+                   help="run these layouts instead of the default grid (N_MP, N_ESP in {1, 2}, "
+                        "inside a node): a comma list of MPxEPxESP[:esp-in-node|:ep-in-node], "
+                        "e.g. 4x4x1,4x2x2,1x2x4:ep-in-node (N_MP or N_ESP = 4 on 2-rank nodes; "
+                        "each row records which groups cross the nodes)")
     add_device_arg(p)
     p.add_argument("--compare", choices=["deepspeed"], default=None,
                    help="time DeepSpeed-MoE's own layer (same weights and gate, N_MP = N_ESP = 2 "
@@ -55,6 +60,17 @@ def run_parm(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "experts_per_ep", "top_k",
                                           "capacity_factors", "warmup", "reps", "device",
                                           "collectives", "fit_sizes")}
+    if args.layouts:
+        from moeflow.bench.parm import parse_layout
+
+        if args.compare:
+            raise SystemExit("moeflow bench parm: --layouts and --compare deepspeed don't go "
+                             "together: the DeepSpeed comparison runs its one layout "
+                             "(N_MP = N_ESP = 2 as one group); drop one of them")
+        try:
+            opts["layouts"] = [parse_layout(t) for t in args.layouts]
+        except ValueError as e:
+            raise SystemExit(f"moeflow bench parm: --layouts: {e}") from None
     if args.compare == "deepspeed":
         return run_compare_deepspeed(args, opts)
     return report(run_on_ranks(bench_worker, args, opts), args, format_result)

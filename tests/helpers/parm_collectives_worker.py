@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from moeflow.measure.linkmodel import AlphaBeta
+from moeflow.bench.parm import crossing
 from moeflow.bench.parm_collectives import measure_baseline_fits, messages, time_case
 from moeflow.parallel.parm.fits import measure_parm_fits
 from moeflow.topology import Topology
@@ -14,10 +15,11 @@ SYNTHETIC = AlphaBeta(1e-4, 1e-9)
 
 
 def rank_worker() -> dict:
-    out = {}
+    out = {"crossing": {}}
     device = torch.device("cpu")
     for mp, ep, esp in ((1, 2, 2), (2, 2, 1)):
         topo = Topology.from_env(ep_size=ep, local_size=2, mp_size=mp, esp_size=esp)
+        out["crossing"][f"{mp},{ep},{esp}"] = crossing(topo)
         sizes = (2048, 8192)
         pf = measure_parm_fits(topo, elements=sizes, width=16, warmup=0, reps=1)
         bf = measure_baseline_fits(topo, sizes, width=16, warmup=0, reps=1)
@@ -29,4 +31,7 @@ def rank_worker() -> dict:
         out[f"{mp},{ep},{esp}"] = time_case(topo, msgs, {"synthetic": synthetic,
                                                           "measured": measured},
                                             16, device, warmup=0, reps=2)
+    topo = Topology.from_env(ep_size=2, local_size=2, mp_size=1, esp_size=2,
+                             esp_in_node=False)                  # ESP groups across nodes
+    out["crossing"]["1,2,2e"] = crossing(topo)
     return out

@@ -69,6 +69,25 @@ def test_grid_elements_span_the_messages():
     assert sizes[0] == min(every) and sizes[-1] == max(every) and len(sizes) == 4
 
 
+def test_grid_elements_agree_over_the_ranks():
+    """The fits are collective: every rank must measure at the same sizes, also where a rank's
+    messages depend on its MP rank and slot (N_MP = 4, B L = 64: S2's capacity of 39 splits
+    9 / 10 / 10 / 10 over the MP ranks). Ranks used to fit at their own messages' sizes, and
+    the fits' all-to-all failed (gloo: size mismatch)."""
+    grids = []
+    for rank in range(8):
+        topo = Topology(rank=rank, world_size=8, local_size=2, ep_size=2, mp_size=4, esp_size=1)
+        grids.append(grid_elements(topo, [64], 256, 4, 2, [1.2]))
+        own = [p.elements for s in messages(topo, 64, 256, 4, 2, 1.2).values()
+               for p in s.values()]
+        assert grids[-1][0] <= min(own) and max(own) <= grids[-1][-1]
+    assert all(g == grids[0] for g in grids)
+    per_rank = {min(p.elements for s in messages(
+        Topology(rank=r, world_size=8, local_size=2, ep_size=2, mp_size=4, esp_size=1),
+        64, 256, 4, 2, 1.2).values() for p in s.values()) for r in range(8)}
+    assert len(per_rank) > 1          # the case the test is about: ranks' messages differ
+
+
 @pytest.fixture(scope="module")
 def results():
     return launch_local(worker.rank_worker, 4, timeout_s=240)
@@ -76,7 +95,7 @@ def results():
 
 @pytest.mark.multirank
 def test_every_piece_timed_with_a_prediction(results):
-    got = results[0]
+    got = {k: v for k, v in results[0].items() if k != "crossing"}
     for layout, table in got.items():
         assert set(table) == set(CHAINS), layout
         for sched, d in table.items():
@@ -96,3 +115,18 @@ def test_every_piece_timed_with_a_prediction(results):
     assert [p["piece"] for p in got["2,2,1"]["s1"]["pieces"]] == ["a2a", "a2a_back", "ag_mp"]
     assert [p["piece"] for p in got["2,2,1"]["baseline"]["pieces"]] == ["a2a_ep",
                                                                       "a2a_ep_back"]
+
+
+@pytest.mark.multirank
+def test_crossing_names_the_groups_that_span_nodes(results):
+    """``bench parm`` marks per row which groups cross the nodes (2 nodes x 2 here)."""
+    for rank, got in results.items():
+        c = got["crossing"]
+        # (1,2,2), ESP in the node: EP {r, r+2} and the block (all 4) cross, ESP does not
+        assert c["1,2,2"] == {"mp": False, "ep": True, "esp": False, "ep_esp": True,
+                              "baseline": True, "s1_s2": True}, rank
+        # (2,2,1): MP, EP and the block are one node: nothing crosses
+        assert not any(c["2,2,1"].values()), rank
+        # (1,2,2), EP in the node: ESP {r, r+2} crosses, so the block does; EP does not
+        assert c["1,2,2e"] == {"mp": False, "ep": False, "esp": True, "ep_esp": True,
+                               "baseline": True, "s1_s2": True}, rank

@@ -10,6 +10,10 @@ of S1 and S2 was faster (all per-round ratios s2/s1 on one side of 1); Algorithm
 (the `auto` layer's, `auto_choice`) is scored only on decided cases with N_MP > 1 (at N_MP = 1
 S1 and S2 are the same schedule by Eq. 2), next to the line "always S1".
 
+Rows of ``bench parm --layouts`` (N_MP or N_ESP = 4 on 2-rank nodes) also say which groups
+cross the nodes, per schedule; where none of a schedule's does, its traffic stays inside a node
+and the run's bandwidth label does not apply to it (marked "in node").
+
 Usage: python docs/benchmarks/scripts/parm_paired.py FILE.json [FILE.json ...]
 """
 
@@ -29,11 +33,31 @@ def cell(r: list[float]) -> str:
     return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
 
 
+def layout(row: dict) -> str:
+    """N_MP,N_EP,N_ESP, with ``e`` where the EP groups are in a node (Section IV-A case 3)."""
+    return (f"{row['n_mp']},{row['n_ep']},{row['n_esp']}"
+            + ("" if row.get("esp_in_node", True) else "e"))
+
+
+def link(row: dict) -> str:
+    """Which groups cross the nodes, per schedule (rows of ``bench parm --layouts``): the
+    baseline's MoE traffic runs on EP and ESP, S1 / S2's on EP&ESP and MP. "in node" where a
+    schedule's traffic never crosses, so the run's bandwidth label does not apply to it."""
+    c = row["crosses_nodes"]
+
+    def which(names):
+        got = [n.upper().replace("_", "&") for n in names if c[n]]
+        return "+".join(got) if got else "**in node**"
+    return f"{which(('ep', 'esp'))} / {which(('ep_esp', 'mp'))}"
+
+
 def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
     out, scored = [], []
-    out.append("| N_MP,N_EP,N_ESP | k | B L | f | baseline ms | S1 | S2 | auto (choice) | "
+    wide = any("crosses_nodes" in row for row in res["rows"])
+    out.append("| N_MP,N_EP,N_ESP | " + ("crossing: baseline / S1,S2 | " if wide else "")
+               + "k | B L | f | baseline ms | S1 | S2 | auto (choice) | "
                "S1/S2 time, rounds | decided | Alg. 1 right |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if wide else ""))
     for row in res["rows"]:
         s = row["samples_ms"]
         base = s["baseline"]
@@ -46,7 +70,7 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
             right = "yes" if row["auto_choice"] == faster else "no"
             scored.append({"faster": faster, "choice": row["auto_choice"], "n_mp": mp})
         out.append(
-            f"| {row['n_mp']},{row['n_ep']},{row['n_esp']} | {row['top_k']} | "
+            f"| {layout(row)} | " + (f"{link(row)} | " if wide else "") + f"{row['top_k']} | "
             f"{row['tokens_per_rank']} | {row['capacity_factor']} | "
             f"{statistics.median(base):.0f} | {cell(paired(base, s['s1']))} | "
             f"{cell(paired(base, s['s2']))} | {cell(paired(base, s['auto']))} "
@@ -55,7 +79,7 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
             f"{right} |")
     by_layout: dict[str, dict[str, list[float]]] = {}
     for row in res["rows"]:
-        s, key = row["samples_ms"], f"{row['n_mp']},{row['n_ep']},{row['n_esp']}"
+        s, key = row["samples_ms"], layout(row)
         for v in ("s1", "s2", "auto"):
             by_layout.setdefault(key, {}).setdefault(v, []).append(
                 statistics.median(paired(s["baseline"], s[v])))

@@ -4,13 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.bench.parm import format_result, layouts, summarize
+from moeflow.bench.parm import format_result, layouts, parse_layout, summarize
+from moeflow.cli import main
+from moeflow.commands import bench_parm
 
 
 def test_layouts_fit_the_world():
     assert layouts(4, 2) == [(1, 2, 2), (2, 2, 1), (2, 1, 2)]
     assert layouts(8, 4) == [(1, 4, 2), (2, 4, 1), (2, 2, 2)]
     assert layouts(4, 1) == []                  # no MP or ESP group fits a node of one
+
+
+def test_parse_layout():
+    assert parse_layout("4x2x1") == (4, 2, 1, True)
+    assert parse_layout("4x2x2:esp-in-node") == (4, 2, 2, True)
+    assert parse_layout("1x2x4:ep-in-node") == (1, 2, 4, False)
+    for bad in ("4x2", "4x0x1", "4x2x1:in-node", "a,b,c", "4x2x1x1"):
+        with pytest.raises(ValueError, match=f"layout '{bad}': expected MPxEPxESP"):
+            parse_layout(bad)
+
+
+def test_layouts_flag_is_checked_before_any_rank(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("ranks were started")
+    monkeypatch.setattr(bench_parm, "run_on_ranks", refuse)
+    with pytest.raises(SystemExit, match="--layouts: layout '4x2'"):
+        main(["bench", "parm", "--nproc", "8", "--layouts", "4x4x1,4x2"])
+    with pytest.raises(SystemExit, match="--layouts and --compare deepspeed"):
+        main(["bench", "parm", "--nproc", "8", "--layouts", "4x4x1", "--compare", "deepspeed"])
 
 
 def _row(mp, esp, times, choice):
@@ -33,6 +54,8 @@ def test_summary_counts():
     assert s["saa_speedup_over_aas_mean"] == pytest.approx((6 / 4 + 6 / 5.2 + 8 / 8) / 3)
     text = format_result({"topology": "T", "rows": rows, "summary": s})
     assert "Algorithm 1 picked the faster in 1/2" in text
+    rows[2]["esp_in_node"] = False                     # an EP-in-node row is marked "e"
+    assert "1,2,2e" in format_result({"topology": "T", "rows": rows, "summary": s})
 
 
 def test_accuracy_per_fit_set_and_n_mp():
