@@ -6,7 +6,6 @@ budget (:mod:`moeflow.bench.hecate_fit`), and interleaved step times with the ch
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 
@@ -76,7 +75,6 @@ def _opts(args: argparse.Namespace, name: str) -> dict:
 
 def run_fit(args: argparse.Namespace) -> int:
     from moeflow.bench import hecate_fit
-    from moeflow.commands.common import run_meta
 
     for name in ("start_batch", "max_batch", "probe_steps", "nproc"):
         if getattr(args, name) < 1:
@@ -87,14 +85,8 @@ def run_fit(args: argparse.Namespace) -> int:
     opts = {**_opts(args, "hecate-fit"), "budget": int(args.budget_mib * 2**20),
             "start_batch": args.start_batch, "max_batch": args.max_batch,
             "probe_steps": args.probe_steps}
-    res = hecate_fit.run(opts, args.nproc, args.timeout)
-    print(hecate_fit.format_result(res))
-    if args.out:
-        res.update(run_meta())
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
-        print(f"wrote {args.out}")
-    return 0
+    return report(hecate_fit.run(opts, args.nproc, args.timeout), args,
+                  hecate_fit.format_result)
 
 
 def run_time(args: argparse.Namespace) -> int:

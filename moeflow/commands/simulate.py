@@ -387,12 +387,7 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
         print(f"note: the parm rows' MP groups of {args.mp} ranks share one batch of --tokens "
               f"(Parm's replicated MoE input), the other rows give every rank its own: they "
               f"carry {args.mp}x the distinct tokens")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
-                       "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
-        print(f"wrote {args.out}")
-    return 0
+    return _write_rows(args, costs, rows)
 
 
 def _finish_row(args: argparse.Namespace, res: dict, case, measured: dict) -> dict:
@@ -577,12 +572,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
         rows.append(res)
     label = f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
     print(format_train_table(rows, label, world))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
-                       "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
-        print(f"wrote {args.out}")
-    return 0
+    return _write_rows(args, costs, rows)
 
 
 def format_train_table(rows: list[dict], label: str, world: int) -> str:
@@ -599,3 +589,14 @@ def format_train_table(rows: list[dict], label: str, world: int) -> str:
                  "step, the gradient all-reduces, the optimizer; tok/s: distinct tokens per step "
                  "/ step")
     return "\n".join(lines)
+
+
+def _write_rows(args: argparse.Namespace, costs, rows: list) -> int:
+    """With --out, the predicted rows as JSON with the command, the fits' source and the
+    provenance (:func:`run_meta`)."""
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
+                       "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
