@@ -30,6 +30,7 @@ def register(sub) -> None:
                                           "link and compute fits or a hardware profile")
     add_layer_args(layer)
     g = layer.add_argument_group("the models and the layout")
+    _add_out_summary(g)
     g.add_argument("--links", default=None, metavar="JSON",
                    help="link fits from `moeflow bench links --out` (default: the profile's)")
     g.add_argument("--compute", default=None, metavar="JSON",
@@ -409,6 +410,13 @@ def _finish_row(args: argparse.Namespace, res: dict, case, measured: dict) -> di
 
 # -- moeflow simulate train -----------------------------------------------------------------
 
+def _add_out_summary(group) -> None:
+    group.add_argument("--out-summary", action="store_true",
+                       help="with --out: leave out each row's per-task and per-collective "
+                            "lists (thousands of entries at tens of ranks), keep the step "
+                            "times and their breakdown")
+
+
 def add_train_parser(ssub) -> None:
     """``moeflow simulate train``: ``moeflow train``'s model arguments (``--preset``, ``--set``,
     ``--batch-size``, ``--mp``, ``--esp``, ``--ep-size``, ``--esp-placement``, ``--nproc``) and
@@ -445,6 +453,7 @@ def add_train_parser(ssub) -> None:
                         "expectation)")
     g.add_argument("--routing-seed", type=int, default=0, help="seed of the --zipf sample")
     g.add_argument("--out", default=None, metavar="JSON", help="write the prediction")
+    _add_out_summary(g)
     v = p.add_argument_group("the MoE layers' strategy")
     v.add_argument("--mp", type=int, default=1, help="Parm: MP (tensor-parallel) group size")
     v.add_argument("--esp", type=int, default=1, help="Parm: ESP group size")
@@ -595,6 +604,9 @@ def _write_rows(args: argparse.Namespace, costs, rows: list) -> int:
     """With --out, the predicted rows as JSON with the command, the fits' source and the
     provenance (:func:`run_meta`)."""
     if args.out:
+        if args.out_summary:
+            rows = [{k: v for k, v in r.items() if k not in ("tasks", "collectives")}
+                    for r in rows]
         with open(args.out, "w") as f:
             json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
                        "models": costs.source, **run_meta(), "results": rows}, f, indent=1)

@@ -122,3 +122,18 @@ def test_cli_zipf_and_trace(tmp_path, capsys):
     assert rows["trace"][row]["step_s"] > rows["uniform"][row]["step_s"]
     with pytest.raises(SystemExit, match="give one"):
         main([*args, "--zipf", "1", "--routing", "bench"])
+
+
+def test_cli_out_summary_keeps_the_predictions_without_the_task_lists(tmp_path):
+    from moeflow.cli import main
+
+    args = ["simulate", "layer", "--nproc", "4", "--profile", "schemoe-32gpu", "--tokens", "256",
+            "--schedules", "sequential", "--routing", "uniform"]
+    full, short = tmp_path / "full.json", tmp_path / "short.json"
+    assert main([*args, "--out", str(full)]) == 0
+    assert main([*args, "--out", str(short), "--out-summary"]) == 0
+    rows = json.loads(full.read_text())["results"]
+    kept = json.loads(short.read_text())["results"]
+    assert rows and all(r["tasks"] for r in rows)
+    assert kept == [{k: v for k, v in r.items() if k not in ("tasks", "collectives")}
+                    for r in rows]
