@@ -274,6 +274,8 @@ def format_result(res: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from moeflow.commands.common import add_launch_args
+
     p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field (repeatable); capacity_factor defaults "
@@ -295,10 +297,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed steps per mode (interleaved)")
     p.add_argument("--seed", type=int, default=0, help="TrainConfig.seed (the batches)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--nproc", type=int, default=2,
-                   help="ranks to start here (ignored under torchrun / moeflow cluster run)")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds after which a stuck collective fails the job")
+    add_launch_args(p, default_nproc=2)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -291,36 +291,32 @@ def regather_worker(opts: dict) -> dict:
             "loadavg_1min_start_end": load}
 
 
-def format_regather(res: dict) -> str:
-    lines = [res["topology"], f"{'backward':<30} {'median ms':>10} {'min':>8} "
-                              f"{'max':>8}", "-" * 50]
+def _timing_table(res: dict, head: str, width: int, summary) -> str:
+    """Rows of median / min / max ms under ``head``, the ``summary`` row as ``summary(row)``."""
+    lines = [res["topology"], f"{head:<{width}} {'median ms':>10} {'min':>8} {'max':>8}",
+             "-" * 50]
     for r in res["rows"]:
-        if r["variant"] == "summary":
-            lines.append(f"re-gather hidden: {100 * r['hidden_paired_median']:.0f}% of its "
-                         f"exposed time (paired per repetition, "
-                         f"{100 * r['hidden_paired_min']:.0f}..{100 * r['hidden_paired_max']:.0f}"
-                         f"%; from the medians {100 * r['hidden_medians']:.0f}%); backward "
-                         f"saving / spAG alone {r['saved_over_spag_medians']:.2f} (medians); "
-                         f"{r['bytes_moved'] / 1e6:.1f} MB moved; launched on the lane "
-                         f"{r['regather_on_lane']}")
-            continue
-        lines.append(f"{r['variant']:<30} {r['ms']:>10.2f} {r['min_ms']:>8.2f} "
+        lines.append(summary(r) if r["variant"] == "summary" else
+                     f"{r['variant']:<{width}} {r['ms']:>10.2f} {r['min_ms']:>8.2f} "
                      f"{r['max_ms']:>8.2f}")
     return "\n".join(lines)
+
+
+def format_regather(res: dict) -> str:
+    return _timing_table(res, "backward", 30, lambda r: (
+        f"re-gather hidden: {100 * r['hidden_paired_median']:.0f}% of its "
+        f"exposed time (paired per repetition, "
+        f"{100 * r['hidden_paired_min']:.0f}..{100 * r['hidden_paired_max']:.0f}"
+        f"%; from the medians {100 * r['hidden_medians']:.0f}%); backward "
+        f"saving / spAG alone {r['saved_over_spag_medians']:.2f} (medians); "
+        f"{r['bytes_moved'] / 1e6:.1f} MB moved; launched on the lane "
+        f"{r['regather_on_lane']}"))
 
 
 def format_backward(res: dict) -> str:
-    lines = [res["topology"], f"{'forward + backward':<20} {'median ms':>10} {'min':>8} "
-                              f"{'max':>8}", "-" * 50]
-    for r in res["rows"]:
-        if r["variant"] == "summary":
-            lines.append(f"sync / overlapped (paired): {r['sync_over_overlapped']:.2f} "
-                         f"({r['sync_over_overlapped_min']:.2f}.."
-                         f"{r['sync_over_overlapped_max']:.2f})")
-            continue
-        lines.append(f"{r['variant']:<20} {r['ms']:>10.2f} {r['min_ms']:>8.2f} "
-                     f"{r['max_ms']:>8.2f}")
-    return "\n".join(lines)
+    return _timing_table(res, "forward + backward", 20, lambda r: (
+        f"sync / overlapped (paired): {r['sync_over_overlapped']:.2f} "
+        f"({r['sync_over_overlapped_min']:.2f}..{r['sync_over_overlapped_max']:.2f})"))
 
 
 def format_result(res: dict) -> str:
