@@ -2,9 +2,10 @@
 and they resume by themselves from the latest complete checkpoint; the result equals the
 uninterrupted run's exactly. ``--keep-checkpoints K`` keeps the newest K.
 
-The default run keeps one restart (a killed rank), one preemption (SIGTERM) and the async
-checkpoints; the other variants (SIGUSR1, a hung rank, no restarts, the FSSDP / Parm layouts)
-are marked slow: ``python -m pytest -m slow`` runs them."""
+The default run keeps one restart (a killed rank) and the async checkpoints; the preemption by
+a signal over 2 ranks (SIGTERM, SIGUSR1; ``tests/unit/core/test_train_preemption.py`` checks it
+in one process in the default run) and the other variants (a hung rank, no restarts, the
+FSSDP / Parm layouts) are marked slow: ``python -m pytest -m slow`` runs them."""
 
 from __future__ import annotations
 
@@ -120,8 +121,8 @@ def _wait_for_step(out: Path, proc, step: int, timeout: float = 300) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("signum", ["SIGTERM",
-                                    pytest.param("SIGUSR1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
 def test_signal_saves_at_the_reached_step_and_resume_equals_the_uninterrupted_run(
         reference, tmp_path, signum):
     import signal
