@@ -57,7 +57,8 @@ def register(sub) -> None:
     skew.add_argument("--zipf", type=float, default=None, metavar="S",
                       help="skewed loads: plan a routing sample whose expert popularity is "
                            "Zipf(S), p_e ~ rank_e^-S, ranks shuffled as `bench hecate` does "
-                           "(0: uniform draws)")
+                           "(0: uniform draws); with a `bench hecate` --measured file: its rows' "
+                           "skew, planned on bench hecate's own router at S instead")
     skew.add_argument("--router-trace", default=None, metavar="FILE[:RUN[:LAYER]]",
                       help="skewed loads: plan a routing sample drawn from a trained router's "
                            "tokens per expert, the JSON of `python -m moeflow.bench.router_load "
