@@ -5,7 +5,9 @@ every predicted row has a measured twin, plus the models: ``--links`` / ``--comp
 of ``moeflow bench links`` / ``bench compute``) or ``--profile NAME`` (a datasheet,
 :mod:`moeflow.measure.profiles`), and the layout ``--nodes x --ranks-per-node`` (default: one
 node of ``--nproc`` ranks, the world ``bench layer --nproc`` runs). The simulator itself is
-:mod:`moeflow.simulate` (ScheMoE Section 4's lanes on every rank).
+:mod:`moeflow.simulate` (ScheMoE Section 4's lanes on every rank). ``--measured`` (a ``bench
+layer``, ``bench parm`` or ``bench hecate`` file) puts each row's measured twin beside it
+(:mod:`moeflow.commands.simulate_twins`).
 """
 
 from __future__ import annotations
