@@ -216,7 +216,8 @@ def hecate_twin(args: argparse.Namespace, case, spec, variant: str, measured: Me
             "num_experts": opts["experts_per_rank"] * lay["world"], "top_k": opts["top_k"],
             "capacity_factor": None, "activation": _DEFAULT_ACTIVATION, "t": opts["t"],
             "m": opts["m"], **lay}
-    rows = [{**base, **r} for r in measured.data["rows"] if r["variant"] == label]
+    # the layer's fields from the options (a row's own tokens_per_rank is its loads per rank)
+    rows = [{**r, **base} for r in measured.data["rows"] if r["variant"] == label]
     if not rows:
         if variant == "ep":
             return None

@@ -68,6 +68,15 @@ def test_bench_parm_mismatch_names_the_field(tmp_path, flags, field):
         main([*PARM, *flags, "--measured", str(measured)])
 
 
+def test_bench_parm_routing_is_per_mp_group():
+    """The ranks of an MP group gate one batch (bench parm's input of group rank // N_MP)."""
+    from moeflow.bench.parm import case_routing
+
+    r = case_routing(16, 32, 4, 2, 1.2, world=4, mp=2)
+    assert r[0].equal(r[1]) and r[2].equal(r[3]) and not r[0].equal(r[2])
+    assert r[0].shape == (16, 2)
+
+
 def test_bench_parm_file_needs_a_parm_variant(tmp_path):
     with pytest.raises(SystemExit, match="add --compare parm:"):
         main([*PARM[:-2], "--measured", str(_parm_file(tmp_path))])
@@ -75,7 +84,8 @@ def test_bench_parm_file_needs_a_parm_variant(tmp_path):
 
 def _hecate_file(tmp_path, labels=("ep", "fssdp static", "fssdp alg1"), drift=0):
     path = tmp_path / "hecate.json"
-    rows = [{"zipf_s": s, "variant": v, "step_ms": 10 * (i + 1) + s}
+    rows = [{"zipf_s": s, "variant": v, "step_ms": 10 * (i + 1) + s,
+             "tokens_per_rank": [100, 28]}                      # the loads per rank, as bench
             for s in (0.0, 1.0) for i, v in enumerate(labels)]
     path.write_text(json.dumps({
         "topology": "Topology(rank=0, world=2, nodes=1x2, ep=2, expert_dp=1)",
@@ -180,3 +190,23 @@ def test_bench_layer_codec_run_is_simulate_codec_twin(tmp_path):
     with pytest.raises(SystemExit, match=r"codec='int8', here 'none' \(--codec\)"):
         main(["simulate", "layer", *args[:-3], "--profile", "schemoe-32gpu", "--measured",
               str(out)])
+
+
+@pytest.mark.multirank
+def test_bench_hecate_run_loads_are_the_planned_ones(tmp_path):
+    """A 2-rank bench hecate run at Zipf 1: the rows each rank's experts received (EP, static,
+    and Algorithm 1's P') are those simulate layer plans from bench hecate's router."""
+    out, sim = tmp_path / "hecate.json", tmp_path / "sim.json"
+    assert main(["bench", "hecate", "--tokens", "64", "--d-model", "32", "--d-expert", "64",
+                 "--experts-per-rank", "2", "--top-k", "2", "--zipf", "1.0", "--t", "1",
+                 "--m", "2", "--variants", "ep,fssdp static,fssdp alg1", "--warmup", "1",
+                 "--reps", "1", "--nproc", "2", "--out", str(out)]) == 0
+    assert main([*HECATE, "--zipf", "1.0", "--measured", str(out), "--out", str(sim),
+                 "--out-summary"]) == 0
+    measured = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["variant"]: r for r in json.loads(sim.read_text())["results"]}
+    for variant, label in (("ep", "ep"), ("fssdp:static", "fssdp static"),
+                           ("fssdp:sparse", "fssdp alg1")):
+        assert rows[variant]["measured_step_ms"] == measured[label]["step_ms"]
+        assert rows[variant]["expert_rows"] == measured[label]["tokens_per_rank"], variant
+    assert measured["fssdp alg1"]["replicas"] > 0          # Algorithm 1 replicated an expert
