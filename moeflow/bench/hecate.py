@@ -87,12 +87,45 @@ def _config(v: dict) -> dict:
     return {k: x for k, x in v.items() if not k.startswith("_")}
 
 
+def case_config(d_model: int, d_expert: int, num_experts: int, top_k: int) -> MoEConfig:
+    """The variants' common layer: dropless, no balancing loss (the variants override it)."""
+    return MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=num_experts, top_k=top_k,
+                     capacity_factor=None, aux_loss_coef=0.0, seed=1)
+
+
+def case_input(tokens: int, d_model: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens (feature 0 the constant 1 that :func:`skew` weighs)."""
+    gen = torch.Generator().manual_seed(4000 + rank)
+    x = torch.randn(tokens, d_model, generator=gen)
+    x[:, 0] = 1.0
+    return x
+
+
+def case_routing(tokens: int, d_model: int, d_expert: int, num_experts: int, top_k: int,
+                 s: float, world: int) -> list[torch.Tensor]:
+    """The ``(tokens, top_k)`` expert ids each rank's router picks in :func:`bench_worker` at
+    skew ``s`` (no drift: the router is built from the config and skewed once, the input is
+    the same every step, every variant alike): what ``moeflow simulate layer --measured``
+    plans, so its loads and bytes are those of the measured run."""
+    from moeflow.routing import ROUTERS
+
+    cfg = case_config(d_model, d_expert, num_experts, top_k)
+    router = ROUTERS[cfg.router](cfg)
+    skew_router(router, num_experts, s)
+    with torch.no_grad():
+        return [router(case_input(tokens, d_model, p)).experts for p in range(world)]
+
+
 def skew(layer: MoELayer, s: float, rotation: int = 0, loads=None) -> None:
+    """:func:`skew_router` on the layer's router."""
+    skew_router(layer.router, layer.cfg.num_experts, s, rotation, loads)
+
+
+def skew_router(router, E: int, s: float, rotation: int = 0, loads=None) -> None:
     """Router weights of feature 0 (constant 1 in the input): ``-s * log(rank_e)``; the
     popularity ranks are a fixed shuffle, rotated by ``rotation`` (load drift). With ``loads``
     (a real router's tokens per expert) the weights are ``log(load_e / sum)`` instead (``s``
     ignored), rotated likewise."""
-    E = layer.cfg.num_experts
     if loads is not None:
         p = np.asarray(loads, dtype=np.float64)
         if p.shape != (E,) or (p <= 0).any():
@@ -102,7 +135,7 @@ def skew(layer: MoELayer, s: float, rotation: int = 0, loads=None) -> None:
     else:
         w = -s * np.log(np.roll(np.random.default_rng(7).permutation(E) + 1, rotation))
     with torch.no_grad():
-        layer.router.weight[0] = torch.tensor(w, dtype=layer.router.weight.dtype)
+        router.weight[0] = torch.tensor(w, dtype=router.weight.dtype)
 
 
 def read_router_loads(spec: str) -> tuple[list[int], str]:
@@ -206,8 +239,7 @@ def bench_worker(opts: dict) -> dict:
     router = opts.get("router_loads")
     for s in list(opts["zipf"]) + (["router"] if router else []):
         real = router if s == "router" else None
-        base = MoEConfig(d_model=opts["d_model"], d_expert=opts["d_expert"], num_experts=E,
-                         top_k=opts["top_k"], capacity_factor=None, aux_loss_coef=0.0, seed=1)
+        base = case_config(opts["d_model"], opts["d_expert"], E, opts["top_k"])
         vs = variants(opts["t"], opts["m"], opts.get("reshard_every", []),
                       opts.get("replace_every", 5))
         keep = opts.get("variants")
@@ -219,9 +251,7 @@ def bench_worker(opts: dict) -> dict:
         for layer in layers:
             skew(layer, s, loads=real)
             layer.timer = PhaseTimer()
-        gen = torch.Generator().manual_seed(4000 + topo.rank)
-        x = torch.randn(opts["tokens"], opts["d_model"], generator=gen)
-        x[:, 0] = 1.0
+        x = case_input(opts["tokens"], opts["d_model"], topo.rank)
         times: list[list[float]] = [[] for _ in vs]
         a2as: list[list[float]] = [[] for _ in vs]
         for i in range(opts["warmup"] + opts["reps"]):
@@ -297,4 +327,5 @@ def format_result(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["bench_worker", "format_result", "read_router_loads", "skew", "variants"]
+__all__ = ["bench_worker", "case_routing", "format_result", "read_router_loads", "skew",
+           "variants"]

@@ -16,6 +16,9 @@ during which a computing task ran (:mod:`moeflow.bench.overlap`).
 step, forward + backward (``layer.stats["inter_node_bytes"]``; 0 on one node). ``--local-size``
 emulates nodes on one machine (ranks per node) and ``--algorithms`` runs every config under
 each all-to-all algorithm, so the one-hop ``direct`` can be set against the hierarchical ones.
+``--codec NAME`` (``--codec-backward``) runs every config with that codec on its all-to-all
+payloads (ScheMoE Section 3's compression), the names unchanged and the codec in each row, so
+that ``moeflow simulate layer --codec NAME --measured`` finds every row's twin.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class BenchCase:
     pipeline_degree: int = 1
     grouped_mm: bool = True          # False: dropless experts as one matmul per expert
     a2a: str = "direct"
+    codec: str = "none"              # MoEConfig.codec (bench layer --codec)
+    codec_backward: bool = False     # MoEConfig.codec_backward (--codec-backward)
 
 
 DEFAULT_CASES = [
@@ -78,7 +83,15 @@ def case_config(case: BenchCase, d_model: int, d_expert: int) -> MoEConfig:
     return MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
                      top_k=case.top_k, capacity_factor=case.capacity_factor,
                      activation=case.activation, seed=1, schedule=case.schedule,
-                     pipeline_degree=case.pipeline_degree, a2a=case.a2a)
+                     pipeline_degree=case.pipeline_degree, a2a=case.a2a, codec=case.codec,
+                     codec_backward=case.codec_backward)
+
+
+def with_codec(cases: list[BenchCase], codec: str, backward: bool) -> list[BenchCase]:
+    """Every case under ``codec`` (``--codec`` / ``--codec-backward``), names unchanged: the
+    rows of ``moeflow simulate layer --codec NAME`` carry the same names, and each row records
+    its ``codec`` and ``codec_backward`` (which ``simulate layer --measured`` checks)."""
+    return [replace(c, codec=codec, codec_backward=backward) for c in cases]
 
 
 def case_input(tokens: int, d_model: int, rank: int) -> torch.Tensor:

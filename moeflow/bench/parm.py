@@ -56,6 +56,33 @@ def layouts(world: int, local: int) -> list[tuple[int, int, int]]:
 PLACEMENTS = {"esp-in-node": True, "ep-in-node": False}
 
 
+def case_config(d_model: int, num_experts: int, top_k: int, capacity_factor: float
+                ) -> MoEConfig:
+    """The MoE layer of one grid case (``H = 2 M``; the variants override the schedule)."""
+    return MoEConfig(d_model=d_model, d_expert=2 * d_model, num_experts=num_experts,
+                     top_k=top_k, capacity_factor=capacity_factor, seed=1)
+
+
+def case_input(tokens: int, d_model: int, mp_group: int) -> torch.Tensor:
+    """The tokens of MP group ``mp_group`` (rank // N_MP): every rank of the group holds them."""
+    gen = torch.Generator().manual_seed(4000 + mp_group)
+    return torch.randn(tokens, d_model, generator=gen)
+
+
+def case_routing(tokens: int, d_model: int, num_experts: int, top_k: int,
+                 capacity_factor: float, world: int, mp: int) -> list[torch.Tensor]:
+    """The ``(tokens, top_k)`` expert ids the router picks on each rank's input in
+    :func:`bench_worker` (rank ``p`` gates MP group ``p // mp``'s batch; the router is built
+    from the config alone and no step changes it, every variant alike): what ``moeflow
+    simulate layer --measured`` plans, so its bytes are those of the measured run."""
+    from moeflow.routing import ROUTERS
+
+    cfg = case_config(d_model, num_experts, top_k, capacity_factor)
+    router = ROUTERS[cfg.router](cfg)
+    with torch.no_grad():
+        return [router(case_input(tokens, d_model, p // mp)).experts for p in range(world)]
+
+
 def parse_layout(text: str) -> tuple[int, int, int, bool]:
     """``MPxEPxESP[:esp-in-node|:ep-in-node]`` -> (N_MP, N_EP, N_ESP, esp_in_node), for layouts
     the default grid leaves out (N_MP or N_ESP = 4, groups spanning nodes: Section IV-A's
@@ -122,10 +149,8 @@ def bench_worker(opts: dict) -> dict:
                     "points": bf["points"]}
         for tokens in opts["tokens"]:
             for f in opts["capacity_factors"]:
-                base = MoEConfig(d_model=M, d_expert=2 * M, num_experts=E, top_k=k,
-                                 capacity_factor=f, seed=1)
-                gen = torch.Generator().manual_seed(4000 + topo.rank // mp)
-                x = torch.randn(tokens, M, generator=gen).to(device)
+                base = case_config(M, E, k, f)
+                x = case_input(tokens, M, topo.rank // mp).to(device)
                 got = time_variants(base, list(VARIANTS), topo, x, opts["warmup"], opts["reps"])
                 preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp)
                          for lab, fs in fit_sets.items()}

@@ -116,8 +116,12 @@ def add_layer_args(layer: argparse.ArgumentParser) -> None:
     cmp.add_argument("--degree", default="auto",
                      help="moeflow's pipelining degree (--compare; an integer or auto)")
     cmp.add_argument("--codec", default="none",
-                     help="moeflow's codec (--compare; 'auto:lossy' lets the tuner pick a lossy "
-                          "codec within --lossy-error-budget)")
+                     help="MoEConfig.codec of every row (names unchanged, each row records its "
+                          "codec), or with --compare moeflow's codec ('auto:lossy' lets the "
+                          "tuner pick a lossy codec within --lossy-error-budget, --compare only)")
+    cmp.add_argument("--codec-backward", action="store_true",
+                     help="MoEConfig.codec_backward: with --codec NAME, compress the backward's "
+                          "payloads too (not with --compare)")
     cmp.add_argument("--lossy-error-budget", type=float, default=None,
                      help="MoEConfig.lossy_error_budget with --codec auto:lossy (default 1e-2)")
     cmp.add_argument("--autotune-budget", default="30",
@@ -294,9 +298,10 @@ def run_layer(args: argparse.Namespace) -> int:
         if a not in ALLTOALLS:
             raise SystemExit(f"moeflow bench layer: --algorithms has {a!r}; choose from "
                              f"{', '.join(sorted(ALLTOALLS))}{did_you_mean(a, ALLTOALLS)}")
-    rows = run_on_ranks(bench_worker, args,
-                        cases_for(schedules, args.pipeline_degree, algorithms),
-                        args.tokens, args.d_model,
+    cases = cases_for(schedules, args.pipeline_degree, algorithms)
+    if args.codec != "none" or args.codec_backward:
+        cases = _codec_cases(args, cases)
+    rows = run_on_ranks(bench_worker, args, cases, args.tokens, args.d_model,
                         args.d_expert, args.warmup, args.reps, args.device, args.local_size)
     if rows is not None:
         print(format_table(rows))
@@ -304,6 +309,31 @@ def run_layer(args: argparse.Namespace) -> int:
             write_json(rows, args.out, "moeflow " + shlex.join(sys.argv[1:]))
             print(f"wrote {args.out}")
     return 0
+
+
+def _codec_cases(args: argparse.Namespace, cases: list) -> list:
+    """bench layer's rows under ``--codec`` / ``--codec-backward``, every config checked before
+    any rank starts (a codec the layer refuses, e.g. with ``node_dedup``, names the row)."""
+    from moeflow.bench.layer import case_config, with_codec
+    from moeflow.comm.codecs import CODECS
+    from moeflow.config import ConfigError
+
+    if args.codec not in CODECS:
+        raise SystemExit(f"moeflow bench layer: --codec {args.codec!r} is not a registered "
+                         f"codec; choose from {', '.join(sorted(CODECS))}"
+                         f"{did_you_mean(args.codec, CODECS)} ('auto:lossy' is tuned at run "
+                         "time: --compare only)")
+    if args.codec_backward and args.codec == "none":
+        raise SystemExit("moeflow bench layer: --codec-backward compresses the backward's "
+                         "payloads with --codec NAME; give a codec (e.g. --codec int8)")
+    cases = with_codec(cases, args.codec, args.codec_backward)
+    for c in cases:
+        try:
+            case_config(c, args.d_model, args.d_expert)
+        except ConfigError as e:
+            raise SystemExit(f"moeflow bench layer: config {c.name} with --codec "
+                             f"{args.codec}: {e}") from None
+    return cases
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -318,6 +348,10 @@ def run_compare(args: argparse.Namespace) -> int:
     if why:
         print(f"moeflow bench layer --compare {args.compare}: skipped: {why}")
         return 0
+    if args.codec_backward:
+        raise SystemExit("moeflow bench layer --compare: --codec-backward applies to bench "
+                         "layer's own rows; drop it (the peer comparison compresses the "
+                         "forward only)")
     if args.warmup < 1:
         raise SystemExit("moeflow bench layer --compare: --warmup must be >= 1 (moeflow's auto "
                          "settings are tuned in the first warm-up step)")

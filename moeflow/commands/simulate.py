@@ -5,7 +5,9 @@ every predicted row has a measured twin, plus the models: ``--links`` / ``--comp
 of ``moeflow bench links`` / ``bench compute``) or ``--profile NAME`` (a datasheet,
 :mod:`moeflow.measure.profiles`), and the layout ``--nodes x --ranks-per-node`` (default: one
 node of ``--nproc`` ranks, the world ``bench layer --nproc`` runs). The simulator itself is
-:mod:`moeflow.simulate` (ScheMoE Section 4's lanes on every rank).
+:mod:`moeflow.simulate` (ScheMoE Section 4's lanes on every rank). ``--measured`` (a ``bench
+layer``, ``bench parm`` or ``bench hecate`` file) puts each row's measured twin beside it
+(:mod:`moeflow.commands.simulate_twins`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import torch
 
 from moeflow.bench.layer import case_routing, cases_for
+from moeflow.commands import simulate_twins as twins
 from moeflow.commands.bench import add_layer_args
 from moeflow.commands.common import run_meta
 from moeflow.errors import ConfigError
@@ -56,19 +59,17 @@ def register(sub) -> None:
     skew.add_argument("--zipf", type=float, default=None, metavar="S",
                       help="skewed loads: plan a routing sample whose expert popularity is "
                            "Zipf(S), p_e ~ rank_e^-S, ranks shuffled as `bench hecate` does "
-                           "(0: uniform draws)")
+                           "(0: uniform draws); with a `bench hecate` --measured file: its rows' "
+                           "skew, planned on bench hecate's own router at S instead")
     skew.add_argument("--router-trace", default=None, metavar="FILE[:RUN[:LAYER]]",
                       help="skewed loads: plan a routing sample drawn from a trained router's "
                            "tokens per expert, the JSON of `python -m moeflow.bench.router_load "
                            "--out` (run RUN, MoE layer LAYER, after training; default 0:0)")
     g.add_argument("--routing-seed", type=int, default=0,
                    help="seed of the --zipf / --router-trace routing sample (default 0)")
-    # --codec is bench layer's (its --compare flag), here applied to every row, as --a2a is
-    g.add_argument("--codec-backward", action="store_true",
-                   help="MoEConfig.codec_backward: with --codec NAME (every row's codec: its "
-                        "encode / decode as the C / D tasks, timed by the `codec:NAME` fit of "
-                        "`bench compute --codecs NAME`, and its bytes on the wire from the "
-                        "codec's size function), compress the backward's payloads too")
+    # --codec / --codec-backward are bench layer's, applied to every row as bench layer does:
+    # encode / decode as the C / D tasks, timed by the `codec:NAME` fit of `bench compute
+    # --codecs NAME`, and the bytes on the wire from the codec's size function
     g.add_argument("--comm-lanes", default="thread", choices=("thread", "link"),
                    help="thread (default, the library): one communication thread runs every "
                         "collective in issue order; link: a lane per link class (intra, inter), "
@@ -95,8 +96,11 @@ def register(sub) -> None:
                         '\'{"overlap_degree": 4, "memory_capacity": 1, "rematerialize": true}\' '
                         "(t and m as counts; materialize comes from the variant)")
     g.add_argument("--measured", default=None, metavar="JSON",
-                   help="a `moeflow bench layer --out` file of the same arguments: adds the "
-                        "measured step and the ratio predicted / measured per row")
+                   help="the --out file of `moeflow bench layer` (the ep rows' twins, by "
+                        "name), `bench parm` (the parm:* rows') or `bench hecate` (the fssdp:* "
+                        "and ep rows', at --zipf S) describing the same layer: adds the "
+                        "measured step and the ratio predicted / measured per row; the "
+                        "routing is the measured run's")
     g.add_argument("--gantt", default=None, metavar="PREFIX",
                    help="write PREFIX-<config>.png: rank 0's predicted 7r tasks per lane, drawn "
                         "as `bench schedule --gantt` draws measured ones")
@@ -362,15 +366,13 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile else None
     spec0 = specs[0][1]
     costs = cost_model(args.links, args.compute, profile, spec0.nodes, spec0.ranks_per_node)
-    measured = {}
-    if args.measured:
-        with open(args.measured) as f:
-            measured = {r["name"]: r for r in json.load(f)["results"]}
+    measured = twins.load(args.measured)
     rows = []
     names = variants(args)
     _check_unused(args, names)
+    twins.check_variants(measured, names)
     for case, spec in specs:
-        routing, how = _routing(args, case, spec)
+        routing, how = twins.routing(args, case, spec, measured) or _routing(args, case, spec)
         first = None
         for variant in names:
             res = simulate_variant(args, costs, case, spec, variant, routing)
@@ -379,7 +381,10 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
             first = res["step_s"] if first is None else first
             if len(names) > 1:
                 res["ratio_to_first"] = res["step_s"] / first
-            rows.append(_finish_row(args, res, case, measured))
+            fssdp = (_fssdp_spec(args, variant.split(":")[1])
+                     if variant.startswith("fssdp:") else None)
+            res.update(twins.twin(args, res, case, spec, measured, fssdp) or {})
+            rows.append(_finish_row(args, res, case))
     print(format_table(rows))
     if len(names) > 1:
         print(f"x first: the row's predicted step over the same config's {names[0]} row")
@@ -391,16 +396,14 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
     return _write_rows(args, costs, rows)
 
 
-def _finish_row(args: argparse.Namespace, res: dict, case, measured: dict) -> dict:
-    """Notes, the measured twin (matched by the bench layer config's name; only the ``ep``
-    variant is what bench layer measures) and the Gantt chart of one row."""
+def _finish_row(args: argparse.Namespace, res: dict, case) -> dict:
+    """Notes, the ratio to the measured twin (:mod:`.simulate_twins`) and the Gantt chart of
+    one row."""
     if not case.grouped_mm:
         res["note"] = ("one matmul per expert in the measured run; simulated with the "
                        "grouped experts' fit")
-    if case.name in measured and res["variant"] == "ep":
-        m = measured[case.name]
-        res["measured_step_ms"] = m["step_ms"]
-        res["measured_world"] = m["world_size"]
+    if res.get("measured_step_ms"):
+        res["predicted_over_measured"] = res["step_s"] * 1e3 / res["measured_step_ms"]
     if args.gantt and "collectives" not in res:   # Parm's steps are not the 7r tasks drawn
         path = f"{args.gantt}-{res['name']}.png"
         _gantt(res, path, f"predicted {res['name']}")
