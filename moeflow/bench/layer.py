@@ -65,14 +65,15 @@ DEFAULT_CASES = [
 ]
 
 
-def cases_for(schedules: list[str], r: int, algorithms: tuple[str, ...] = ("direct",)
-              ) -> list[BenchCase]:
+def cases_for(schedules: list[str], r: int, algorithms: tuple[str, ...] = ("direct",),
+              num_experts: int = 8) -> list[BenchCase]:
     """The default configs, then GShard top-2 under each further schedule at degree ``r``;
     each under every all-to-all algorithm of ``algorithms`` (named ``config@algorithm`` when
-    there are several)."""
+    there are several); every config with ``num_experts`` experts (a multiple of the world:
+    6 or 12 on 3 nodes of 2 ranks)."""
     extra = [BenchCase(f"gshard-top2-{s}-r{r}", 8, 2, 1.25, schedule=s, pipeline_degree=r)
              for s in schedules if s != "sequential"]
-    cases = DEFAULT_CASES + extra
+    cases = [replace(c, num_experts=num_experts) for c in DEFAULT_CASES + extra]
     if list(algorithms) == ["direct"]:
         return cases
     return [replace(c, name=f"{c.name}@{a}", a2a=a) for a in algorithms for c in cases]

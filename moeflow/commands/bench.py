@@ -102,7 +102,7 @@ def add_layer_args(layer: argparse.ArgumentParser) -> None:
                      help="time this peer's layer with the same weights, interleaved, check the "
                           "outputs agree and report the ratio: tutel (needs Tutel installed "
                           "from source, see docs/benchmarks/layer.md) or moeflow-fixed")
-    cmp.add_argument("--num-experts", type=int, default=8, help="experts (--compare)")
+    cmp.add_argument("--num-experts", type=int, default=8, help="experts of every row (a multiple of the world) and of --compare")
     cmp.add_argument("--top-k", type=int, default=2, help="experts per token (--compare)")
     cmp.add_argument("--capacity-factor", type=float, default=1.25,
                      help="capacity factor (--compare)")
@@ -298,7 +298,7 @@ def run_layer(args: argparse.Namespace) -> int:
         if a not in ALLTOALLS:
             raise SystemExit(f"moeflow bench layer: --algorithms has {a!r}; choose from "
                              f"{', '.join(sorted(ALLTOALLS))}{did_you_mean(a, ALLTOALLS)}")
-    cases = cases_for(schedules, args.pipeline_degree, algorithms)
+    cases = cases_for(schedules, args.pipeline_degree, algorithms, args.num_experts)
     if args.codec != "none" or args.codec_backward:
         cases = _codec_cases(args, cases)
     rows = run_on_ranks(bench_worker, args, cases, args.tokens, args.d_model,

@@ -26,6 +26,13 @@ from moeflow.commands.common import run_meta
 from moeflow.errors import ConfigError
 
 
+
+def _add_link_model(g) -> None:
+    g.add_argument("--link-model", default="curve", choices=("curve", "fit"),
+                   help="how --links is read: curve (default) interpolates each collective's "
+                        "measured sizes, fit uses its alpha-beta line over all sizes")
+
+
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="predict a step from measured fits (no ranks started)")
     ssub = p.add_subparsers(dest="simulate", required=True, metavar="WHAT")
@@ -36,6 +43,7 @@ def register(sub) -> None:
     _add_out_summary(g)
     g.add_argument("--links", default=None, metavar="JSON",
                    help="link fits from `moeflow bench links --out` (default: the profile's)")
+    _add_link_model(g)
     g.add_argument("--compute", default=None, metavar="JSON",
                    help="compute fits from `moeflow bench compute --out` (default: the "
                         "profile's)")
@@ -281,7 +289,7 @@ def _cases(args: argparse.Namespace, schedules: list[str], algorithms: tuple[str
     from moeflow.bench.layer import BenchCase
 
     if not args.custom_layer:
-        return cases_for(schedules, args.pipeline_degree, algorithms)
+        return cases_for(schedules, args.pipeline_degree, algorithms, args.num_experts)
     f = None if args.capacity_factor == 0 else args.capacity_factor
     name = (f"custom-e{args.num_experts}-top{args.top_k}-"
             + ("dropless" if f is None else f"cap{f:g}") + f"-{args.activation}")
@@ -365,7 +373,8 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
     specs = _specs(args)
     profile = load_profile(args.profile) if args.profile else None
     spec0 = specs[0][1]
-    costs = cost_model(args.links, args.compute, profile, spec0.nodes, spec0.ranks_per_node)
+    costs = cost_model(args.links, args.compute, profile, spec0.nodes, spec0.ranks_per_node,
+                       args.link_model)
     measured = twins.load(args.measured)
     rows = []
     names = variants(args)
@@ -441,6 +450,7 @@ def add_train_parser(ssub) -> None:
                         "--ranks-per-node when given")
     g = p.add_argument_group("the models and the layout")
     g.add_argument("--links", default=None, metavar="JSON", help="`moeflow bench links` fits")
+    _add_link_model(g)
     g.add_argument("--compute", default=None, metavar="JSON",
                    help="`moeflow bench compute` fits (gemm, gemm_backward, experts, "
                         "elementwise)")
@@ -535,7 +545,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                          "MoE layers run Parm's schedules: compare parm:baseline, parm:s1, "
                          "parm:s2, parm:s2-aas")
     profile = load_profile(args.profile) if args.profile else None
-    costs = cost_model(args.links, args.compute, profile, nodes, per)
+    costs = cost_model(args.links, args.compute, profile, nodes, per, args.link_model)
     T = args.batch_size * mcfg.seq_len          # tokens per rank (per MP group with MP)
     try:
         spec = LayerSpec(tokens=T, d_model=mcfg.d_model, d_expert=moe.d_expert,

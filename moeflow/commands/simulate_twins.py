@@ -245,7 +245,8 @@ def twin(args: argparse.Namespace, res: dict, case, spec, measured: Measured | N
                                  ("codec_backward", args.codec_backward, "--codec-backward"),
                                  ("tokens_per_rank", args.tokens, "--tokens"),
                                  ("d_model", args.d_model, "--d-model"),
-                                 ("d_expert", args.d_expert, "--d-expert")):
+                                 ("d_expert", args.d_expert, "--d-expert"),
+                                 ("num_experts", case.num_experts, "--num-experts")):
             got = m.get(name, {"codec": "none", "codec_backward": False}.get(name))
             if got != here:
                 raise SystemExit(f"moeflow simulate layer: --measured {measured.path}: row "

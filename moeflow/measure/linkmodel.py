@@ -60,6 +60,44 @@ class AlphaBeta:
         return math.inf if self.beta <= 0 else 1.0 / self.beta
 
 
+@dataclass(frozen=True)
+class MeasuredCurve:
+    """A link's measured times as a curve: linear interpolation between the measured sizes.
+
+    One least-squares line over sizes that span decades is pulled by its largest point: on an
+    emulated 2 x 4 cluster at 1 Gbit/s, a 4 MiB world all-to-all took 4x its link bound, and the
+    line through it predicted 1 MiB at 3.6x that size's own measured median. ScheMoE's profiler (section 4.2) models each task by
+    the measurements around its own size; this does the same with the points ``bench links``
+    stored. Below the smallest size: that size's time (latency-bound); above the largest: the
+    last segment's slope (``alpha``/``beta`` are the whole-range fit, for reports)."""
+
+    sizes: tuple[float, ...]
+    times: tuple[float, ...]
+    fit: AlphaBeta
+
+    @property
+    def alpha(self) -> float:
+        return self.fit.alpha
+
+    @property
+    def beta(self) -> float:
+        return self.fit.beta
+
+    @property
+    def group_size(self) -> int:
+        return self.fit.group_size
+
+    def predict(self, nbytes: float) -> float:
+        s, t = self.sizes, self.times
+        if nbytes <= s[0]:
+            return t[0]
+        i = next((j for j in range(1, len(s)) if nbytes <= s[j]), len(s) - 1)
+        slope = max(0.0, (t[i] - t[i - 1]) / (s[i] - s[i - 1]))
+        if nbytes > s[-1]:
+            return t[-1] + slope * (nbytes - s[-1])
+        return t[i - 1] + slope * (nbytes - s[i - 1])
+
+
 def fit_alpha_beta(sizes, times, group_size: int = 0) -> AlphaBeta:
     """Ordinary least squares of ``t = alpha + beta * s`` (both coefficients kept >= 0).
 
@@ -102,14 +140,22 @@ def save_fits(path: str, fits: list[dict], meta: dict) -> None:
         f.write("\n")
 
 
-def load_fits(path: str) -> dict[tuple[str, str], AlphaBeta]:
-    """``{(group, op): AlphaBeta}`` from a ``moeflow bench links --out`` file."""
+def load_fits(path: str, curves: bool = False
+              ) -> dict[tuple[str, str], AlphaBeta | MeasuredCurve]:
+    """``{(group, op): AlphaBeta}`` from a ``moeflow bench links --out`` file; with
+    ``curves``, a :class:`MeasuredCurve` through each fit's stored points instead (a fit with
+    fewer than 2 distinct sizes stays its line)."""
     with open(path) as f:
         data = json.load(f)
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {data.get('schema')!r} is not {SCHEMA!r}; write it "
                          "with `moeflow bench links --out`")
-    return {(r["group"], r["op"]): AlphaBeta(r["alpha_s"], r["beta_s_per_byte"],
-                                             r.get("group_size", 0), r.get("r2", math.nan),
-                                             r.get("max_rel_err", math.nan))
-            for r in data["fits"]}
+    out = {}
+    for r in data["fits"]:
+        fit = AlphaBeta(r["alpha_s"], r["beta_s_per_byte"], r.get("group_size", 0),
+                        r.get("r2", math.nan), r.get("max_rel_err", math.nan))
+        pts = sorted((float(b), float(t)) for b, t in r.get("points", []))
+        if curves and len({b for b, _ in pts}) == len(pts) >= 2:
+            fit = MeasuredCurve(tuple(b for b, _ in pts), tuple(t for _, t in pts), fit)
+        out[(r["group"], r["op"])] = fit
+    return out

@@ -129,10 +129,17 @@ def profile_links(profile: Profile, nodes: int, ranks_per_node: int
     return out
 
 
+LINK_MODELS = ("curve", "fit")
+
+
 def cost_model(links: str | None = None, compute: str | None = None,
                profile: Profile | None = None, nodes: int = 1,
-               ranks_per_node: int = 1) -> CostModel:
-    """Measured fits where given, the profile's datasheet numbers for the rest."""
+               ranks_per_node: int = 1, link_model: str = "curve") -> CostModel:
+    """Measured fits where given, the profile's datasheet numbers for the rest. ``link_model``:
+    ``curve`` reads each measured collective as the curve through its points
+    (:class:`moeflow.measure.linkmodel.MeasuredCurve`), ``fit`` as its alpha-beta line."""
+    if link_model not in LINK_MODELS:
+        raise ConfigError(f"link_model={link_model!r} is not one of {', '.join(LINK_MODELS)}")
     if compute is None and profile is None:
         raise ConfigError("the simulator needs compute times: give --compute FILE (from "
                           "`moeflow bench compute --out`) or --profile NAME")
@@ -141,9 +148,11 @@ def cost_model(links: str | None = None, compute: str | None = None,
                           "give --links FILE (from `moeflow bench links --out`) or --profile NAME")
     source = {"compute": compute or f"profile {profile.name}",
               "links": links or (f"profile {profile.name}" if profile else "none")}
+    if links:
+        source["link_model"] = link_model
     comp = load_compute(compute) if compute else profile_compute(profile)
     if links:
-        lk = load_fits(links)
+        lk = load_fits(links, curves=link_model == "curve")
     elif profile is not None:
         lk = profile_links(profile, nodes, ranks_per_node)
     else:

@@ -190,6 +190,19 @@ def test_bench_layer_codec_run_is_simulate_codec_twin(tmp_path):
     with pytest.raises(SystemExit, match=r"codec='int8', here 'none' \(--codec\)"):
         main(["simulate", "layer", *args[:-3], "--profile", "schemoe-32gpu", "--measured",
               str(out)])
+    with pytest.raises(SystemExit, match=r"num_experts=8, here 4 \(--num-experts\)"):
+        main(["simulate", "layer", *args, "--num-experts", "4", "--profile", "schemoe-32gpu",
+              "--measured", str(out)])
+
+
+def test_bench_layer_rows_take_num_experts():
+    """--num-experts sets every bench layer row's experts (6 or 12 fit 3 nodes of 2 ranks,
+    where the default 8 does not); the default stays 8."""
+    from moeflow.bench.layer import cases_for
+
+    assert {c.num_experts for c in cases_for(["sequential", "optsche"], 2)} == {8}
+    cases = cases_for(["sequential", "optsche"], 2, ("direct", "hier2d"), 12)
+    assert len(cases) == 12 and {c.num_experts for c in cases} == {12}
 
 
 @pytest.mark.multirank
