@@ -258,3 +258,12 @@ def test_pipe_step_is_the_max_of_its_streams(slow):
                                      .predict(buf))           # the two streams in order
     assert summed - pipe["step_s"] == pytest.approx(4 * min(t_intra, t_inter), rel=1e-9)
     assert pipe["inter_node_bytes"] == direct["inter_node_bytes"]
+
+
+def test_link_lanes_run_one_hop_all_to_alls():
+    """With a lane per link class a one-hop all-to-all over the world runs on a lane of its
+    own (its link class "world"), as long as with one thread at r = 1."""
+    c = _costs()
+    thread = simulate_layer(_spec(), c)
+    link = simulate_layer(_spec(comm_lanes="link"), c)
+    assert link["step_s"] == pytest.approx(thread["step_s"], rel=1e-12)
