@@ -80,7 +80,8 @@ def register(sub) -> None:
     # --codecs NAME`, and the bytes on the wire from the codec's size function
     g.add_argument("--comm-lanes", default="thread", choices=("thread", "link"),
                    help="thread (default, the library): one communication thread runs every "
-                        "collective in issue order; link: a lane per link class (intra, inter), "
+                        "collective in issue order (pipe's two streams, on two process "
+                        "groups, at once); link: a lane per link class (intra, inter), "
                         "so the phases of successive hierarchical all-to-alls overlap")
     v = layer.add_argument_group(
         "variants: --compare A,B,... predicts every row under each (side by side, with the "

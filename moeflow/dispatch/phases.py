@@ -3,9 +3,10 @@
 Rank (n, l) = node n, local rank l of ``N`` nodes x ``L`` ranks (global rank ``n L + l``); ``S``
 is the split matrix ``S[src][dst]`` in rows of one exchange. A :class:`Phase` is one
 ``all_to_all_single`` of this rank: over the ranks of its node (``"intra"``, group index = local
-rank) or over the ranks with its local rank (``"inter"``, group index = node), with the rows it
-sends to and receives from each member. The all-to-all algorithms
-(:mod:`moeflow.comm.alltoall`: ``hier2d``, ``bilevel``, ``hier1d``) and the node-deduplicated
+rank) or over the ranks with its local rank (``"inter"``, group index = node; pipe's: over every
+rank, group index = global rank), with the rows it sends to and receives from each member. The
+all-to-all algorithms (:mod:`moeflow.comm.alltoall`: ``hier2d``, ``bilevel``, ``hier1d``,
+``pipe``) and the node-deduplicated
 strategy (:mod:`moeflow.strategies.node_dedup`) take their split sizes from here, and the step
 simulator (:mod:`moeflow.simulate`) models the same phases on per-link lanes, so both follow one
 description. Pure host arithmetic (no communication); ``S`` may be nested lists or an array.
@@ -17,7 +18,9 @@ description. Pure host arithmetic (no communication); ``S`` may be nested lists 
 * ``hier1d`` (HetuMoE's 1D-hierarchical, ScheMoE Section 6 "1DH"): gather to the node leader,
   inter-node among leaders, scatter from the leader;
 * ``node_dedup`` (DeepEP's inter-node dispatch): one row per (token, destination node) across
-  nodes, then a fan-out to the experts' ranks inside the node.
+  nodes, then a fan-out to the experts' ranks inside the node;
+* ``pipe`` (ScheMoE Section 5's Pipe-A2A, Fig. 7): the intra-node pairs over the node's ranks
+  and the inter-node pairs over the whole world, issued together (concurrent, not in order).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Phase:
     send: list[int]        # rows to each group member (intra: local rank; inter: node)
     recv: list[int]        # rows from each group member
     members: str = "all"   # "all": every rank of the group runs it; "leaders": local rank 0 only
+    world: bool = False    # over every rank (pipe's lane group): members indexed by global rank
 
     def remote_rows(self, me: int) -> int:
         """Rows sent to other members (other nodes for an inter-node phase)."""
@@ -87,6 +91,22 @@ def hier1d_phases(S, N: int, L: int, n: int, l: int) -> list[Phase]:
                     [int(sum(S[s][g(n, l2)] for s in range(P))) for l2 in range(L)] if leader
                     else [0] * L, [mine] + [0] * (L - 1))
     return [gather, inter, scatter]
+
+
+def pipe_phases(send_splits, recv_splits, N: int, L: int, n: int) -> list[Phase]:
+    """Pipe-A2A (ScheMoE Section 5, Fig. 7) of a rank of node ``n`` that sends
+    ``send_splits[d]`` rows to rank d and receives ``recv_splits[s]`` from rank s (its row and
+    column of ``S``): the Intra-Stream, an all-to-all over the node's ranks with the blocks of
+    its local ranks, and the Inter-Stream, an all-to-all over the whole world (``world=True``,
+    the topology's ``lane_group``) with every block of this node's ranks set to zero. The two
+    are issued together and waited for together (Eq. 16), not one after the other."""
+    local = range(n * L, (n + 1) * L)
+    P = N * L
+    intra = Phase(INTRA, [int(send_splits[d]) for d in local],
+                  [int(recv_splits[s]) for s in local])
+    inter = Phase(INTER, [0 if d in local else int(send_splits[d]) for d in range(P)],
+                  [0 if s in local else int(recv_splits[s]) for s in range(P)], world=True)
+    return [intra, inter]
 
 
 def token_nodes(ids: torch.Tensor, experts_per_node: int, nodes: int) -> torch.Tensor:

@@ -10,10 +10,22 @@ its k gates, and its k expert ids as int32 in a second inter-node collective; th
 choice inside the node; the combine and the backward the mirror, without the ids). A phase over
 one rank per node (L = 1) skips its intra step, as the algorithms do.
 
+``pipe`` (ScheMoE Section 5, Fig. 7) is two collectives issued together, not in order
+(:func:`~moeflow.dispatch.phases.pipe_phases`): the Intra-Stream, an all-to-all over the node's
+ranks on the ``intra`` fit, and the Inter-Stream, an all-to-all over the whole world (the
+topology's ``lane_group``) with the node's own blocks zeroed, marked ``concurrent``: the layer
+model starts it beside the intra step and ends the exchange when both have ended, Eq. 16's
+``max(M t1, (P - M) t2)`` (:mod:`.layer` places the two).
+
 A phase's time is the link fit of its class at the largest buffer (sent or received) of its
 group's members: a collective ends with its slowest member (Parm Section IV's ``alpha + beta *
 volume``; the fits of ``moeflow bench links`` run every group of a class at once, so an
-inter-node phase's fit already shares the node's link among its local ranks).
+inter-node phase's fit already shares the node's link among its local ranks). Pipe's
+Inter-Stream is a collective over the world group, so it takes the fit the world group was
+measured with (``world``; ``inter`` where a node has one rank, the world being that group), at
+its buffer scaled by ``W / (W - L)``: that fit's buffer (nccl-tests convention, a uniform
+all-to-all) puts ``(W - L) / W`` of its bytes on inter-node links, the Inter-Stream's buffer
+all of them, so a fit buffer of ``W / (W - L)`` times its size loads the node's link as much.
 """
 
 from __future__ import annotations
@@ -26,11 +38,11 @@ import torch
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.phases import (INTER, INTRA, Phase, bilevel_phases, hier1d_phases,
                                      hier2d_phases, kept_choices, node_dedup_phases,
-                                     token_nodes)
+                                     pipe_phases, token_nodes)
 from moeflow.dispatch.plan import make_plan
 from moeflow.simulate.costs import CostModel
 
-HIERARCHICAL = ("hier2d", "bilevel", "hier1d", "node_dedup")
+HIERARCHICAL = ("hier2d", "bilevel", "hier1d", "node_dedup", "pipe")
 
 
 @dataclass
@@ -38,11 +50,13 @@ class Step:
     """One collective call of one rank inside an all-to-all."""
 
     stage: str           # "all_to_all", "pairwise", "intra", "inter", "inter-ids"
-    link: str            # link class of the fit
-    seconds: float
+    link: str            # link class: of the fit, and the lane with --comm-lanes link
+    seconds: float       # (pipe's Inter-Stream: "inter", timed with the world fit)
     nbytes: int          # bytes of this rank's send buffer
     remote_bytes: int    # bytes of it bound for other nodes
-    group: str           # the collective: "world", or "<step>/node<n>", "<step>/local<l>"
+    group: str           # the collective: "world", or "<step>/node<n>", "<step>/local<l>",
+                         # "<step>/world"
+    concurrent: bool = False    # issued with the step before it, both waited for (pipe)
 
 
 def _link_class(spec, a: int, b: int) -> str:
@@ -105,6 +119,8 @@ def _phase_lists(spec, S: np.ndarray, combine: bool, dedup, row: int
                 out[p] = [(ph, row, ph.link) for ph in bilevel_phases(S, N, L, n, l, combine)]
             elif spec.a2a == "hier1d":
                 out[p] = [(ph, row, ph.link) for ph in hier1d_phases(S, N, L, n, l)]
+            elif spec.a2a == "pipe":
+                out[p] = [(ph, row, ph.link) for ph in pipe_phases(S[p], S[:, p], N, L, n)]
             else:
                 NE, C, phase = dedup
                 k = spec.top_k
@@ -134,7 +150,7 @@ def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forw
     row = spec.d_model * spec.elem_bytes if row_bytes is None else row_bytes
     if spec.a2a not in HIERARCHICAL:
         return _one_hop(spec, costs, S * row)
-    L = spec.ranks_per_node
+    L, W = spec.ranks_per_node, spec.world
     lists = _phase_lists(spec, S, combine, dedup, row)
     out: dict[int, list[Step]] = {p: [] for p in lists}
     for j in range(max(len(v) for v in lists.values())):
@@ -146,18 +162,26 @@ def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forw
             n, l = divmod(p, L)
             if ph.members == "leaders" and l != 0:
                 continue
-            key = f"node{n}" if ph.link == INTRA else f"local{l}"
+            key = "world" if ph.world else f"node{n}" if ph.link == INTRA else f"local{l}"
             buf = max(sum(ph.send), sum(ph.recv)) * row
             groups.setdefault(key, []).append((p, sum(ph.send) * row, buf))
         for key, members in groups.items():
             p0 = members[0][0]
             ph, row, stage = lists[p0][j]
-            seconds = costs.link(ph.link, "all_to_all").predict(float(max(b for *_, b in members)))
+            big = float(max(b for *_, b in members))
+            if ph.world:        # pipe's Inter-Stream: the world group's fit (module docstring)
+                fit = costs.link("world" if L > 1 else "inter", "all_to_all")
+                seconds = fit.predict(big * W / (W - L))
+            else:
+                seconds = costs.link(ph.link, "all_to_all").predict(big)
             for p, nbytes, _ in members:
                 ph_p = lists[p][j][0]
-                me = p // L if ph.link == INTER else p % L
+                me = p if ph.world else p // L if ph.link == INTER else p % L
                 remote = ph_p.remote_rows(me) * row if ph.link == INTER else 0
-                out[p].append(Step(stage, ph.link, seconds, nbytes, remote, f"{j}/{key}"))
+                # pipe issues its Inter-Stream right after its Intra-Stream, async (j > 0: a
+                # node of one rank has no intra step, and its inter step is the only one)
+                out[p].append(Step(stage, ph.link, seconds, nbytes, remote, f"{j}/{key}",
+                                   concurrent=ph.world and j > 0))
     return out
 
 

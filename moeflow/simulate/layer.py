@@ -13,7 +13,9 @@ One step is the layer's forward then its backward (what ``moeflow bench layer`` 
 ``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``;
 then ``combine``'s backward, the 7r mirrored tasks (the same chunks and splits; ScheMoE
 Section 3.2), ``permute`` and ``route`` backward. Hierarchical all-to-alls run as their
-intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.dispatch.phases`).
+intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.dispatch.phases`);
+Pipe-A2A's two streams run at once (ScheMoE Section 5, Eq. 16), the Inter-Stream on the lane
+of its own process group beside the communication thread.
 Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a
 trained router's loads). Codecs: encode / decode as the C / D tasks, compressed rows on the
 wire (``Codec.wire_bytes``). HECATE's placement: :mod:`.fssdp` (the exchange over held slots,
@@ -69,7 +71,8 @@ class LayerSpec:
     dtype: str = "fp32"
     # "thread": the executor's one communication thread runs every collective in issue order
     # (the library); "link": a lane per link class, so phases of successive all-to-alls on
-    # different links overlap (what a stream per link class would allow; not the library's)
+    # different links overlap (what a stream per link class would allow; not the library's).
+    # pipe's two streams run at once under either (two process groups: see _pass_tasks)
     comm_lanes: str = "thread"
     codec: str = "none"             # MoEConfig.codec: the forward's payloads
     codec_backward: bool = False    # MoEConfig.codec_backward: the backward's too
@@ -213,9 +216,16 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
     # node_dedup's collectives run on the computing thread (strategies/node_dedup.py)
     overlap = sched.overlap and spec.a2a != "node_dedup"
     for p in range(W):
+        # pipe: a thread's steps in flight on another process group, which the thread's next
+        # task waits for (it blocks in their wait()), and an all-to-all's concurrent steps,
+        # which its consumer (D) waits for
+        join: dict[str, list[SimTask]] = {}
+        also: dict[Task, list[SimTask]] = {}
+
         def add(name, seconds, size=0, deps=(), lane="compute", runs_on="compute", **kw):
-            t = SimTask(name, p, lane, runs_on, phase, seconds, list(deps), size=size, **kw)
-            lanes[(p, runs_on)].append(t)
+            deps = list(deps) + join.pop(runs_on, [])
+            t = SimTask(name, p, lane, runs_on, phase, seconds, deps, size=size, **kw)
+            lanes.setdefault((p, runs_on), []).append(t)
             return t
 
         S = int(send_rows[p])
@@ -255,18 +265,40 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
                 rows = recv if task.kind in ("D1", "C2") else send
                 sec, size = enc(rows), rows * d
             pred = task.predecessor()
-            deps = [done[pred]] if pred is not None else [last[p]]
+            deps = [done[pred]] + also.get(pred, []) if pred is not None else [last[p]]
             t = add(str(task), sec, size, deps)
             done[task] = t
             if task.kind in ("C1", "C2"):
                 a = Task("A1" if task.kind == "C1" else "A2", i)
                 prev = t
                 for st in a2a[(a.kind, i)][p]:
-                    runs_on = ("compute" if not overlap else "comm"
-                               if spec.comm_lanes == "thread" else f"comm/{st.link}")
-                    prev = add(str(a), st.seconds, st.nbytes, [prev], lane="comm",
-                               runs_on=runs_on, collective=f"{phase}/{a}/{st.group}",
-                               link=st.link, stage=st.stage, remote_bytes=st.remote_bytes)
+                    thread = "compute" if not overlap else "comm"
+                    runs_on = (thread if not overlap or spec.comm_lanes == "thread"
+                               else f"comm/{st.link}")
+                    kw = dict(lane="comm", collective=f"{phase}/{a}/{st.group}", link=st.link,
+                              stage=st.stage, remote_bytes=st.remote_bytes)
+                    if not st.concurrent:
+                        prev = add(str(a), st.seconds, st.nbytes, [prev], runs_on=runs_on, **kw)
+                        continue
+                    # Pipe-A2A's Inter-Stream (ScheMoE Section 5, Eq. 16): PipeAllToAll.start
+                    # issues both all_to_all_single async_op=True, on two process groups
+                    # (intra_node_group, lane_group), then waits for both. Each process group
+                    # has its own worker (gloo: its own threads and connections; NCCL: its own
+                    # communicator and stream), so even from the one communication thread the
+                    # two run at once; the thread is blocked until both have ended. So: the
+                    # Intra-Stream is the thread's task (above), the Inter-Stream a task of
+                    # the lane group's own lane that the thread issues with it (its deps and
+                    # the thread's previous task) and that the thread's next task and the
+                    # consumer D wait for. With a lane per link class it is the inter lane's.
+                    if runs_on == thread:
+                        before = lanes[(p, thread)][-2:-1]      # the thread's previous task
+                        step = add(str(a), st.seconds, st.nbytes, prev.deps + before,
+                                   runs_on="comm/lane_group", **kw)
+                        join.setdefault(thread, []).append(step)
+                    else:
+                        step = add(str(a), st.seconds, st.nbytes, prev.deps, runs_on=runs_on,
+                                   **kw)
+                    also.setdefault(a, []).append(step)
                 done[a] = prev
         tail = done[Task("D2", r - 1)]
         ends = [done[Task("D2", i)] for i in range(r)]
@@ -334,7 +366,13 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
         if t.rank == slowest:
             kind = t.name.split("^")[0]
             busy[kind] = busy.get(kind, 0.0) + (t.end - t.start)
-    comm = sum(v for k, v in busy.items() if k in COMM_TASKS)
+    # time with a collective of the slowest rank in flight: the union of its communication
+    # tasks (pipe's two streams, or lanes per link class, overlap; busy_s adds them up)
+    comm, until = 0.0, -np.inf
+    for t in sorted((t for t in tasks if t.rank == slowest and t.lane == "comm"),
+                    key=lambda t: t.start):
+        comm += max(0.0, t.end - max(t.start, until))
+        until = max(until, t.end)
     compute = sum(v for k, v in busy.items() if k not in COMM_TASKS)
     return {"spec": asdict(spec), "world": spec.world, "step_s": step,
             "forward_s": fwd_end, "backward_s": step - fwd_end,

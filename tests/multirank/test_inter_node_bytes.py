@@ -154,7 +154,8 @@ def test_one_node_sends_nothing_across():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("algo", ["direct", "hier2d", "bilevel", "hier1d", "node_dedup"])
+@pytest.mark.parametrize("algo", ["direct", "hier2d", "bilevel", "hier1d", "pipe",
+                                  "node_dedup"])
 def test_simulator_phases_cross_the_counted_bytes(results, algo):
     """``moeflow simulate``'s phases of each all-to-all, planned from the same routing, put on
     inter-node links what the layer counted and the wire carried (forward + backward)."""

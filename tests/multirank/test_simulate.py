@@ -123,9 +123,12 @@ def test_pairwise_rounds_use_p2p_fits():
 
 
 def test_refusals_name_the_field():
-    with pytest.raises(ConfigError, match="a2a='pipe' has no link model"):
+    with pytest.raises(ConfigError, match="a2a='auto' has no link model"):
         LayerSpec(tokens=8, d_model=8, d_expert=8, num_experts=4, top_k=1,
-                  capacity_factor=None, a2a="pipe", nodes=2)
+                  capacity_factor=None, a2a="auto", nodes=2)
+    with pytest.raises(ConfigError, match="a2a='pipe' needs several nodes"):
+        LayerSpec(tokens=8, d_model=8, d_expert=8, num_experts=4, top_k=1,
+                  capacity_factor=None, a2a="pipe", ranks_per_node=4)
     with pytest.raises(ConfigError, match="a2a='hier2d' needs several nodes"):
         LayerSpec(tokens=8, d_model=8, d_expert=8, num_experts=4, top_k=1,
                   capacity_factor=None, a2a="hier2d", ranks_per_node=4)

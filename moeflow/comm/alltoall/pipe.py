@@ -4,7 +4,9 @@ The P send/recv pairs of rank i are split by link class: pairs inside the node r
 all-to-all on the intra-node group (the "Intra-Stream"), pairs across nodes as an all-to-all
 on a second world group with the intra-node sizes set to zero (the "Inter-Stream"). Both are
 issued asynchronously, so they run concurrently (two process groups are two lanes); the time
-approaches ``max(M t1, (P-M) t2)`` (Eq. 16) instead of their sum (Eq. 17).
+approaches ``max(M t1, (P-M) t2)`` (Eq. 16) instead of their sum (Eq. 17). The split sizes
+of the two streams are :func:`moeflow.dispatch.phases.pipe_phases` (which the step simulator
+models too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import offsets, take
 from moeflow.comm.alltoall.hierarchy import require_nodes
+from moeflow.dispatch.phases import pipe_phases
 
 
 @register_alltoall("pipe")
@@ -31,14 +34,13 @@ class PipeAllToAll(AllToAll):
         local = range(n * L, (n + 1) * L)
         x = x.contiguous()
         tail = tuple(x.shape[1:])
+        intra, inter = pipe_phases(send_splits, recv_splits, topo.num_nodes, L, n)
         # Intra-Stream: the blocks for this node's ranks, in local order
         intra_x = take(x, send_splits, list(local))
-        intra_send = [send_splits[d] for d in local]
-        intra_recv = [recv_splits[s] for s in local]
+        intra_send, intra_recv = intra.send, intra.recv
         intra_out = x.new_empty((sum(intra_recv),) + tail)
         # Inter-Stream: every other block; this node's ranks get zero rows
-        inter_send = [0 if d in local else send_splits[d] for d in range(P)]
-        inter_recv = [0 if s in local else recv_splits[s] for s in range(P)]
+        inter_send, inter_recv = inter.send, inter.recv
         inter_x = take(x, send_splits, [d for d in range(P) if d not in local])
         inter_out = x.new_empty((sum(inter_recv),) + tail)
         works = []

@@ -2,20 +2,23 @@
 the rows the library's algorithms send (checked against each algorithm's own count of the rows it
 puts on inter-node links, no ranks started), run on their link class's fit, in order, one
 collective per group, and with a lane per link class the phases of successive all-to-alls
-overlap."""
+overlap; Pipe-A2A's two streams carry what the library's pipe issues and run at once."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from moeflow.comm.alltoall.bilevel import BiLevelAllToAll
 from moeflow.comm.alltoall.hier1d import Hier1DAllToAll
+from moeflow.comm.alltoall import pipe as pipe_module
 from moeflow.comm.alltoall.hier2d import Hier2DAllToAll
 from moeflow.dispatch.phases import bilevel_phases, hier1d_phases, hier2d_phases
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.simulate import CostModel, LayerSpec, simulate_layer
 from moeflow.simulate.costs import KINDS
+from moeflow.simulate.exchange import exchange_steps
 from moeflow.simulate.loads import sample_routing, zipf_popularity
 from moeflow.topology import Topology
 
@@ -164,3 +167,103 @@ def test_node_dedup_crosses_once_per_token_and_node():
 def test_node_dedup_refuses_pipelining():
     with pytest.raises(Exception, match="pipeline_degree=2"):
         _spec(a2a="node_dedup", pipeline_degree=2)
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("N,L", [(2, 2), (2, 3), (3, 2), (4, 1)])
+def test_pipe_steps_carry_what_the_library_issues(N, L, monkeypatch):
+    """Each rank's two pipe steps send what PipeAllToAll.start puts in its two
+    all_to_all_single calls (recorded, no ranks started): the Intra-Stream over the node's
+    group, the Inter-Stream over the lane group with the node's blocks zeroed; the Inter-Stream
+    puts on inter-node links exactly the bytes the library counts (inter_node_rows), and is
+    issued with the Intra-Stream (concurrent), over the world."""
+    P, row = N * L, 3 * 8
+    S = np.random.default_rng(N * 10 + L).integers(0, 9, size=(P, P))
+    spec = _spec(nodes=N, ranks_per_node=L, a2a="pipe", num_experts=P * 2, d_model=3,
+                 dtype="fp64")
+    steps = exchange_steps(spec, _costs(), S, combine=False, row_bytes=row)
+    for r in range(P):
+        calls = []
+
+        def record(out, x, out_splits, in_splits, group=None, async_op=False):
+            calls.append((group, list(in_splits), list(out_splits)))
+            return _Work()
+        monkeypatch.setattr(pipe_module.dist, "all_to_all_single", record)
+        topo = Topology(rank=r, world_size=P, local_size=L, ep_size=P,
+                        intra_node_group="node", lane_group="lane")
+        algo = pipe_module.PipeAllToAll(topo)
+        send, recv = S[r].tolist(), S[:, r].tolist()
+        algo.start(torch.zeros(sum(send), 3, dtype=torch.float64), send, recv).wait()
+        mine = steps[r]
+        assert [c[0] for c in calls] == (["node"] if L > 1 else []) + ["lane"]
+        assert [st.stage for st in mine] == [c[0].replace("node", "intra").replace(
+            "lane", "inter") for c in calls]
+        assert [st.nbytes for st in mine] == [sum(c[1]) * row for c in calls]
+        assert [st.concurrent for st in mine] == [False] + [True] * (L > 1)
+        n = r // L
+        lane_send = calls[-1][1]
+        crossing = sum(rows for j, rows in enumerate(lane_send) if j // L != n)
+        assert crossing == sum(lane_send) == algo.inter_node_rows(send, None)
+        assert mine[-1].remote_bytes == crossing * row > 0
+        assert mine[-1].group.endswith("/world") and mine[-1].link == "inter"
+        # the two calls receive this rank's column between them (L = 1: its own block is
+        # kept without a collective)
+        assert sum(sum(c[2]) for c in calls) + (recv[r] if L == 1 else 0) == sum(recv)
+
+
+def test_pipe_streams_start_together_and_the_thread_waits_for_both():
+    """One communication thread: the thread issues the Intra- and the Inter-Stream together,
+    the consumer D and the thread's next all-to-all start when both have ended; with a lane per
+    link class the two streams run on the intra and inter lanes."""
+    sim = simulate_layer(_spec(a2a="pipe", schedule="pipelined", pipeline_degree=2),
+                         _costs(intra=(1e-4, 1e-8), inter=(1e-3, 1e-7)))
+    mine = [t for t in sim["tasks"] if t["rank"] == 0 and t["phase"] == "forward"]
+    by = {(t["task"], t.get("stage")): t for t in mine}
+    intra, inter = by[("A1^1", "intra")], by[("A1^1", "inter")]
+    assert [t["stage"] for t in mine if t["task"] == "A1^1"] == ["intra", "inter"]
+    assert intra["start_s"] == inter["start_s"] and intra["end_s"] < inter["end_s"]
+    assert inter["collective"].endswith("/world")
+    assert by[("D1^1", None)]["start_s"] >= inter["end_s"]
+    assert by[("A1^2", "intra")]["start_s"] >= inter["end_s"]
+    link = simulate_layer(_spec(a2a="pipe", schedule="pipelined", pipeline_degree=2,
+                                comm_lanes="link"), _costs(intra=(1e-4, 1e-8), inter=(1e-3, 1e-7)))
+    assert link["step_s"] <= sim["step_s"] + 1e-12
+    # the union of the communication tasks, not their sum
+    assert sim["comm_s"] < sum(sim["busy_s"][k] for k in ("counts", "A1", "A2"))
+
+
+@pytest.mark.parametrize("slow", ["intra", "world"])
+def test_pipe_step_is_the_max_of_its_streams(slow):
+    """Sequential, r = 1, uniform counts on 2 x 2: the Intra-Stream moves half a rank's buffer
+    (its node's two blocks), the Inter-Stream the other half, timed by the world fit at the
+    buffer that loads the node's link as much (twice its size: a world buffer puts half of
+    itself across). Each of the 4 all-to-alls takes the longer of the two (Eq. 16), not their
+    sum (Eq. 17), whichever fit dominates."""
+    fast, heavy = (1e-4, 1e-8), (1e-3, 1e-6)
+    c = _costs(intra=heavy if slow == "intra" else fast, inter=fast,
+               world=heavy if slow == "world" else fast)
+    direct = simulate_layer(_spec(), c)
+    pipe = simulate_layer(_spec(a2a="pipe"), c)
+    buf = 256 * 2 * 16 * 4
+    t_intra = c.link("intra", "all_to_all").predict(buf / 2)
+    t_inter = c.link("world", "all_to_all").predict(buf / 2 * 4 / 2)
+    assert t_inter == c.link("world", "all_to_all").predict(buf)      # direct's collective
+    one = max(t_intra, t_inter) - c.link("world", "all_to_all").predict(buf)
+    assert pipe["step_s"] - direct["step_s"] == pytest.approx(4 * one, rel=1e-9, abs=1e-12)
+    summed = direct["step_s"] + 4 * (t_intra + t_inter - c.link("world", "all_to_all")
+                                     .predict(buf))           # the two streams in order
+    assert summed - pipe["step_s"] == pytest.approx(4 * min(t_intra, t_inter), rel=1e-9)
+    assert pipe["inter_node_bytes"] == direct["inter_node_bytes"]
+
+
+def test_link_lanes_run_one_hop_all_to_alls():
+    """With a lane per link class a one-hop all-to-all over the world runs on a lane of its
+    own (its link class "world"), as long as with one thread at r = 1."""
+    c = _costs()
+    thread = simulate_layer(_spec(), c)
+    link = simulate_layer(_spec(comm_lanes="link"), c)
+    assert link["step_s"] == pytest.approx(thread["step_s"], rel=1e-12)
