@@ -81,6 +81,28 @@ def test_node_dedup_pipelined_optsche_matches_reference():
 
 
 @pytest.mark.multirank
+def test_node_dedup_backward_hops_overlap_the_experts():
+    """The backward is scheduled (moeflow/strategies/node_dedup_backward.py; ScheMoE section
+    4): with OptSche at r = 2, a chunk's backward hops (lane) run while the computing lane
+    differentiates the other chunk's experts (slowed to SLOW_EXPERTS_S); the sequential
+    scheduler runs its hops inline, beside nothing. (The order of the backward's collectives
+    is checked in test_collective_order.py.)"""
+    got = launch_local(node_dedup_cases.backward_overlap_worker, 4, ["optsche", "sequential"],
+                       timeout_s=120)
+
+    def overlaps(recs):
+        comm = [t for t in recs if t[2] == "comm"]
+        experts = [t for t in recs if t[2] == "compute" and t[0] == "E"]
+        assert len(comm) == 4 and len(experts) == 2, recs     # 2 hops and E per chunk
+        return [(c[:2], e[:2]) for c in comm for e in experts
+                if c[1] != e[1] and c[3] < e[4] and e[3] < c[4]]
+
+    for rank, res in got.items():
+        assert overlaps(res["optsche"]), f"rank {rank}: {res['optsche']}"
+        assert not overlaps(res["sequential"]), f"rank {rank}: {res['sequential']}"
+
+
+@pytest.mark.multirank
 @pytest.mark.slow
 def test_node_dedup_pipelined_other_schedulers_match_reference():
     got = launch_local(node_dedup_cases.pipelined_worker, 4, PIPE_NAMES, PIPE_SLOW,
@@ -251,7 +273,7 @@ def test_tuner_screens_node_dedup_and_its_choice_works():
 @pytest.mark.slow
 def test_tuner_picks_node_dedup_schedule():
     """``a2a="node_dedup"`` with schedule and degree "auto": the profiler and the chooser run
-    on it (its backward is not scheduled: its time stays in the measured rest), every rank
+    on it (its backward is scheduled and predicted like its forward), every rank
     fixes the same choice, and the step equals the reference."""
     name = "dropless_k2"
     got = launch_local(node_dedup_cases.tuner_worker, 4, name, "schedule", timeout_s=600)
