@@ -27,7 +27,10 @@ kept graphs with ``torch.autograd.grad`` on the computing thread (reentrant, as
 (:class:`~moeflow.strategies.node_dedup_steps.DedupStage`), since a backward issued from the
 lane thread could not run CUDA autograd nodes while this node holds the device's autograd
 thread. The collectives and their sizes are those autograd's mirror issued: no extra bytes,
-no host read.
+no host read. The memory it costs beyond autograd's mirror: each computing task's outputs
+stay referenced until its backward (``torch.autograd.grad`` starts from them), as
+``ScheduledExperts``'s task E keeps its output; the relay's expert outputs and gates, which
+the gated sum's backward needs, autograd kept too.
 
 Where saved-tensor hooks are active in forward (``torch.utils.checkpoint`` without
 reentrance, ``save_on_cpu``) the exchange stays differentiable step by step and its backward
