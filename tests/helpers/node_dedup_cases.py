@@ -68,6 +68,30 @@ def backward_overlap_worker(schedules: list[str]) -> dict:
     return out
 
 
+def frozen_worker(modes: list[str]) -> dict:
+    """One dropless_k2 step at r = 2 with OptSche on 2 nodes x 2 per mode: "none" (``direct``,
+    nothing frozen: the reference), "frozen_router" (node_dedup; the router frozen and the
+    input without grad: the send buffer needs no gradient) and "frozen_experts" (node_dedup;
+    the experts frozen). Per mode: the gradients present, the input gradient, the output."""
+    topo = Topology.from_env(local_size=2)
+    out: dict = {}
+    for mode in modes:
+        layer = parity.make_layer("dropless_k2", topo, pipeline_degree=2, schedule="optsche",
+                                  a2a="direct" if mode == "none" else "node_dedup")
+        x, g = parity.make_batch("dropless_k2", topo.rank)
+        if mode != "frozen_router":
+            x.requires_grad_()
+        frozen = {"frozen_router": layer.router, "frozen_experts": layer.experts}.get(mode)
+        for p in frozen.parameters() if frozen is not None else ():
+            p.requires_grad_(False)
+        y = layer(x)
+        (y * g).sum().backward()
+        out[mode] = ({n: p.grad for n, p in layer.named_parameters() if p.grad is not None},
+                     x.grad, y.detach())
+        layer.lane.close()
+    return out
+
+
 def choose_node_dedup(layer, x) -> None:
     """Fix an ``a2a="auto"`` layer's tuning to node_dedup at r = 2 with OptSche (what a
     checkpoint restore or the tuner's choice does), without measuring."""

@@ -7,6 +7,7 @@ as 2 emulated nodes x 2 and on 8 ranks as 4 x 2, dropless and with capacity, pip
 from __future__ import annotations
 
 import pytest
+import torch
 
 import moeflow as mf
 from moeflow import autotune
@@ -100,6 +101,28 @@ def test_node_dedup_backward_hops_overlap_the_experts():
     for rank, res in got.items():
         assert overlaps(res["optsche"]), f"rank {rank}: {res['optsche']}"
         assert not overlaps(res["sequential"]), f"rank {rank}: {res['sequential']}"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_node_dedup_scheduled_backward_with_frozen_parts():
+    """The scheduled backward without an input gradient (router frozen, input without grad:
+    the way back after E carries nothing) and with frozen experts (no parameter gradients in
+    E) gives ``direct``'s gradients of what is not frozen (float64, r = 2, OptSche)."""
+    got = launch_local(node_dedup_cases.frozen_worker, 4,
+                       ["none", "frozen_router", "frozen_experts"], timeout_s=120)
+    for rank, res in got.items():
+        grads, x_grad, y = res["none"]
+        for mode, want in (("frozen_router", {"experts.w1", "experts.w2"}),
+                           ("frozen_experts", {"router.weight"})):
+            g2, x2, y2 = res[mode]
+            assert set(g2) == want, (rank, mode, set(g2))
+            for n in want:
+                assert torch.allclose(g2[n], grads[n], rtol=0, atol=1e-12), (rank, mode, n)
+            assert (x2 is None) == (mode == "frozen_router"), (rank, mode)
+            if x2 is not None:
+                assert torch.allclose(x2, x_grad, rtol=0, atol=1e-12), (rank, mode)
+            assert torch.allclose(y2, y, rtol=0, atol=1e-12), (rank, mode)
 
 
 @pytest.mark.multirank
