@@ -38,8 +38,8 @@ def predict(models: dict[str, LinearModel], sizes: dict[tuple[str, str], float],
     total = 0.0
     for phase in ("forward", "backward"):
         if (phase, "E") not in sizes:
-            # a pass that runs no scheduled tasks (node_dedup's backward is autograd's mirror
-            # of its chunks): its time stays in the measured rest of the step
+            # a pass that runs no scheduled tasks: its time stays in the measured rest of
+            # the step
             continue
 
         def times(t: Task, phase=phase) -> float:

@@ -15,24 +15,26 @@ Combine (the mirror)
   4. The partial sums cross back (inter-node) and each token sums its nodes' partials.
 Inter-node rows per dispatch and per combine are (tokens x distinct destination nodes)
 instead of (tokens x k). The split sizes of the two exchanges are
-:func:`moeflow.dispatch.phases.node_dedup_phases` (which the step simulator models too). The backward is the mirror, by autograd through differentiable
-all-to-alls: the gradients of the partial sums cross once per (token, node), and the
-gradients of the tokens and gates once per (token, node) the other way.
+:func:`moeflow.dispatch.phases.node_dedup_phases` (which the step simulator models too). The
+backward is the mirror: the gradients of the partial sums cross once per (token, node), and
+the gradients of the tokens and gates once per (token, node) the other way.
 
 Pipelining (``pipeline_degree`` r > 1, any scheduler; ScheMoE section 4): the tokens are cut
 into r chunks of consecutive tokens and each chunk runs the whole exchange above as the seven
 tasks of a schedule, the hops on the communication lane (the task mapping is in
-:mod:`moeflow.strategies.node_dedup_steps`). The backward is autograd's mirror of the chunks'
-graphs (not re-scheduled).
+:mod:`moeflow.strategies.node_dedup_steps`). The backward runs the mirrored tasks in the same
+scheduler's order, its hops on the lane beside other chunks' expert backward
+(:mod:`moeflow.strategies.node_dedup_backward`; under saved-tensor hooks, autograd's mirror of
+the chunks' graphs instead).
 
 Trimmed: one count exchange per call (one host synchronisation, as dropless ``direct``):
 every rank all-gathers, per chunk, its choices per expert and its tokens per destination node, from
 which every split size follows on the host. It runs on the computing thread before the
 schedule; while the schedule runs, every collective is a lane task, in the schedule's order
-(docs/design.md, "One collective order per rank"); backward's run in autograd's order, the
-same graph on every rank. The gathered counts stay on the plan (``NodeDedupPlan.gathered``),
-so a checkpoint's recomputation, which replays the plan (:mod:`moeflow.plan_record`),
-exchanges no counts: it issues the first forward's all-to-alls and nothing else.
+(docs/design.md, "One collective order per rank"), in forward and in backward. The gathered
+counts stay on the plan (``NodeDedupPlan.gathered``), so a checkpoint's recomputation, which
+replays the plan (:mod:`moeflow.plan_record`), exchanges no counts: it issues the first
+forward's all-to-alls and nothing else.
 
 Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
 ``direct``), trimmed (only kept pairs and choices travel: the count exchange above) or padded
@@ -57,10 +59,13 @@ from moeflow.comm.exchange import gather_device_counts
 from moeflow.dispatch import DispatchPlan, make_plan
 from moeflow.dispatch.phases import kept_choices, token_nodes
 from moeflow.errors import ConfigError
-from moeflow.schedule.executor import Stage, run_schedule
+from moeflow.schedule.executor import Stage
 from moeflow.strategies.base import ExpertStrategy
+from moeflow.strategies.node_dedup_backward import scheduled_dedup
 from moeflow.strategies.node_dedup_padded import padded_stage
-from moeflow.strategies.node_dedup_steps import (AllToAll, ChunkLayout, CodedAllToAll, Hop,
+from moeflow.strategies.node_dedup_steps import (AllToAll, ChunkLayout, CodedAllToAll,
+                                                 DedupStage, Hop, exchange_rows,
+                                                 gated_sum_backward, hop_backward,
                                                  take_in_graph)
 
 _FIX = "or use a2a='direct' / 'bilevel'"
@@ -138,12 +143,19 @@ class NodeDedup(ExpertStrategy):
 
     def exchange(self, send, plan: NodeDedupPlan, runner, tokens, call):
         """The r chunks of consecutive tokens, each through the whole deduplicated exchange,
-        as the scheduler's tasks (:mod:`moeflow.strategies.node_dedup_steps`)."""
+        as the scheduler's tasks (:mod:`moeflow.strategies.node_dedup_steps`), forward and,
+        scheduled the same way, backward (:mod:`moeflow.strategies.node_dedup_backward`)."""
         if plan.capacity is not None and self._pads(send.device):
-            stage = padded_stage(self, send, plan, runner, runner.r)
-            chunks = run_schedule(stage, runner.r, runner.scheduler, runner.lane,
-                                  runner.timeline, "forward", send.device)
-            return (chunks[0] if runner.r == 1 else torch.cat(chunks)), None
+            def build(x):
+                return padded_stage(self, x, plan, runner, runner.r)
+        else:
+            def build(x):
+                return self._trimmed_stage(x, plan, runner)
+        return scheduled_dedup(send, build, runner), None
+
+    def _trimmed_stage(self, send, plan: NodeDedupPlan, runner) -> DedupStage:
+        """The seven task functions over r chunks and their lane tasks' backward (collective:
+        the count exchange first, unless ``plan`` holds the first forward's)."""
         topo, cfg = self.layer.topo, self.layer.cfg
         N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
         P, E, k, T = topo.world_size, cfg.num_experts, plan.top_k, plan.num_tokens
@@ -184,10 +196,11 @@ class NodeDedup(ExpertStrategy):
             pair = torch.argsort(flat.logical_not().to(torch.int32), stable=True)[:lay.n_pairs]
             return pair, (torch.remainder(pair, lay.hi - lay.lo) if lay.hi > lay.lo else pair)
 
-        def c1(i, _):
+        def c1(i, src):
             lay = lays[i]
             pair, tok = pairs(i)
-            rows = send[lay.lo:lay.hi].index_select(0, tok)
+            src = send[lay.lo:lay.hi] if src is None else src
+            rows = src.index_select(0, tok)
             idp = ids[lay.lo:lay.hi].index_select(0, tok).to(torch.int32)  # 4 bytes per id
             relay[i] = (pair,)
             return (rows[:, :M], rows[:, M:], idp), rows.numel()
@@ -229,7 +242,7 @@ class NodeDedup(ExpertStrategy):
 
         def a2(i, out):
             lay = lays[i]
-            _, gate_r, on, sel, R = relay[i]
+            _, gate_r, on, sel, R = relay[i][:5]
             with torch.set_grad_enabled(grad_on):
                 if L > 1:        # back to the relay; gated sum per received token
                     out = AllToAll.apply(out, lay.recv_b, lay.send_b, intra, remote_b, None)
@@ -238,15 +251,36 @@ class NodeDedup(ExpertStrategy):
                 partial = (full.view(R, k, full.shape[1]) * gates.unsqueeze(-1)).sum(1)
                 # the partial sums cross back once per (token, node)
                 (back,) = CodedAllToAll.apply(hop(lay).reversed(), partial)
+            relay[i] += (full, gates)           # what the scheduled backward's a2_back needs
             return back, partial.numel() * partial.element_size()
 
         def d2(i, back):
             lay = lays[i]
             t = lay.hi - lay.lo
-            y = back.new_zeros(N * t, back.shape[1]).index_copy(0, relay.pop(i)[0], back)
+            y = back.new_zeros(N * t, back.shape[1]).index_copy(0, relay[i][0], back)
             return y.view(N, t, y.shape[1]).sum(0), back.numel()
 
-        stage = Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2, "A2": a2, "D2": d2})
-        chunks = run_schedule(stage, r, runner.scheduler, runner.lane, runner.timeline,
-                              "forward", send.device)
-        return (chunks[0] if r == 1 else torch.cat(chunks)), None
+        # the backward of the lane tasks, mirrored (on the lane: explicit, no autograd)
+        def a1_back(i, g_rows_b, g_gate):
+            lay = lays[i]
+            _, gate_r, on, sel, R = relay[i][:5]
+            if L > 1:                                   # the fan-out's reverse exchange
+                g_rows_b = exchange_rows(g_rows_b, lay.recv_b, lay.send_b, intra, remote_b,
+                                         None)
+            g_x = g_rows_b.new_zeros(R, M).index_add_(
+                0, torch.div(sel, k, rounding_mode="floor"), g_rows_b)
+            g_x, g_gates = hop_backward(hop(lay), g_x, [g_gate])   # once per (token, node)
+            return (g_x, g_gates), g_x.numel() * g_x.element_size()
+
+        def a2_back(i, g_back):
+            lay = lays[i]
+            _, gate_r, on, sel, R, full, gates = relay[i]
+            (g_partial,) = hop_backward(hop(lay).reversed(), g_back, [])
+            g_full, g_gate = gated_sum_backward(full, gates, on, g_partial, gate_r.dtype)
+            g_out = g_full.index_select(0, sel)
+            if L > 1:
+                g_out = exchange_rows(g_out, lay.send_b, lay.recv_b, intra, remote_b, None)
+            return (g_out, g_gate), g_back.numel() * g_back.element_size()
+
+        return DedupStage(Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2,
+                                 "A2": a2, "D2": d2}), a1_back, a2_back)

@@ -28,13 +28,15 @@ from moeflow.comm.exchange import gather_host_ints
 from moeflow.devices import to_device_async
 from moeflow.dispatch.phases import token_nodes
 from moeflow.schedule.executor import Stage
-from moeflow.strategies.node_dedup_steps import AllToAll, CodedAllToAll, Hop, take_in_graph
+from moeflow.strategies.node_dedup_steps import (AllToAll, CodedAllToAll, DedupStage, Hop,
+                                                 exchange_rows, gated_sum_backward,
+                                                 hop_backward, take_in_graph)
 
 
-def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
-    """The seven task functions over r chunks of consecutive tokens (collective: gathers
-    the ranks' token counts and capacities first, unless ``plan`` holds them already: a
-    checkpoint's recomputation replays the first forward's)."""
+def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
+    """The seven task functions over r chunks of consecutive tokens and their lane tasks'
+    backward (collective: gathers the ranks' token counts and capacities first, unless
+    ``plan`` holds them already: a checkpoint's recomputation replays the first forward's)."""
     layer = strategy.layer
     topo, cfg = layer.topo, layer.cfg
     N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
@@ -80,7 +82,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
         return Hop(send_a, recv_a, inter, remote_a, runner.inter_node_bytes, runner.codec,
                    runner.backward_codec, runner.nonfinite)
 
-    def c1(i, _):
+    def c1(i, src):
         lo, hi = bounds[i], bounds[i + 1]
         t, B = hi - lo, rows_to_node(g(n, l), i)
         ids_i = ids[lo:hi]
@@ -88,7 +90,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
         node = torch.arange(N, device=dev) * B
         dst = torch.where(hit, node + torch.cumsum(hit.long(), 0) - 1, N * B)   # (t, N)
         dst = dst.t().reshape(-1)
-        rows = send[lo:hi].repeat(N, 1)
+        rows = (send[lo:hi] if src is None else src).repeat(N, 1)
         meta = torch.cat([ids_i, pos[lo:hi]], 1).to(torch.int32).repeat(N, 1)
         buf = rows.new_zeros(N * B + 1, rows.shape[1]).index_copy(0, dst, rows)[:N * B]
         fill = meta.new_full((N * B + 1, 2 * k), E)
@@ -134,7 +136,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
         return take_in_graph(out, back_sizes, back_order), out.numel()
 
     def a2(i, out):
-        _, _, gate_r, on, at, R = state[i]
+        _, _, gate_r, on, at, R = state[i][:6]
         with torch.set_grad_enabled(grad_on):
             if L > 1:
                 out = AllToAll.apply(out, [El * sum(int(Cq[g(s, l1)]) for s in range(N))
@@ -144,12 +146,36 @@ def padded_stage(strategy, send, plan, runner, r: int) -> Stage:
             gates = (gate_r * on.to(gate_r.dtype)).to(full.dtype)
             partial = (full.view(R, k, full.shape[1]) * gates.unsqueeze(-1)).sum(1)
             (back,) = CodedAllToAll.apply(hop(i).reversed(), partial)
+        state[i] += (full, gates)           # what the scheduled backward's a2_back needs
         return back, partial.numel() * partial.element_size()
 
     def d2(i, back):
-        dst, t = state.pop(i)[:2]
+        dst, t = state[i][:2]
         y = torch.cat([back, back.new_zeros(1, back.shape[1])]).index_select(0, dst)
         return y.view(N, t, y.shape[1]).sum(0), back.numel()
 
-    stage = Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2, "A2": a2, "D2": d2})
-    return stage
+    # the backward of the lane tasks, mirrored (on the lane: explicit, no autograd)
+    def a1_back(i, g_fan, g_gate):
+        gate_r, on, at, R = state[i][2:6]
+        if L > 1:
+            g_fan = exchange_rows(g_fan, [El * sum(int(Cq[g(s, l1)]) for s in range(N))
+                                          for l1 in range(L)], [blk] * L, intra, remote_b,
+                                  None)
+        g_rows = torch.cat([g_fan, g_fan.new_zeros(1, M)]).index_select(0, at)
+        g_x = g_rows.view(R, k, M).sum(1)
+        g_x, g_gates = hop_backward(hop(i), g_x, [g_gate])      # once per (token, node)
+        return (g_x, g_gates), g_x.numel() * g_x.element_size()
+
+    def a2_back(i, g_back):
+        gate_r, on, at, R, full, gates = state[i][2:]
+        (g_partial,) = hop_backward(hop(i).reversed(), g_back, [])
+        g_full, g_gate = gated_sum_backward(full, gates, on, g_partial, gate_r.dtype)
+        g_out = g_full.new_zeros(L * blk + 1, M).index_add_(0, at, g_full)[:L * blk]
+        if L > 1:
+            g_out = exchange_rows(g_out, [blk] * L,
+                                  [El * sum(int(Cq[g(s, l1)]) for s in range(N))
+                                   for l1 in range(L)], intra, remote_b, None)
+        return (g_out, g_gate), g_back.numel() * g_back.element_size()
+
+    return DedupStage(Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2, "A2": a2,
+                             "D2": d2}), a1_back, a2_back)

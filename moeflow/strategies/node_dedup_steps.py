@@ -14,8 +14,12 @@ the schedulers' orders (sequential, pipelined, OptSche) apply unchanged:
   A2  back to the relay (raw), gated partial sum, inter-node hop (encoded) (communication lane)
   D2  each token sums its nodes' partial sums
 
-Every step is differentiable (autograd records it, on whichever lane ran it); the backward
-runs the mirrored exchanges in autograd's order, the same graph on every rank. A codec
+Every step is differentiable. The backward is scheduled too
+(:mod:`moeflow.strategies.node_dedup_backward`, ScheMoE section 4): the computing tasks keep
+their own graphs, the lane tasks' backward is explicit (:class:`DedupStage`), and the mirrored
+tasks run in the scheduler's order, the hops on the lane. (Under saved-tensor hooks autograd
+records every step, on whichever lane ran it, and runs the mirror in its own order, the same
+graph on every rank.) A codec
 encodes what crosses between nodes: the node copy of a token in dispatch (one encoding per
 (token, node), not per (token, expert)) and the node's partial sum in combine, straight
 through (the backward encodes the gradients with the backward codec, as the scheduled
@@ -100,6 +104,41 @@ def _coded(hop: Hop, codec, coded: torch.Tensor, raw: list[torch.Tensor], send, 
     return [codec.decode(got[:n], coded.dtype)] + got[n:]
 
 
+def hop_backward(hop: Hop, g: torch.Tensor, graw: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The backward of a :class:`CodedAllToAll` over ``hop``: the gradient of ``coded``
+    through the backward codec and those of the float ``raw`` tensors, the reverse way, in one
+    collective: ``[g_coded', *g_raw']``. Called by autograd, and by the scheduled backward's
+    lane tasks (:mod:`moeflow.strategies.node_dedup_backward`)."""
+    return _coded(hop, hop.backward_codec, g, graw, hop.recv, hop.send)
+
+
+def gated_sum_backward(full: torch.Tensor, gates: torch.Tensor, on: torch.Tensor,
+                       g_partial: torch.Tensor, gate_dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of the relay's gated partial sum ``partial = sum_c full[:, c] * gates[:,
+    c]`` with ``gates = (gate_r * on).to(full.dtype)``: the gradients of ``full`` (R k rows)
+    and of ``gate_r`` (R, k), as autograd computes them."""
+    R, k = on.shape
+    g3 = g_partial.unsqueeze(1)
+    g_full = (g3 * gates.unsqueeze(-1)).reshape(R * k, g_partial.shape[1])
+    g_gate = (full.view(R, k, full.shape[1]) * g3).sum(-1).to(gate_dtype) * on.to(gate_dtype)
+    return g_full, g_gate
+
+
+@dataclass
+class DedupStage:
+    """One call's node-deduplicated exchange as scheduled tasks: ``forward``, the seven task
+    functions (their C1 reads the chunk's rows of the send buffer from its argument when one
+    is given, else from the send buffer); ``a1_back(i, g_fanned, g_gate)`` and ``a2_back(i,
+    g_back)``, the explicit backward of the chunk's two lane tasks (hops and the index
+    arithmetic between them, no autograd: they run on the lane thread), returning the
+    gradients of A1's inputs ``(x, gates)`` and of A2's input and of A1's gate output
+    ``(out, g_gate)``."""
+    forward: object             # moeflow.schedule.executor.Stage
+    a1_back: object
+    a2_back: object
+
+
 class CodedAllToAll(torch.autograd.Function):
     """An inter-node hop of ``(coded, *raw)``: ``coded`` through the codec, the others raw,
     in one collective. Straight through: the backward sends the gradients (of ``coded`` through
@@ -115,11 +154,10 @@ class CodedAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, *graw):
-        hop = ctx.hop
         floats = [i for i, (_, dt) in enumerate(ctx.shapes) if dt.is_floating_point]
         raw = [graw[i] if graw[i] is not None else g.new_zeros(ctx.shapes[i][0][1:]).expand(
             g.shape[0], *ctx.shapes[i][0][1:]) for i in floats]
-        got = _coded(hop, hop.backward_codec, g, raw, hop.recv, hop.send)
+        got = hop_backward(ctx.hop, g, raw)
         grads = [None] * len(ctx.shapes)
         for i, t in zip(floats, got[1:]):
             grads[i] = t

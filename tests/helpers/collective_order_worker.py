@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from moeflow import Topology
+from moeflow.schedule.executor import Timeline
 from moeflow.schedule.streams import CommLane
 from tests.helpers import parity
 
@@ -235,14 +236,17 @@ def run_gpt(topo: Topology, overrides: dict) -> list[tuple]:
     return rec.events
 
 
-def run_case(key: str) -> tuple[list[tuple], tuple]:
-    """This rank's events of two forward + backward steps, and its ESP group's global ranks
-    (empty without ESP)."""
+def run_case(key: str) -> tuple[list[tuple], tuple, list[tuple]]:
+    """This rank's events of two forward + backward steps, its ESP group's global ranks
+    (empty without ESP), and for the node_dedup cases the steps' task records ``(kind,
+    chunk, phase, lane, start, end)`` (empty for the others)."""
     layout, name, overrides, holders = CASES[key]
     topo = topology(layout)
     if name == "gpt":
-        return run_gpt(topo, overrides), ()
+        return run_gpt(topo, overrides), (), []
     layer = parity.make_layer(name, topo, **overrides)
+    if key.startswith("node_dedup"):
+        layer.timeline = Timeline()
     if holders is not None:
         layer.experts.set_holders(holders)
     batch = topo.rank // topo.mp_size          # MP ranks hold the same tokens
@@ -264,11 +268,13 @@ def run_case(key: str) -> tuple[list[tuple], tuple]:
     layer.lane.close()
     dist.barrier()
     esp = (tuple(dist.get_process_group_ranks(topo.esp_group)) if topo.esp_size > 1 else ())
-    return rec.events, esp
+    tasks = [(rec.task.kind, rec.task.chunk, rec.phase, rec.lane, rec.start, rec.end)
+             for rec in layer.timeline.records] if layer.timeline is not None else []
+    return rec.events, esp, tasks
 
 
 def worker(keys: list[str]) -> dict:
-    out: dict = {"esp_group": {}}
+    out: dict = {"esp_group": {}, "tasks": {}}
     for key in keys:
-        out[key], out["esp_group"][key] = run_case(key)
+        out[key], out["esp_group"][key], out["tasks"][key] = run_case(key)
     return out

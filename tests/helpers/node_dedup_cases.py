@@ -1,7 +1,10 @@
 """Cases of the node-deduplicated exchange beyond r = 1 and codec none (importable by spawned
-ranks): the float64 parity variants, and the compute-task order one pipelined forward ran."""
+ranks): the float64 parity variants, the compute-task order one pipelined forward ran, and
+the backward's task intervals."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -26,6 +29,66 @@ def pipelined_worker(names: list[str], variants: list[dict]) -> dict:
                     if rec.lane == "compute"]
     out["set_tuned"] = parity.run_rank("dropless_k2", topo, choose_node_dedup, a2a="auto",
                                        schedule="auto", pipeline_degree="auto")
+    return out
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the experts' backward made long next to a hop."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(SLOW_EXPERTS_S)
+        return g
+
+
+SLOW_EXPERTS_S = 0.05
+
+
+def backward_overlap_worker(schedules: list[str]) -> dict:
+    """Per scheduler: the backward's task records ``(kind, chunk, lane, start, end)`` of one
+    forward + backward at r = 2 (dropless_k2 on 2 nodes x 2), the experts' backward slowed to
+    SLOW_EXPERTS_S per chunk so that a hop in flight beside it shows in the intervals."""
+    topo = Topology.from_env(local_size=2)
+    out: dict = {}
+    for schedule in schedules:
+        layer = parity.make_layer("dropless_k2", topo, a2a="node_dedup", pipeline_degree=2,
+                                  schedule=schedule)
+        forward = layer.experts.forward
+        layer.experts.forward = lambda *a, **k: _SlowBackward.apply(forward(*a, **k))
+        layer.timeline = Timeline()
+        x, g = parity.make_batch("dropless_k2", topo.rank)
+        parity.local_loss(layer(x.requires_grad_()), g, layer).backward()
+        out[schedule] = [(rec.task.kind, rec.task.chunk, rec.lane, rec.start, rec.end)
+                         for rec in layer.timeline.records if rec.phase == "backward"]
+        layer.lane.close()
+    return out
+
+
+def frozen_worker(modes: list[str]) -> dict:
+    """One dropless_k2 step at r = 2 with OptSche on 2 nodes x 2 per mode: "none" (``direct``,
+    nothing frozen: the reference), "frozen_router" (node_dedup; the router frozen and the
+    input without grad: the send buffer needs no gradient) and "frozen_experts" (node_dedup;
+    the experts frozen). Per mode: the gradients present, the input gradient, the output."""
+    topo = Topology.from_env(local_size=2)
+    out: dict = {}
+    for mode in modes:
+        layer = parity.make_layer("dropless_k2", topo, pipeline_degree=2, schedule="optsche",
+                                  a2a="direct" if mode == "none" else "node_dedup")
+        x, g = parity.make_batch("dropless_k2", topo.rank)
+        if mode != "frozen_router":
+            x.requires_grad_()
+        frozen = {"frozen_router": layer.router, "frozen_experts": layer.experts}.get(mode)
+        for p in frozen.parameters() if frozen is not None else ():
+            p.requires_grad_(False)
+        y = layer(x)
+        (y * g).sum().backward()
+        out[mode] = ({n: p.grad for n, p in layer.named_parameters() if p.grad is not None},
+                     x.grad, y.detach())
+        layer.lane.close()
     return out
 
 

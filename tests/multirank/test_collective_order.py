@@ -135,3 +135,39 @@ def test_moe_act_issues_the_plain_collectives(events):
         for case in ("ep_r2_optsche", "fssdp_prefetch_rm_r2"):
             plain = [e[:3] for e in events[rank][case]]
             assert [e[:3] for e in events[rank][f"{case}_moe_act"]] == plain, (rank, case)
+
+
+NODE_DEDUP = ("node_dedup_r2_optsche", "node_dedup_pad_r2")
+
+
+def _inter(ranks: tuple) -> bool:
+    """On 2 nodes x 2 the inter-node group joins the ranks of one local rank: (0, 2), (1, 3)."""
+    return len(ranks) == 2 and ranks[1] - ranks[0] == 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", NODE_DEDUP)
+def test_node_dedup_backward_hops_are_lane_tasks_in_schedule_order(events, case):
+    """node_dedup's backward is scheduled like its forward (ScheMoE section 4, Eq. 12 on the
+    mirrored tasks; moeflow/strategies/node_dedup_backward.py): every all-to-all of a step,
+    backward included, is issued by the lane; the backward's lane tasks run in OptSche's
+    order of the chunks; and each issues its chunk's hops in the mirror of its forward
+    task's (backward A1, the partial sums' gradients: inter-node then the fan-in's reverse;
+    backward A2: the fan-out's reverse, then inter-node)."""
+    from moeflow.schedule import SCHEDULERS
+    order = SCHEDULERS["optsche"]().order(2)
+    want = [("A1" if t.kind == "C1" else "A2", t.chunk) for t in order
+            if t.kind in ("C1", "C2")]
+    hops = {"A1": [True, False], "A2": [False, True]}     # inter-node first, or second
+    for rank in range(WORLD):
+        a2a = [e for e in events[rank][case] if e[1] == "all_to_all_single"]
+        off = [e[3] for e in a2a if not e[3].startswith(worker.LANE_THREAD)]
+        assert not off, f"rank {rank}: all-to-alls issued off the lane: {off}"
+        back = [(kind, chunk) for kind, chunk, phase, lane, *_ in events[rank]["tasks"][case]
+                if phase == "backward" and lane == "comm"]
+        assert back == want * 2, f"rank {rank}: backward lane tasks {back}, want {want} x 2"
+        # per step: the forward's lane tasks, then the backward's, two hops each
+        steps = [_inter(e[0]) for e in a2a]
+        per_step = [h for kind, _c in want for h in hops[kind]]
+        assert steps == per_step * 4, f"rank {rank}: inter-node hops at {steps}"
+

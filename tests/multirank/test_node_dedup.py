@@ -7,6 +7,7 @@ as 2 emulated nodes x 2 and on 8 ranks as 4 x 2, dropless and with capacity, pip
 from __future__ import annotations
 
 import pytest
+import torch
 
 import moeflow as mf
 from moeflow import autotune
@@ -78,6 +79,50 @@ def test_node_dedup_pipelined_optsche_matches_reference():
         # an "auto" layer fixed to node_dedup (the tuner's choice or a restored one) swaps
         # its strategy and computes the same function
         parity.assert_rank_matches(res["set_tuned"], ref, rank, 4, "auto set to node_dedup")
+
+
+@pytest.mark.multirank
+def test_node_dedup_backward_hops_overlap_the_experts():
+    """The backward is scheduled (moeflow/strategies/node_dedup_backward.py; ScheMoE section
+    4): with OptSche at r = 2, a chunk's backward hops (lane) run while the computing lane
+    differentiates the other chunk's experts (slowed to SLOW_EXPERTS_S); the sequential
+    scheduler runs its hops inline, beside nothing. (The order of the backward's collectives
+    is checked in test_collective_order.py.)"""
+    got = launch_local(node_dedup_cases.backward_overlap_worker, 4, ["optsche", "sequential"],
+                       timeout_s=120)
+
+    def overlaps(recs):
+        comm = [t for t in recs if t[2] == "comm"]
+        experts = [t for t in recs if t[2] == "compute" and t[0] == "E"]
+        assert len(comm) == 4 and len(experts) == 2, recs     # 2 hops and E per chunk
+        return [(c[:2], e[:2]) for c in comm for e in experts
+                if c[1] != e[1] and c[3] < e[4] and e[3] < c[4]]
+
+    for rank, res in got.items():
+        assert overlaps(res["optsche"]), f"rank {rank}: {res['optsche']}"
+        assert not overlaps(res["sequential"]), f"rank {rank}: {res['sequential']}"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_node_dedup_scheduled_backward_with_frozen_parts():
+    """The scheduled backward without an input gradient (router frozen, input without grad:
+    the way back after E carries nothing) and with frozen experts (no parameter gradients in
+    E) gives ``direct``'s gradients of what is not frozen (float64, r = 2, OptSche)."""
+    got = launch_local(node_dedup_cases.frozen_worker, 4,
+                       ["none", "frozen_router", "frozen_experts"], timeout_s=120)
+    for rank, res in got.items():
+        grads, x_grad, y = res["none"]
+        for mode, want in (("frozen_router", {"experts.w1", "experts.w2"}),
+                           ("frozen_experts", {"router.weight"})):
+            g2, x2, y2 = res[mode]
+            assert set(g2) == want, (rank, mode, set(g2))
+            for n in want:
+                assert torch.allclose(g2[n], grads[n], rtol=0, atol=1e-12), (rank, mode, n)
+            assert (x2 is None) == (mode == "frozen_router"), (rank, mode)
+            if x2 is not None:
+                assert torch.allclose(x2, x_grad, rtol=0, atol=1e-12), (rank, mode)
+            assert torch.allclose(y2, y, rtol=0, atol=1e-12), (rank, mode)
 
 
 @pytest.mark.multirank
@@ -251,7 +296,7 @@ def test_tuner_screens_node_dedup_and_its_choice_works():
 @pytest.mark.slow
 def test_tuner_picks_node_dedup_schedule():
     """``a2a="node_dedup"`` with schedule and degree "auto": the profiler and the chooser run
-    on it (its backward is not scheduled: its time stays in the measured rest), every rank
+    on it (its backward is scheduled and predicted like its forward), every rank
     fixes the same choice, and the step equals the reference."""
     name = "dropless_k2"
     got = launch_local(node_dedup_cases.tuner_worker, 4, name, "schedule", timeout_s=600)
