@@ -614,11 +614,11 @@ def run_simulate_train(args: argparse.Namespace) -> int:
 
 def _measured_train(args: argparse.Namespace, mcfg, rows: list[dict], own: str, world: int,
                     per: int) -> None:
-    """The measured twin (:mod:`moeflow.simulate.measured`): the run is checked against these
+    """The measured twin (:mod:`.simulate_measured`): the run is checked against these
     arguments, and the row of the variant that run is (the config's own) gets its step times
     and predicted / measured."""
     from moeflow.commands.train import ESP_PLACEMENTS
-    from moeflow.simulate.measured import measured_twin
+    from moeflow.commands.simulate_measured import measured_twin
 
     if args.skip_steps < 0:
         raise SystemExit(f"moeflow simulate train: --skip-steps {args.skip_steps} must be >= 0")

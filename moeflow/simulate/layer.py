@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from moeflow.config import TRAIN_RECOMPUTES
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.plan import make_plan
 from moeflow.errors import ConfigError
@@ -54,6 +53,7 @@ from moeflow.simulate.exchange import HIERARCHICAL, a2a_seconds, exchange_steps,
 __all__ = ["LayerSpec", "a2a_seconds", "count_matrix", "simulate_layer", "lane_orders"]
 A2AS = ("direct", "pairwise") + HIERARCHICAL        # the all-to-alls with a link model here
 COMM_LANES = ("thread", "link")
+RECOMPUTES = ("none", "moe_act", "full")     # TrainConfig.recompute's choices
 COMM_TASKS = ("counts", "A1", "A2", "spAG", "spRS")    # the collectives of a step
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -129,9 +129,9 @@ class LayerSpec:
         if self.schedule not in SCHEDULERS:
             raise ConfigError(f"LayerSpec.schedule={self.schedule!r} is not a registered "
                               f"scheduler; choose one of {', '.join(sorted(SCHEDULERS))}")
-        if self.recompute not in TRAIN_RECOMPUTES:
+        if self.recompute not in RECOMPUTES:
             raise ConfigError(f"LayerSpec.recompute={self.recompute!r} is invalid; choose one "
-                              f"of {', '.join(TRAIN_RECOMPUTES)}")
+                              f"of {', '.join(RECOMPUTES)}")
         if self.dtype not in _BYTES:
             raise ConfigError(f"LayerSpec.dtype={self.dtype!r} is invalid; choose one of "
                               f"{', '.join(_BYTES)}")

@@ -48,7 +48,6 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from moeflow.config import TRAIN_RECOMPUTES
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.plan import make_plan
 from moeflow.errors import ConfigError
@@ -59,6 +58,7 @@ from moeflow.parallel.parm.s2 import mp_slots
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.simulate import engine
 from moeflow.simulate.costs import CostModel
+from moeflow.simulate.layer import RECOMPUTES
 from moeflow.simulate.engine import SimTask
 from moeflow.topology import Topology, check_parm_layout
 
@@ -95,9 +95,9 @@ class ParmSpec:
     recompute: str = "none"         # "moe_act" / "full": module docstring
 
     def __post_init__(self) -> None:
-        if self.recompute not in TRAIN_RECOMPUTES:
+        if self.recompute not in RECOMPUTES:
             raise ConfigError(f"ParmSpec.recompute={self.recompute!r} is invalid; choose one "
-                              f"of {', '.join(TRAIN_RECOMPUTES)}")
+                              f"of {', '.join(RECOMPUTES)}")
         for name in ("tokens", "d_model", "d_expert", "num_experts", "top_k", "mp", "ep",
                      "esp", "nodes", "ranks_per_node"):
             v = getattr(self, name)

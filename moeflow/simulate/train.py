@@ -1,7 +1,8 @@
 """A whole training step of the MoE GPT in the simulator (``moeflow simulate train``).
 
 One optimizer step of :class:`moeflow.models.gpt.GPT` on ``grad_accum`` micro-batches per rank
-(one by default), as the sequence of what each rank runs (the blocks run one after the other, so their times add):
+(one by default), as the sequence of what each rank runs (the blocks run one after the other,
+so their times add):
 
 * the embedding, and per block the attention (``8 T M^2`` GEMM FLOPs for q, k, v and the
   output projection, ``4 T S M`` for the scores and the weighted sum, over the full sequence as
@@ -53,9 +54,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from moeflow.config import TRAIN_RECOMPUTES
 from moeflow.errors import ConfigError
 from moeflow.simulate.costs import CostModel
+from moeflow.simulate.layer import RECOMPUTES
 
 OPTIMIZER_BYTES_PER_PARAM = 28      # AdamW, fp32: 4 reads + 3 writes of 4 bytes (assumed)
 ACCUMULATE_BYTES_PER_PARAM = 12     # .grad += g, fp32: 2 reads + 1 write of 4 bytes (assumed)
@@ -90,9 +91,9 @@ class TrainSpec:
     recompute: str = "none"        # TrainConfig.recompute: none, full, moe_act
 
     def __post_init__(self) -> None:
-        if self.recompute not in TRAIN_RECOMPUTES:
+        if self.recompute not in RECOMPUTES:
             raise ConfigError(f"TrainSpec.recompute={self.recompute!r} is invalid; choose one "
-                              f"of {', '.join(TRAIN_RECOMPUTES)}")
+                              f"of {', '.join(RECOMPUTES)}")
         for name in ("tokens", "seq_len", "d_model", "n_heads", "d_ff", "vocab_size",
                      "n_layers", "dp_size", "expert_dp_size", "mp", "nodes", "ranks_per_node",
                      "grad_accum"):

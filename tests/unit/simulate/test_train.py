@@ -193,3 +193,6 @@ def test_full_recompute_reruns_the_blocks_forward_not_the_head():
     assert tp["mp_all_reduce"] == dense_seconds(_spec(mp=2), c)["mp_all_reduce"]
     with pytest.raises(ConfigError, match="TrainSpec.recompute='some'"):
         _spec(recompute="some")
+    from moeflow.config import TRAIN_RECOMPUTES
+    from moeflow.simulate.layer import RECOMPUTES
+    assert sorted(RECOMPUTES) == sorted(TRAIN_RECOMPUTES)     # the simulator's copy of them

@@ -1,4 +1,4 @@
-"""``moeflow simulate train --measured RUN_DIR`` (moeflow/simulate/measured.py): a `moeflow
+"""``moeflow simulate train --measured RUN_DIR`` (moeflow/commands/simulate_measured.py): a `moeflow
 train --out` folder's step times next to the prediction, and the refusal of a run that the
 arguments do not describe, naming the field."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moeflow.config import TrainConfig, model_preset
-from moeflow.simulate.measured import step_times, summarize
+from moeflow.commands.simulate_measured import step_times, summarize
 
 SETS = ["a2a=direct", "schedule=sequential", "pipeline_degree=1"]
 
