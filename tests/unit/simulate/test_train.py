@@ -152,9 +152,14 @@ def test_recompute_adds_exactly_the_recomputed_tasks():
     assert "counts" in _names(none, "forward")
     assert e_bwd(full) == pytest.approx(e_bwd(act)) and full["recompute_s"] > 0
     # FSSDP: the rerun's spAG of the recorded P' replaces HECATE-RM's backward spAG
+    seq = {**base, "pipeline_degree": 1, "schedule": "sequential"}
+    plain = simulate_layer(LayerSpec(**seq), c, None,
+                           FSSDPSpec(materialize="static", rematerialize=True))
+    assert sorted((t["phase"], t["task"]) for t in plain["tasks"] if t["rank"] == 0
+                  and t["task"].startswith("sp")) == [("backward", "spAG"), ("backward", "spRS"),
+                                                      ("forward", "spAG")]
     for rm in (True, False):
-        f = simulate_layer(LayerSpec(**{**base, "pipeline_degree": 1, "schedule": "sequential"},
-                                     recompute="full"), c, None,
+        f = simulate_layer(LayerSpec(**seq, recompute="full"), c, None,
                            FSSDPSpec(materialize="static", rematerialize=rm))
         got = [(t["phase"], t["task"]) for t in f["tasks"] if t["rank"] == 0
                and t["task"].startswith("sp")]
