@@ -300,6 +300,7 @@ class Trainer:
         (self.out / "config.json").write_text(json.dumps(
             {"model": dataclasses.asdict(self.mcfg), "train": dataclasses.asdict(self.cfg),
              "world_size": self.topo.world_size,
+             "local_size": self.topo.local_size,     # ranks per node (simulate --measured)
              **({"resumed_from_step": self.start_step} if self.start_step else {})}, indent=2))
 
     def save(self) -> None:

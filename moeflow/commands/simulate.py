@@ -232,7 +232,7 @@ def _parm_spec(args: argparse.Namespace, case, spec, sched: str):
                         esp_in_node=args.esp_placement == "esp-in-node",
                         schedule=sched.split("-")[0], saa=sched != "s2-aas",
                         activation=spec.activation, nodes=spec.nodes,
-                        ranks_per_node=spec.ranks_per_node)
+                        ranks_per_node=spec.ranks_per_node, recompute=spec.recompute)
     except ConfigError as e:
         raise SystemExit(f"moeflow simulate layer: --compare parm:{sched}: {e} (flags --mp, "
                          "--esp, --ep-size, --esp-placement)") from None
@@ -432,9 +432,9 @@ def _add_out_summary(group) -> None:
 
 def add_train_parser(ssub) -> None:
     """``moeflow simulate train``: ``moeflow train``'s model arguments (``--preset``, ``--set``,
-    ``--batch-size``, ``--mp``, ``--esp``, ``--ep-size``, ``--esp-placement``, ``--nproc``) and
-    the models."""
-    from moeflow.config import PRESETS, TrainConfig
+    ``--batch-size``, ``--grad-accum``, ``--recompute``, ``--mp``, ``--esp``, ``--ep-size``,
+    ``--esp-placement``, ``--nproc``), the models, and the measured twin (``--measured``)."""
+    from moeflow.config import PRESETS, TRAIN_RECOMPUTES, TrainConfig
 
     p = ssub.add_parser("train", help="predict one `moeflow train` step (every block, every MoE "
                                       "layer, the gradient sync) from fits or a profile")
@@ -445,7 +445,15 @@ def add_train_parser(ssub) -> None:
                         "'auto' settings are not modelled: give a2a / schedule / "
                         "pipeline_degree values, else the config's defaults are used)")
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
-                   help="sequences per data-parallel rank per step (as `moeflow train`)")
+                   help="sequences per data-parallel rank per micro-batch (as `moeflow "
+                        "train`)")
+    p.add_argument("--grad-accum", type=int, default=TrainConfig.grad_accum,
+                   help="micro-batches per optimizer step (as `moeflow train`): the forward "
+                        "and backward run N times, the gradient sync and the optimizer once")
+    p.add_argument("--recompute", default=TrainConfig.recompute, choices=TRAIN_RECOMPUTES,
+                   help="activation recomputation (as `moeflow train`): full reruns every "
+                        "block's forward in backward (the MoE all-to-alls re-sent, the counts "
+                        "replayed); moe_act reruns the experts inside backward task E")
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks (default 2, as `moeflow train`); the layout is --nodes x "
                         "--ranks-per-node when given")
@@ -468,6 +476,14 @@ def add_train_parser(ssub) -> None:
     g.add_argument("--routing-seed", type=int, default=0, help="seed of the --zipf sample")
     g.add_argument("--out", default=None, metavar="JSON", help="write the prediction")
     _add_out_summary(g)
+    g.add_argument("--measured", default=None, metavar="RUN_DIR",
+                   help="the measured twin: a `moeflow train --out RUN_DIR` folder (or its "
+                        "metrics.jsonl) of the same arguments (checked against its "
+                        "config.json); adds its median step time, min / max, and predicted / "
+                        "measured")
+    g.add_argument("--skip-steps", type=int, default=2, metavar="K",
+                   help="--measured: leave out the log records whose steps start before step "
+                        "K + 1 (warm-up; default 2)")
     v = p.add_argument_group("the MoE layers' strategy")
     v.add_argument("--mp", type=int, default=1, help="Parm: MP (tensor-parallel) group size")
     v.add_argument("--esp", type=int, default=1, help="Parm: ESP group size")
@@ -548,6 +564,12 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile else None
     costs = cost_model(args.links, args.compute, profile, nodes, per, args.link_model)
     T = args.batch_size * mcfg.seq_len          # tokens per rank (per MP group with MP)
+    if args.grad_accum < 1:
+        raise SystemExit(f"moeflow simulate train: --grad-accum {args.grad_accum} must be >= 1")
+    # the MoE layers' recomputation: the block's checkpoint, else MoEConfig.recompute (which
+    # --recompute moe_act sets in every MoE block, moeflow.train.build_config)
+    layer_recompute = ("full" if args.recompute == "full" else "moe_act"
+                       if "moe_act" in (args.recompute, moe.recompute) else "none")
     try:
         spec = LayerSpec(tokens=T, d_model=mcfg.d_model, d_expert=moe.d_expert,
                          num_experts=moe.num_experts, top_k=moe.top_k,
@@ -555,7 +577,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                          schedule=moe.schedule, pipeline_degree=moe.pipeline_degree,
                          a2a=moe.a2a, nodes=nodes, ranks_per_node=per,
                          trim_padding=args.device == "cpu", codec=moe.codec,
-                         codec_backward=moe.codec_backward)
+                         codec_backward=moe.codec_backward, recompute=layer_recompute)
     except ConfigError as e:
         raise SystemExit(f"moeflow simulate train: the MoE layer: {e}") from None
     routing, how = None, "uniform"
@@ -586,16 +608,52 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                           n_layers=mcfg.n_layers, moe_blocks=tuple(mcfg.moe_layer_ids()),
                           dense_params=dense, expert_params=experts_total // expert_ranks,
                           dp_size=dp, expert_dp_size=world // expert_ranks, mp=args.mp,
-                          nodes=nodes, ranks_per_node=per)
+                          nodes=nodes, ranks_per_node=per, grad_accum=args.grad_accum,
+                          recompute=args.recompute)
         res = simulate_train(tspec, costs, {b: layer for b in tspec.moe_blocks})
         first = res["step_s"] if first is None else first
         res.update(variant=variant, routing=how, ratio_to_first=res["step_s"] / first,
                    moe_layer={k: layer[k] for k in ("step_s", "forward_s", "backward_s",
-                                                    "comm_s", "exposed_comm_s")})
+                                                    "recompute_s", "comm_s",
+                                                    "exposed_comm_s")})
         rows.append(res)
-    label = f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
+    label = (f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
+             + (f" --grad-accum {args.grad_accum}" if args.grad_accum > 1 else "")
+             + (f" --recompute {args.recompute}" if args.recompute != "none" else ""))
     print(format_train_table(rows, label, world))
+    if args.measured:
+        _measured_train(args, mcfg, rows, _config_variant(mcfg, args), world, per)
     return _write_rows(args, costs, rows)
+
+
+def _measured_train(args: argparse.Namespace, mcfg, rows: list[dict], own: str, world: int,
+                    per: int) -> None:
+    """The measured twin (:mod:`.simulate_measured`): the run is checked against these
+    arguments, and the row of the variant that run is (the config's own) gets its step times
+    and predicted / measured."""
+    from moeflow.commands.train import ESP_PLACEMENTS
+    from moeflow.commands.simulate_measured import measured_twin
+
+    if args.skip_steps < 0:
+        raise SystemExit(f"moeflow simulate train: --skip-steps {args.skip_steps} must be >= 0")
+    train = {"batch_size": args.batch_size, "grad_accum": args.grad_accum,
+             "recompute": args.recompute, "mp_size": args.mp, "esp_size": args.esp,
+             "ep_size": args.ep_size, "esp_in_node": ESP_PLACEMENTS[args.esp_placement]}
+    try:
+        m = measured_twin(args.measured, mcfg, train, world, per, args.device, args.skip_steps)
+    except ConfigError as e:
+        raise SystemExit(f"moeflow simulate train: {e}") from None
+    row = next((r for r in rows if r["variant"] == own), None)
+    if row is None:
+        raise SystemExit(f"moeflow simulate train: --measured is the run of the config's own "
+                         f"variant {own}, which --compare leaves out; add it to --compare")
+    row["measured"] = m
+    row["predicted_over_measured"] = row["step_s"] / m["median_s"]
+    print(f"measured {m['run']}: steps {m['steps'][0]}-{m['steps'][1]} ({m['n']} log records, "
+          f"the first {m['skip_steps']} steps skipped): median {m['median_s'] * 1e3:.2f} ms per "
+          f"step (min {m['min_s'] * 1e3:.2f}, max {m['max_s'] * 1e3:.2f}); {own}: predicted "
+          f"{row['step_s'] * 1e3:.2f} ms, predicted / measured "
+          f"{row['predicted_over_measured']:.3f}")
 
 
 def format_train_table(rows: list[dict], label: str, world: int) -> str:
@@ -608,9 +666,10 @@ def format_train_table(rows: list[dict], label: str, world: int) -> str:
         lines.append(f"{r['variant']:<16} {r['step_s'] * 1e3:>9.2f} "
                      + " ".join(f"{r['parts_s'].get(p, 0.0) * 1e3:>12.2f}" for p in parts)
                      + f" {r['tokens_per_s']:>10.0f} {r['ratio_to_first']:>7.3f}")
-    lines.append("parts in ms: dense compute (forward + backward), every MoE layer's predicted "
-                 "step, the gradient all-reduces, the optimizer; tok/s: distinct tokens per step "
-                 "/ step")
+    lines.append("parts in ms per optimizer step: dense compute (forward + backward; recompute: "
+                 "the blocks' forward again), every MoE layer's predicted step, each x the "
+                 "micro-batches; grad_accumulate, the gradient all-reduces and the optimizer "
+                 "once; tok/s: distinct tokens per step / step")
     return "\n".join(lines)
 
 

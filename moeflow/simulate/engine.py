@@ -21,7 +21,7 @@ class SimTask:
     rank: int
     lane: str                   # the lane it is reported on ("compute", "comm")
     runs_on: str                # the lane whose order it takes ("compute" for inline comm)
-    phase: str                  # "forward" / "backward"
+    phase: str                  # "forward" / "recompute" (a checkpoint's rerun) / "backward"
     seconds: float
     deps: list["SimTask"] = field(default_factory=list)
     collective: str | None = None    # same key on every rank = one collective

@@ -20,6 +20,17 @@ Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`:
 trained router's loads). Codecs: encode / decode as the C / D tasks, compressed rows on the
 wire (``Codec.wire_bytes``). HECATE's placement: :mod:`.fssdp` (the exchange over held slots,
 with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet: the shared experts' task S.
+
+Recomputation (``LayerSpec.recompute``; docs/training.md, "Activation recomputation"):
+``moe_act`` keeps the experts' input rows and reruns the experts' forward inside backward task
+E right before differentiating them (:class:`moeflow.schedule.pipeline.ScheduledExperts`,
+``backward``), so each backward E costs an experts forward more and nothing is exchanged
+again; ``full`` (the block under ``torch.utils.checkpoint``) reruns the layer's forward once
+more before its backward -- route, permute, the 7r tasks with both all-to-alls and combine --
+minus the count exchange, which the plan record replays (:mod:`moeflow.plan_record`); under
+FSSDP one spAG of the recorded ``P'`` runs before it and takes the place of HECATE-RM's
+backward spAG. The saved-tensor hooks make the checkpointed forward keep input rows too, so
+its backward E also reruns the experts (three expert forwards per step).
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from moeflow.simulate.exchange import HIERARCHICAL, a2a_seconds, exchange_steps,
 __all__ = ["LayerSpec", "a2a_seconds", "count_matrix", "simulate_layer", "lane_orders"]
 A2AS = ("direct", "pairwise") + HIERARCHICAL        # the all-to-alls with a link model here
 COMM_LANES = ("thread", "link")
+RECOMPUTES = ("none", "moe_act", "full")     # TrainConfig.recompute's choices
 COMM_TASKS = ("counts", "A1", "A2", "spAG", "spRS")    # the collectives of a step
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -76,6 +88,9 @@ class LayerSpec:
     comm_lanes: str = "thread"
     codec: str = "none"             # MoEConfig.codec: the forward's payloads
     codec_backward: bool = False    # MoEConfig.codec_backward: the backward's too
+    # "moe_act": backward task E reruns the experts' forward; "full": the whole forward again
+    # before the backward (the count exchange replayed, not re-sent); module docstring
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("tokens", "d_model", "d_expert", "num_experts", "top_k",
@@ -117,6 +132,9 @@ class LayerSpec:
         if self.schedule not in SCHEDULERS:
             raise ConfigError(f"LayerSpec.schedule={self.schedule!r} is not a registered "
                               f"scheduler; choose one of {', '.join(sorted(SCHEDULERS))}")
+        if self.recompute not in RECOMPUTES:
+            raise ConfigError(f"LayerSpec.recompute={self.recompute!r} is invalid; choose one "
+                              f"of {', '.join(RECOMPUTES)}")
         if self.dtype not in _BYTES:
             raise ConfigError(f"LayerSpec.dtype={self.dtype!r} is invalid; choose one of "
                               f"{', '.join(_BYTES)}")
@@ -131,8 +149,9 @@ class LayerSpec:
 
     def pass_codec(self, phase: str):
         """The codec of a pass's payloads (the backward's is ``none`` unless
-        ``codec_backward``, as :class:`moeflow.layer.MoELayer` builds them)."""
-        name = self.codec if phase == "forward" or self.codec_backward else "none"
+        ``codec_backward``, as :class:`moeflow.layer.MoELayer` builds them; a recomputed
+        forward uses the forward's)."""
+        name = self.codec if phase != "backward" or self.codec_backward else "none"
         return registry("codec")[name]()
 
     def wire_row_bytes(self, phase: str) -> int:
@@ -197,21 +216,23 @@ def counts_seconds(spec: LayerSpec, costs: CostModel, fssdp: bool = False
 def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase: str,
                 lanes: dict, last: dict, dedup: tuple | None = None,
                 fssdp: bool = False) -> None:
-    """Queue one pass (forward or backward) on every rank's lanes; ``last[rank]`` is the last
-    computing task queued before it (the pass waits for it)."""
+    """Queue one pass (forward, its recomputation, or backward) on every rank's lanes;
+    ``last[rank]`` is the last computing task queued before it (the pass waits for it). A
+    recomputed forward is the forward without the count exchange (the plan record's counts)."""
     W, d, h, B = spec.world, spec.d_model, spec.d_expert, spec.elem_bytes
     r, T, E = spec.pipeline_degree, spec.tokens, spec.num_experts
     sched = SCHEDULERS[spec.schedule]()
     mats_fn = 3 if spec.activation == "swiglu" else 2
-    fwd = phase == "forward"
+    fwd = phase != "backward"
+    xphase = "forward" if fwd else "backward"        # what the exchange carries
     send_rows = sum(m.sum(1) for m in mats)           # per rank, rows of the send buffer
     # (kind, chunk) -> per rank, the collectives of that all-to-all; A2 is the way back
     # (the transposed matrix, AllToAll.start_combine), in both passes as the pipeline runs it
-    dedup = None if dedup is None else (*dedup, phase)      # node_dedup: (N[p][e], C[p][m])
+    dedup = None if dedup is None else (*dedup, xphase)      # node_dedup: (N[p][e], C[p][m])
     codec = spec.pass_codec(phase)
     wire = spec.wire_row_bytes(phase)               # bytes per row on the wire
     a2a = {(kind, i): exchange_steps(spec, costs, m if kind == "A1" else m.T, kind == "A2",
-                                     phase, dedup, wire)
+                                     xphase, dedup, wire)
            for i, m in enumerate(mats) for kind in ("A1", "A2")}
     # node_dedup's collectives run on the computing thread (strategies/node_dedup.py)
     overlap = sched.overlap and spec.a2a != "node_dedup"
@@ -244,7 +265,7 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
             outer.append(("combine", el(2 * S * d * B + T * d * B) + assemble, S * d))
         for name, sec, size in outer:
             last[p] = add(name, sec, size, [last[p]] if last[p] else [])
-        if fwd:
+        if phase == "forward":
             sec, link = counts_seconds(spec, costs, fssdp)
             width = count_width(spec, fssdp)
             last[p] = add("counts", sec, spec.world * width * 8, [last[p]], lane="comm",
@@ -260,6 +281,8 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
                 flops = 2 * recv * mats_fn * d * h
                 sec = costs.compute_time("experts" if fwd else "experts_backward",
                                          flops if fwd else 2 * flops)
+                if not fwd and spec.recompute != "none":     # the experts rerun first
+                    sec += costs.compute_time("experts", flops)
                 size = recv * d
             else:                      # D1, C2 on the expert side, D2 back on the tokens' side
                 rows = recv if task.kind in ("D1", "C2") else send
@@ -352,7 +375,11 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
     if fp is not None:          # spAG(P, P') before the layer (Section 3.2)
         _sparse_tasks(spec, costs, fp, "spAG", "forward", lanes, last)
     _pass_tasks(spec, costs, mats, "forward", lanes, last, dedup, fssdp=fp is not None)
-    if fp is not None and fssdp.rematerialize:      # HECATE-RM: the second spAG
+    if spec.recompute == "full":    # the checkpoint's rerun; FSSDP: spAG of the recorded P'
+        if fp is not None:
+            _sparse_tasks(spec, costs, fp, "spAG", "recompute", lanes, last)
+        _pass_tasks(spec, costs, mats, "recompute", lanes, last, dedup, fssdp=fp is not None)
+    elif fp is not None and fssdp.rematerialize:      # HECATE-RM: the second spAG
         _sparse_tasks(spec, costs, fp, "spAG", "backward", lanes, last)
     _pass_tasks(spec, costs, mats, "backward", lanes, last, dedup, fssdp=fp is not None)
     if fp is not None:          # spRS(P', P): the copies' gradients to the owners
@@ -360,6 +387,8 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
     step = engine.run(lanes)
     tasks = [t for v in lanes.values() for t in v]
     fwd_end = max(t.end for t in tasks if t.phase == "forward")
+    recompute = [t for t in tasks if t.phase == "recompute"]
+    rec_s = (max(t.end for t in recompute) - fwd_end) if recompute else 0.0
     busy: dict[str, float] = {}
     slowest = max(range(spec.world), key=lambda p: last[p].end)
     for t in tasks:
@@ -376,6 +405,7 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
     compute = sum(v for k, v in busy.items() if k not in COMM_TASKS)
     return {"spec": asdict(spec), "world": spec.world, "step_s": step,
             "forward_s": fwd_end, "backward_s": step - fwd_end,
+            "recompute_s": rec_s,       # of backward_s: the rerun forward (full recompute)
             "busy_s": busy, "comm_s": comm, "compute_s": compute,
             # the slowest rank's computing lane not computing: waiting for communication
             "exposed_comm_s": max(0.0, step - compute),

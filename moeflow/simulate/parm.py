@@ -31,13 +31,19 @@ modelled here, the EP&ESP exchange is sequential too (the computing lane waits f
 all-to-all). SAA's AllGather runs on a second lane beside the point-to-point phase it
 overlaps. Int64 bookkeeping gathers (count matrices, row maps) are timed as small all-gathers.
 
+Recomputation (``ParmSpec.recompute``, as :mod:`.layer`'s; docs/training.md, "Activation
+recomputation"): ``moe_act`` reruns the expert shards' forward in backward task E; ``full``
+reruns the forward's steps (Parm's ESP / MP collectives and the all-to-alls included) before the
+backward, minus the count gather (the plan record keeps the counts, Parm's EP&ESP block counts
+included: :mod:`moeflow.plan_record`), and its backward task E reruns the experts too.
+
 Not modelled: chunks (``pipeline_degree`` > 1) and codecs on the EP&ESP payloads, ``auto``
 (Algorithm 1 picks S1 or S2 per call: simulate both), BigMac's widths.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -52,10 +58,12 @@ from moeflow.parallel.parm.s2 import mp_slots
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.simulate import engine
 from moeflow.simulate.costs import CostModel
+from moeflow.simulate.layer import RECOMPUTES
 from moeflow.simulate.engine import SimTask
 from moeflow.topology import Topology, check_parm_layout
 
 SCHEDULES = ("baseline", "s1", "s2")
+PHASES = ("forward", "recompute", "backward")     # in the order a rank runs them
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 # the op's nccl-tests byte count from (elements this rank puts in, group size)
 _NCCL = {"all_to_all": lambda e, g: e, "all_reduce": lambda e, g: e,
@@ -84,8 +92,12 @@ class ParmSpec:
     nodes: int = 1
     ranks_per_node: int = 1
     dtype: str = "fp32"
+    recompute: str = "none"         # "moe_act" / "full": module docstring
 
     def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTES:
+            raise ConfigError(f"ParmSpec.recompute={self.recompute!r} is invalid; choose one "
+                              f"of {', '.join(RECOMPUTES)}")
         for name in ("tokens", "d_model", "d_expert", "num_experts", "top_k", "mp", "ep",
                      "esp", "nodes", "ranks_per_node"):
             v = getattr(self, name)
@@ -379,7 +391,24 @@ def rank_steps(spec: ParmSpec, rank: int, counts: dict[int, np.ndarray]
         parts = [len(r) for r in token_rows(spec.tokens, spec.mp)]
         bwd += _coll("MP-Split/AllGather", "all_gather", mpg, max(parts) * M,
                      key("backward/mp-split", mpg))
-    return {"forward": fwd, "backward": bwd}
+    return _with_recompute(spec, {"forward": fwd, "backward": bwd})
+
+
+def _with_recompute(spec: ParmSpec, steps: dict[str, list[Step]]) -> dict[str, list[Step]]:
+    """``spec.recompute``: the experts' forward before each backward task E; under ``full``
+    the ``"recompute"`` pass, the forward's steps without the count gather (replayed)."""
+    if spec.recompute == "none":
+        return steps
+    bwd = []
+    for s in steps["backward"]:
+        if s.kind == "experts_backward":
+            bwd.append(Step("E", kind="experts", work=s.work / 2))
+        bwd.append(s)
+    out = {"forward": steps["forward"], "backward": bwd}
+    if spec.recompute == "full":
+        out["recompute"] = [replace(s, key=s.key.replace("forward/", "recompute/", 1))
+                            for s in steps["forward"] if s.name != "counts"]
+    return out
 
 
 def _link_class(spec: ParmSpec, ranks) -> str:
@@ -414,8 +443,8 @@ def simulate_parm(spec: ParmSpec, costs: CostModel, routing: list | None = None)
     steps = {r: rank_steps(spec, r, counts) for r in range(W)}
     members: dict[str, list[Step]] = {}
     for r in range(W):
-        for phase in ("forward", "backward"):
-            for s in steps[r][phase]:
+        for phase in PHASES:
+            for s in steps[r].get(phase, ()):
                 if s.op is not None:
                     members.setdefault(s.key, []).append(s)
     lanes: dict = {(r, lane): [] for r in range(W) for lane in ("compute", "mp")}
@@ -423,8 +452,8 @@ def simulate_parm(spec: ParmSpec, costs: CostModel, routing: list | None = None)
     for r in range(W):
         prev: list[SimTask] = []
         before: list[SimTask] = []
-        for phase in ("forward", "backward"):
-            for s in steps[r][phase]:
+        for phase in PHASES:
+            for s in steps[r].get(phase, ()):
                 if s.op is None:
                     sec = costs.compute_time(s.kind, s.work)
                     t = SimTask(s.name, r, "compute", "compute", phase, sec, [])
@@ -448,16 +477,18 @@ def simulate_parm(spec: ParmSpec, costs: CostModel, routing: list | None = None)
     step = engine.run(lanes)
     tasks = [t for v in lanes.values() for t in v]
     fwd_end = max(t.end for t in tasks if t.phase == "forward")
+    rerun = [t.end for t in tasks if t.phase == "recompute"]
     slowest = max(range(W), key=lambda r: max(t.end for t in tasks if t.rank == r))
     mine = [t for t in tasks if t.rank == slowest]
     comm = sum(t.end - t.start for t in mine if t.stage is not None)
     compute = sum(t.end - t.start for t in mine if t.stage is None)
     return {"spec": asdict(spec), "world": W, "step_s": step, "forward_s": fwd_end,
-            "backward_s": step - fwd_end, "comm_s": comm, "compute_s": compute,
+            "backward_s": step - fwd_end, "recompute_s": max(rerun) - fwd_end if rerun else 0.0,
+            "comm_s": comm, "compute_s": compute,
             "exposed_comm_s": max(0.0, step - compute), "busy_s": busy[slowest],
             "counts": [counts[r].tolist() for r in range(W)],
-            "collectives": {r: [collective_record(s, phase) for phase in ("forward", "backward")
-                                for s in steps[r][phase] if s.op is not None]
+            "collectives": {r: [collective_record(s, phase) for phase in PHASES
+                                for s in steps[r].get(phase, ()) if s.op is not None]
                             for r in range(W)},
             "tasks": sorted((t.record() for t in tasks),
                             key=lambda rec: (rec["rank"], rec["start_s"]))}

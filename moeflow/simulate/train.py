@@ -1,7 +1,8 @@
 """A whole training step of the MoE GPT in the simulator (``moeflow simulate train``).
 
-One optimizer step of :class:`moeflow.models.gpt.GPT` on one micro-batch per rank, as the
-sequence of what each rank runs (the blocks run one after the other, so their times add):
+One optimizer step of :class:`moeflow.models.gpt.GPT` on ``grad_accum`` micro-batches per rank
+(one by default), as the sequence of what each rank runs (the blocks run one after the other,
+so their times add):
 
 * the embedding, and per block the attention (``8 T M^2`` GEMM FLOPs for q, k, v and the
   output projection, ``4 T S M`` for the scores and the weighted sum, over the full sequence as
@@ -23,11 +24,30 @@ sequence of what each rank runs (the blocks run one after the other, so their ti
   gradient and two moments read, parameter and moments written, fp32): an assumption of this
   model, not a measurement.
 
+Gradient accumulation (``grad_accum = N``, ``TrainConfig.grad_accum``): the forward and backward
+of every part above run N times, once per micro-batch of ``tokens``
+(:func:`moeflow.train.accumulate_gradients`; the MoE layers' all-to-alls, Parm's ESP
+collectives and FSSDP's spAG / spRS are per forward, so per micro-batch); autograd adds the
+micro-batches' gradients into ``.grad`` (the ``grad_accumulate`` part: 12 bytes per local
+parameter for each micro-batch after the first, an in-place add, as memory traffic: an
+assumption of this model); the gradient sync and the optimizer step run once per step
+(``Trainer.train_step``: ``sync_gradients`` after the last micro-batch, "once per optimizer
+step"; docs/training.md, "Gradient accumulation").
+
+Recomputation (``recompute``, ``TrainConfig.recompute``; docs/training.md, "Activation
+recomputation"): ``full`` runs every block under non-reentrant ``torch.utils.checkpoint``
+(:class:`moeflow.models.gpt.GPT`, ``checkpoint_blocks``; the embedding and the LM head are
+outside the blocks), so the backward reruns each block's forward: the attention and dense FFN
+forward GEMMs and elementwise work and, with MP, their forward all-reduces (the ``recompute``
+part); the MoE layers' rerun (all-to-alls re-sent, counts replayed) is in their simulated
+step (:mod:`.layer`, :mod:`.parm`). ``moe_act`` changes the MoE layers only (their backward
+task E reruns the experts).
+
 Compute times come from ``moeflow bench compute`` fits (``gemm``, ``gemm_backward``,
 ``elementwise``) or a profile's datasheet; collectives from ``moeflow bench links`` fits or the
-profile. Not modelled: gradient accumulation's extra micro-batches (each would repeat the
-forward and backward), activation recomputation, overlap of the gradient all-reduce with the
-backward, dropout, FSDP2 on the dense part.
+profile. Not modelled: overlap of the gradient all-reduce with the backward, gradient clipping's
+norm all-reduce, the trainer's per-step bookkeeping (the preemption flag's all-reduce, the batch
+draw), dropout, FSDP2 on the dense part.
 """
 
 from __future__ import annotations
@@ -36,14 +56,20 @@ from dataclasses import asdict, dataclass
 
 from moeflow.errors import ConfigError
 from moeflow.simulate.costs import CostModel
+from moeflow.simulate.layer import RECOMPUTES
 
 OPTIMIZER_BYTES_PER_PARAM = 28      # AdamW, fp32: 4 reads + 3 writes of 4 bytes (assumed)
+ACCUMULATE_BYTES_PER_PARAM = 12     # .grad += g, fp32: 2 reads + 1 write of 4 bytes (assumed)
+# the parts that run once per micro-batch (times grad_accum); the others once per step
+MICRO_BATCH_PARTS = ("attention", "dense_ffn", "embed_head", "mp_all_reduce", "recompute",
+                     "moe_layers")
 
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """The dense part of one rank's step: ``tokens = batch x seq_len`` per rank (per MP group
-    with tensor parallelism) and the parameter counts the gradient sync moves."""
+    """The dense part of one rank's step: ``tokens = batch x seq_len`` per rank and micro-batch
+    (per MP group with tensor parallelism), ``grad_accum`` micro-batches per step, the
+    recomputation mode, and the parameter counts the gradient sync moves."""
 
     tokens: int
     seq_len: int
@@ -61,10 +87,16 @@ class TrainSpec:
     nodes: int = 1
     ranks_per_node: int = 1
     elem_bytes: int = 4
+    grad_accum: int = 1            # micro-batches per optimizer step (TrainConfig.grad_accum)
+    recompute: str = "none"        # TrainConfig.recompute: none, full, moe_act
 
     def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTES:
+            raise ConfigError(f"TrainSpec.recompute={self.recompute!r} is invalid; choose one "
+                              f"of {', '.join(RECOMPUTES)}")
         for name in ("tokens", "seq_len", "d_model", "n_heads", "d_ff", "vocab_size",
-                     "n_layers", "dp_size", "expert_dp_size", "mp", "nodes", "ranks_per_node"):
+                     "n_layers", "dp_size", "expert_dp_size", "mp", "nodes", "ranks_per_node",
+                     "grad_accum"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"TrainSpec.{name}={v!r} is invalid: a positive integer")
@@ -91,20 +123,29 @@ def _link_class(spec: TrainSpec, size: int, consecutive: bool = True) -> str:
 
 
 def dense_seconds(spec: TrainSpec, costs: CostModel) -> dict[str, float]:
-    """Seconds of the dense work of one step per part (forward + backward)."""
+    """Seconds of the dense work of one micro-batch per part (forward + backward); with
+    ``recompute="full"`` the blocks' forward once more (``recompute``)."""
     T, S, M, B, mp = spec.tokens, spec.seq_len, spec.d_model, spec.elem_bytes, spec.mp
-    g = lambda f: costs.compute_time("gemm", f) + costs.compute_time("gemm_backward", 2 * f)  # noqa: E731
-    el = lambda b: 3 * costs.compute_time("elementwise", b)      # noqa: E731: fwd + 2x bwd
+    gf = lambda f: costs.compute_time("gemm", f)                  # noqa: E731: forward
+    g = lambda f: gf(f) + costs.compute_time("gemm_backward", 2 * f)  # noqa: E731
+    ef = lambda b: costs.compute_time("elementwise", b)           # noqa: E731: forward
+    el = lambda b: 3 * ef(b)                                      # noqa: E731: fwd + 2x bwd
     n_dense = spec.n_layers - len(spec.moe_blocks)
-    attention = spec.n_layers * (
-        g(8 * T * M * M / mp) + g(4 * T * S * M / mp)
-        + el(2 * 2 * T * M * B + 2 * T * spec.n_heads * S * B / mp + 2 * 3 * T * M * B))
-    ffn = n_dense * (g(4 * T * M * spec.d_ff / mp) + el(2 * T * spec.d_ff * B / mp))
+    att = (8 * T * M * M / mp, 4 * T * S * M / mp)                # GEMM FLOPs of a block
+    att_bytes = 2 * 2 * T * M * B + 2 * T * spec.n_heads * S * B / mp + 2 * 3 * T * M * B
+    ffn_flops, ffn_bytes = 4 * T * M * spec.d_ff / mp, 2 * T * spec.d_ff * B / mp
+    attention = spec.n_layers * (g(att[0]) + g(att[1]) + el(att_bytes))
+    ffn = n_dense * (g(ffn_flops) + el(ffn_bytes))
     head = g(2 * T * M * spec.vocab_size) + el(3 * T * spec.vocab_size * B + 2 * T * M * B)
     out = {"attention": attention, "dense_ffn": ffn, "embed_head": head}
+    per = 0.0
     if mp > 1:      # Megatron's g (forward) and f (backward): T x M over the MP group
         per = costs.link(_link_class(spec, mp), "all_reduce").predict(T * M * B)
         out["mp_all_reduce"] = 2 * (spec.n_layers + n_dense) * per
+    if spec.recompute == "full":      # the checkpointed blocks' forward, again in backward
+        out["recompute"] = (spec.n_layers * (gf(att[0]) + gf(att[1]) + ef(att_bytes))
+                            + n_dense * (gf(ffn_flops) + ef(ffn_bytes))
+                            + (spec.n_layers + n_dense) * per)
     return out
 
 
@@ -126,20 +167,29 @@ def sync_seconds(spec: TrainSpec, costs: CostModel) -> dict[str, float]:
 
 def simulate_train(spec: TrainSpec, costs: CostModel, moe: dict[int, dict]) -> dict:
     """The predicted step: ``moe[block]`` is that block's simulated MoE layer (a
-    :func:`~moeflow.simulate.layer.simulate_layer` / ``simulate_parm`` result)."""
+    :func:`~moeflow.simulate.layer.simulate_layer` / ``simulate_parm`` result, simulated with
+    the step's recomputation mode). ``parts_s`` are per step: the micro-batch parts
+    (:data:`MICRO_BATCH_PARTS`) ``grad_accum`` times, the gradient sync and the optimizer
+    once."""
     missing = sorted(set(spec.moe_blocks) - set(moe))
     if missing:
         raise ConfigError(f"simulate_train: no simulated MoE layer for blocks {missing}")
-    parts = dense_seconds(spec, costs)
-    parts["moe_layers"] = sum(moe[b]["step_s"] for b in spec.moe_blocks)
+    n = spec.grad_accum
+    micro = dense_seconds(spec, costs)
+    micro["moe_layers"] = sum(moe[b]["step_s"] for b in spec.moe_blocks)
+    parts = {k: n * v for k, v in micro.items()}
+    if n > 1:
+        parts["grad_accumulate"] = (n - 1) * costs.compute_time(
+            "elementwise", ACCUMULATE_BYTES_PER_PARAM * (spec.dense_params + spec.expert_params))
     parts.update(sync_seconds(spec, costs))
     step = sum(parts.values())
     moe_comm = sum(moe[b]["comm_s"] for b in spec.moe_blocks)
     return {"spec": asdict(spec), "step_s": step, "parts_s": parts,
-            "moe_comm_s": moe_comm, "moe_exposed_comm_s": sum(
+            "micro_batch_s": sum(micro.values()),
+            "moe_comm_s": n * moe_comm, "moe_exposed_comm_s": n * sum(
                 moe[b]["exposed_comm_s"] for b in spec.moe_blocks),
-            "tokens_per_s": spec.tokens * spec.dp_size / step if step else 0.0}
+            "tokens_per_s": spec.tokens * spec.dp_size * n / step if step else 0.0}
 
 
-__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "TrainSpec", "dense_seconds", "simulate_train",
-           "sync_seconds"]
+__all__ = ["ACCUMULATE_BYTES_PER_PARAM", "MICRO_BATCH_PARTS", "OPTIMIZER_BYTES_PER_PARAM",
+           "TrainSpec", "dense_seconds", "simulate_train", "sync_seconds"]
