@@ -465,6 +465,10 @@ def add_train_parser(ssub) -> None:
     g.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the run would be: cuda pads capacity buffers "
                         "(capacity_padding='auto')")
+    g.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
+                   help="the step's precision: bytes per activation and payload element, and "
+                        "the profile's GEMM peak for it (default fp32; the optimizer stays "
+                        "fp32, 28 bytes per parameter)")
     g.add_argument("--zipf", type=float, default=None, metavar="S",
                    help="skewed loads: a Zipf(S) routing sample (default: the uniform "
                         "expectation)")
@@ -551,7 +555,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                          "MoE layers run Parm's schedules: compare parm:baseline, parm:s1, "
                          "parm:s2, parm:s2-aas")
     profile = load_profile(args.profile) if args.profile else None
-    costs = cost_model(args.links, args.compute, profile, nodes, per)
+    costs = cost_model(args.links, args.compute, profile, nodes, per, args.dtype)
     T = args.batch_size * mcfg.seq_len          # tokens per rank (per MP group with MP)
     try:
         spec = LayerSpec(tokens=T, d_model=mcfg.d_model, d_expert=moe.d_expert,
@@ -561,7 +565,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                          a2a=moe.a2a, nodes=nodes, ranks_per_node=per,
                          trim_padding=args.device == "cpu", codec=moe.codec,
                          codec_backward=moe.codec_backward, structure=moe.structure,
-                         downscale_factor=moe.downscale_factor)
+                         downscale_factor=moe.downscale_factor, dtype=args.dtype)
     except ConfigError as e:
         raise SystemExit(f"moeflow simulate train: the MoE layer: {e}") from None
     routing, how = None, "uniform"
@@ -592,7 +596,8 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                           n_layers=mcfg.n_layers, moe_blocks=tuple(mcfg.moe_layer_ids()),
                           dense_params=dense, expert_params=experts_total // expert_ranks,
                           dp_size=dp, expert_dp_size=world // expert_ranks, mp=args.mp,
-                          nodes=nodes, ranks_per_node=per)
+                          nodes=nodes, ranks_per_node=per,
+                          elem_bytes=spec.elem_bytes)
         res = simulate_train(tspec, costs, {b: layer for b in tspec.moe_blocks})
         first = res["step_s"] if first is None else first
         res.update(variant=variant, routing=how, ratio_to_first=res["step_s"] / first,

@@ -131,8 +131,9 @@ def profile_links(profile: Profile, nodes: int, ranks_per_node: int
 
 def cost_model(links: str | None = None, compute: str | None = None,
                profile: Profile | None = None, nodes: int = 1,
-               ranks_per_node: int = 1) -> CostModel:
-    """Measured fits where given, the profile's datasheet numbers for the rest."""
+               ranks_per_node: int = 1, dtype: str = "fp32") -> CostModel:
+    """Measured fits where given, the profile's datasheet numbers for the rest (its GEMM peak
+    for ``dtype``)."""
     if compute is None and profile is None:
         raise ConfigError("the simulator needs compute times: give --compute FILE (from "
                           "`moeflow bench compute --out`) or --profile NAME")
@@ -141,7 +142,7 @@ def cost_model(links: str | None = None, compute: str | None = None,
                           "give --links FILE (from `moeflow bench links --out`) or --profile NAME")
     source = {"compute": compute or f"profile {profile.name}",
               "links": links or (f"profile {profile.name}" if profile else "none")}
-    comp = load_compute(compute) if compute else profile_compute(profile)
+    comp = load_compute(compute) if compute else profile_compute(profile, dtype)
     if links:
         lk = load_fits(links)
     elif profile is not None:
