@@ -382,7 +382,12 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
     measured = {}
     if args.measured:
         with open(args.measured) as f:
-            measured = {r["name"]: r for r in json.load(f)["results"]}
+            data = json.load(f)
+        if "speedup_fine_over_bigmac" in data:
+            raise SystemExit(f"moeflow simulate layer: --measured {args.measured} is a `bench "
+                             "bigmac` file: predict it with `moeflow simulate bigmac` and bench "
+                             "bigmac's arguments, --measured FILE")
+        measured = {r["name"]: r for r in data["results"]}
     rows = []
     names = variants(args)
     _check_unused(args, names)

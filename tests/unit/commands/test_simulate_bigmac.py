@@ -52,6 +52,8 @@ def test_rows_line_up_with_bench_bigmac_and_bytes_are_the_formula(tmp_path, caps
         by["fine_grained-E8-top4"]["a2a_bytes_per_token"]
     assert set(data["predicted_speedup_fine_over_bigmac"]) == {"2", "4"}
     assert "predicted BigMac speedup" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="predict it with `moeflow simulate bigmac`"):
+        main(["simulate", "layer", "--profile", "bigmac-32gpu", "--measured", str(measured)])
     bad = tmp_path / "other.json"
     bad.write_text(json.dumps({"results": []}))
     with pytest.raises(SystemExit, match="not a `moeflow bench bigmac --out` file"):
@@ -94,6 +96,12 @@ def test_layer_variant_and_train(tmp_path, capsys):
         assert main([*train, "--set", f"structure={s}", "--out", str(out)]) == 0
         steps[s] = json.loads(out.read_text())["results"][0]
     assert steps["bigmac"]["moe_layer"]["comm_s"] < steps["fine_grained"]["moe_layer"]["comm_s"]
+    out = tmp_path / "fp16.json"          # --dtype: the profile's fp16 peak, 2-byte payloads
+    assert main([*train, "--set", "structure=bigmac", "--dtype", "fp16", "--out",
+                 str(out)]) == 0
+    half = json.loads(out.read_text())["results"][0]
+    assert half["parts_s"]["attention"] < steps["bigmac"]["parts_s"]["attention"]
+    assert half["moe_layer"]["comm_s"] < steps["bigmac"]["moe_layer"]["comm_s"]
     with pytest.raises(SystemExit, match="--set structure=bigmac"):
         main([*train, "--compare", "ep,bigmac"])
     with pytest.raises(SystemExit, match="BigMac's reduced width under MP"):
