@@ -51,7 +51,8 @@ def add_parser(ssub) -> None:
 
 def _layout(args: argparse.Namespace) -> tuple[int, int]:
     nodes = args.nodes
-    per = args.ranks_per_node if args.ranks_per_node is not None else args.nproc // max(nodes, 1)
+    per = (args.ranks_per_node if args.ranks_per_node is not None
+           else args.nproc // nodes if nodes >= 1 else 0)
     if nodes < 1 or per < 1 or (args.ranks_per_node is None and args.nproc % nodes):
         raise SystemExit(f"moeflow simulate bigmac: --nodes {nodes} does not divide --nproc "
                          f"{args.nproc}; give --ranks-per-node")
