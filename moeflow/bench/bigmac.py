@@ -74,22 +74,45 @@ def expected_a2a_bytes(cfg: MoEConfig, tokens: int, element_size: int) -> int:
     return 4 * rows * w * element_size
 
 
+def case_config(case: StructureCase, d_model: int) -> MoEConfig:
+    """The layer a case times (``counting`` is the direct all-to-all that counts its bytes)."""
+    return MoEConfig(d_model=d_model, d_expert=case.d_expert, num_experts=case.num_experts,
+                     top_k=case.top_k, structure=case.structure,
+                     downscale_factor=case.downscale_factor,
+                     capacity_factor=case.capacity_factor, a2a="counting", seed=1,
+                     # the byte formula counts capacity's whole E*C buffer
+                     capacity_padding="pad")
+
+
+def case_input(tokens: int, d_model: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input tokens (the same in every repetition)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(tokens, d_model, generator=gen)
+
+
+def case_routing(case: StructureCase, world: int, tokens: int, d_model: int
+                 ) -> list[torch.Tensor]:
+    """The ``(tokens, top_k)`` expert ids each rank's router picks in a timed step (the router
+    is built from the config alone, reads ``x`` before BigMac's descend, and no step changes
+    it): the routing ``moeflow simulate bigmac`` plans, so its bytes are the measured run's."""
+    from moeflow.routing import ROUTERS
+
+    cfg = case_config(case, d_model)
+    router = ROUTERS[cfg.router](cfg)
+    with torch.no_grad():
+        return [router(case_input(tokens, d_model, p)).experts for p in range(world)]
+
+
 class _Runner:
     """One case on this rank: its layer, input, timer and collected samples."""
 
     def __init__(self, case: StructureCase, topo: Topology, tokens: int, d_model: int,
                  device: torch.device):
         self.case, self.topo, self.tokens = case, topo, tokens
-        self.cfg = MoEConfig(d_model=d_model, d_expert=case.d_expert,
-                             num_experts=case.num_experts, top_k=case.top_k,
-                             structure=case.structure, downscale_factor=case.downscale_factor,
-                             capacity_factor=case.capacity_factor, a2a="counting", seed=1,
-                             # the byte formula counts capacity's whole E*C buffer
-                             capacity_padding="pad")
+        self.cfg = case_config(case, d_model)
         self.layer = MoELayer(self.cfg, topo).to(device)
         self.timer = PhaseTimer()
-        gen = torch.Generator().manual_seed(1000 + topo.rank)
-        self.x = torch.randn(tokens, d_model, generator=gen).to(device).requires_grad_()
+        self.x = case_input(tokens, d_model, topo.rank).to(device).requires_grad_()
         self.totals: list[float] = []
         self.cpu: list[float] = []                  # process CPU seconds, summed over ranks
         self.phases: dict[str, list[float]] = {p: [] for p in PHASES}

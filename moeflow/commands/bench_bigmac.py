@@ -16,9 +16,9 @@ def _int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def register_bench(bsub) -> None:
-    p = bsub.add_parser("bigmac", help="fine-grained vs BigMac MoE layer: step time, phases, "
-                                       "all-to-all bytes counted vs computed")
+def add_bigmac_args(p: argparse.ArgumentParser) -> None:
+    """``bench bigmac``'s arguments (``moeflow simulate bigmac`` takes the same ones, so every
+    predicted row has a measured twin)."""
     p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
     p.add_argument("--d-model", type=int, default=512, help="model width (d_model)")
     p.add_argument("--d-expert", type=int, default=128,
@@ -40,6 +40,30 @@ def register_bench(bsub) -> None:
     p.add_argument("--out", default=None,
                    help="write the results as JSON here (default: print only)")
     add_launch_args(p, default_nproc=1)
+
+
+def bigmac_cases(args: argparse.Namespace, command: str) -> list:
+    """The checked arguments' cases (:func:`moeflow.bench.bigmac.default_cases`)."""
+    from moeflow.bench.bigmac import default_cases
+
+    for name in ("tokens", "d_model", "d_expert", "num_experts", "reps", "granularity"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"moeflow {command}: --{name.replace('_', '-')} "
+                             f"{getattr(args, name)} must be >= 1")
+    structures = [s for s in args.structures.split(",") if s]
+    bad = [s for s in structures if s not in STRUCTURES]
+    if bad or not structures:
+        raise SystemExit(f"moeflow {command}: --structures {args.structures!r}: choose from "
+                         f"{', '.join(STRUCTURES)}"
+                         f"{did_you_mean(bad[0], STRUCTURES) if bad else ''}")
+    return default_cases(args.num_experts, args.d_expert, args.top_k, args.downscale_factor,
+                         structures, args.granularity)
+
+
+def register_bench(bsub) -> None:
+    p = bsub.add_parser("bigmac", help="fine-grained vs BigMac MoE layer: step time, phases, "
+                                       "all-to-all bytes counted vs computed")
+    add_bigmac_args(p)
     p.set_defaults(func=run_bigmac)
 
     c = bsub.add_parser("curves", help="validation loss of train runs vs steps and wall clock")
@@ -57,20 +81,9 @@ def run_bigmac(args: argparse.Namespace) -> int:
     from moeflow.devices import check_device
 
     check_device(args.device)            # fail fast, before the bench registers "counting"
-    from moeflow.bench.bigmac import bench_worker, default_cases, format_table, write_json
+    from moeflow.bench.bigmac import bench_worker, format_table, write_json
 
-    for name in ("tokens", "d_model", "d_expert", "num_experts", "reps", "granularity"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"moeflow bench bigmac: --{name.replace('_', '-')} "
-                             f"{getattr(args, name)} must be >= 1")
-    structures = [s for s in args.structures.split(",") if s]
-    bad = [s for s in structures if s not in STRUCTURES]
-    if bad or not structures:
-        raise SystemExit(f"moeflow bench bigmac: --structures {args.structures!r}: choose from "
-                         f"{', '.join(STRUCTURES)}"
-                         f"{did_you_mean(bad[0], STRUCTURES) if bad else ''}")
-    cases = default_cases(args.num_experts, args.d_expert, args.top_k, args.downscale_factor,
-                          structures, args.granularity)
+    cases = bigmac_cases(args, "bench bigmac")
     rows = run_on_ranks(bench_worker, args, cases, args.tokens, args.d_model, args.warmup,
                         args.reps, args.device, args.threads)
     if rows is not None:

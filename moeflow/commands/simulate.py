@@ -88,9 +88,10 @@ def register(sub) -> None:
         "ratio to the first)",
         "ep (plain expert parallelism, the default); parm:baseline, parm:s1, parm:s2, "
         "parm:s2-aas (Parm's schedules on the --mp / --esp layout); fssdp:static, fssdp:sparse "
-        "(HECATE's placement, --fssdp options); a2a:NAME, codec:NAME (expert parallelism "
-        "with that all-to-all or codec). --compare tutel / moeflow-fixed (bench layer's peers) "
-        "are not modelled")
+        "(HECATE's placement, --fssdp options); bigmac (expert parallelism with BigMac's DCCA "
+        "structure: descend to --downscale-factor x d_model before the dispatch, ascend after "
+        "the combine); a2a:NAME, codec:NAME (expert parallelism with that all-to-all or "
+        "codec). --compare tutel / moeflow-fixed (bench layer's peers) are not modelled")
     v.add_argument("--mp", type=int, default=1, help="Parm variants: the MP (tensor-parallel) "
                                                      "group size")
     v.add_argument("--esp", type=int, default=1, help="Parm variants: the ESP group size")
@@ -100,6 +101,9 @@ def register(sub) -> None:
     v.add_argument("--esp-placement", default="esp-in-node", choices=("esp-in-node",
                                                                        "ep-in-node"),
                    help="Parm variants: which groups sit inside a node (Section IV-A)")
+    v.add_argument("--downscale-factor", type=float, default=None, metavar="R",
+                   help="the bigmac variant: BigMac's r (default 0.25, MoEConfig's); its rows "
+                        "exchange R x d_model columns and its experts are d_expert / R wide")
     v.add_argument("--fssdp", default="{}", metavar="JSON",
                    help='FSSDP variants: MoEConfig.fssdp fields the model reads, e.g. '
                         '\'{"overlap_degree": 4, "memory_capacity": 1, "rematerialize": true}\' '
@@ -115,6 +119,8 @@ def register(sub) -> None:
                         "as `bench schedule --gantt` draws measured ones")
     layer.set_defaults(func=run_simulate_layer)
     add_train_parser(ssub)
+    from moeflow.commands.simulate_bigmac import add_parser as add_bigmac_parser
+    add_bigmac_parser(ssub)
 
 
 def _specs(args: argparse.Namespace):
@@ -178,7 +184,7 @@ def _specs(args: argparse.Namespace):
 
 PEERS = ("tutel", "moeflow-fixed", "deepspeed")
 VARIANTS = ("ep", "parm:baseline", "parm:s1", "parm:s2", "parm:s2-aas", "fssdp:static",
-            "fssdp:sparse")
+            "fssdp:sparse", "bigmac")
 
 
 def variants(args: argparse.Namespace) -> list[str]:
@@ -214,6 +220,9 @@ def _check_unused(args: argparse.Namespace, names: list[str], layout: bool = Tru
     if args.fssdp.strip() not in ("", "{}") and not any(n.startswith("fssdp:") for n in names):
         raise SystemExit("moeflow simulate: --fssdp is read by the fssdp variants only: add "
                          "--compare fssdp:static or fssdp:sparse")
+    if getattr(args, "downscale_factor", None) is not None and "bigmac" not in names:
+        raise SystemExit("moeflow simulate: --downscale-factor is read by the bigmac variant "
+                         "only: add --compare bigmac")
 
 
 def _parm_spec(args: argparse.Namespace, case, spec, sched: str):
@@ -267,6 +276,14 @@ def simulate_variant(args: argparse.Namespace, costs, case, spec, variant: str,
 
     kind, _, name = variant.partition(":")
     try:
+        if kind == "parm" and spec.structure == "bigmac":
+            raise ConfigError("Parm's schedules are simulated at d_model only; BigMac's "
+                              "reduced width under MP / ESP is not modelled: use --compare "
+                              "ep, a2a:NAME or codec:NAME with structure='bigmac'")
+        if kind == "bigmac":      # BigMac Eq. 2: DCCA around plain expert parallelism
+            return simulate_layer(replace(spec, structure="bigmac",
+                                          downscale_factor=args.downscale_factor),
+                                  costs, routing)
         if kind == "parm":
             pspec = _parm_spec(args, case, spec, name)
             # the MP ranks hold one batch: each MP group gates its first rank's sample
@@ -470,6 +487,10 @@ def add_train_parser(ssub) -> None:
     g.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the run would be: cuda pads capacity buffers "
                         "(capacity_padding='auto')")
+    g.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
+                   help="the step's precision: bytes per activation and payload element, and "
+                        "the profile's GEMM peak for it (default fp32; the optimizer stays "
+                        "fp32, 28 bytes per parameter)")
     g.add_argument("--zipf", type=float, default=None, metavar="S",
                    help="skewed loads: a Zipf(S) routing sample (default: the uniform "
                         "expectation)")
@@ -497,7 +518,8 @@ def add_train_parser(ssub) -> None:
                    help="predict the step with every MoE layer under each variant (ep, "
                         "parm:baseline, parm:s1, parm:s2, parm:s2-aas, fssdp:static, "
                         "fssdp:sparse, a2a:NAME, codec:NAME), with the ratio to the first "
-                        "(default: the config's own: placement / parallel_schedule)")
+                        "(default: the config's own: placement / parallel_schedule); BigMac: "
+                        "--set structure=bigmac")
     p.set_defaults(func=run_simulate_train)
 
 
@@ -538,9 +560,6 @@ def run_simulate_train(args: argparse.Namespace) -> int:
         mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
     except ConfigError as e:
         raise SystemExit(f"moeflow simulate train: {e}") from None
-    if mcfg.structure == "bigmac":
-        raise SystemExit("moeflow simulate train: structure='bigmac' is not modelled (its "
-                         "exchanged width differs from d_model); use the vanilla structure")
     block = mcfg.moe_layer_ids()[0] if mcfg.moe_layer_ids() else None
     if block is None:
         raise SystemExit("moeflow simulate train: the model has no MoE block")
@@ -556,13 +575,18 @@ def run_simulate_train(args: argparse.Namespace) -> int:
             raise SystemExit(f"moeflow simulate train: --mp {args.mp} must divide n_heads "
                              f"{mcfg.n_heads} and d_ff {mcfg.d_ff}")
     names = variants(args) if args.compare is not None else [_config_variant(mcfg, args)]
+    if "bigmac" in names:
+        raise SystemExit("moeflow simulate train: --compare bigmac is a layer variant; a "
+                         "model's structure is its own: give --set structure=bigmac (and "
+                         "--set downscale_factor=R) and predict each structure in its own run")
     _check_unused(args, names, layout=False)     # the MP / ESP layout shapes the dense part too
     if (args.mp > 1 or args.esp > 1) and any(not n.startswith("parm:") for n in names):
         raise SystemExit(f"moeflow simulate train: with --mp {args.mp} / --esp {args.esp} the "
                          "MoE layers run Parm's schedules: compare parm:baseline, parm:s1, "
                          "parm:s2, parm:s2-aas")
     profile = load_profile(args.profile) if args.profile else None
-    costs = cost_model(args.links, args.compute, profile, nodes, per, args.link_model)
+    costs = cost_model(args.links, args.compute, profile, nodes, per, args.link_model,
+                       args.dtype)
     T = args.batch_size * mcfg.seq_len          # tokens per rank (per MP group with MP)
     if args.grad_accum < 1:
         raise SystemExit(f"moeflow simulate train: --grad-accum {args.grad_accum} must be >= 1")
@@ -577,7 +601,9 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                          schedule=moe.schedule, pipeline_degree=moe.pipeline_degree,
                          a2a=moe.a2a, nodes=nodes, ranks_per_node=per,
                          trim_padding=args.device == "cpu", codec=moe.codec,
-                         codec_backward=moe.codec_backward, recompute=layer_recompute)
+                         codec_backward=moe.codec_backward, recompute=layer_recompute,
+                         structure=moe.structure, downscale_factor=moe.downscale_factor,
+                         dtype=args.dtype)
     except ConfigError as e:
         raise SystemExit(f"moeflow simulate train: the MoE layer: {e}") from None
     routing, how = None, "uniform"
@@ -587,9 +613,9 @@ def run_simulate_train(args: argparse.Namespace) -> int:
         how = f"zipf {args.zipf}, seed {args.routing_seed}"
     cost = model_cost(mcfg)
     a = 3 if moe.activation == "swiglu" else 2
-    bias = ((a - 1) * moe.d_expert + mcfg.d_model) if mcfg.expert_bias else 0
-    experts_total = len(mcfg.moe_layer_ids()) * moe.num_experts * (
-        a * mcfg.d_model * moe.d_expert + bias)
+    w, hid = spec.width, spec.hidden     # BigMac's experts: rM -> F/r -> rM (Eq. 4)
+    bias = ((a - 1) * hid + w) if mcfg.expert_bias else 0
+    experts_total = len(mcfg.moe_layer_ids()) * moe.num_experts * (a * w * hid + bias)
     n_dense = mcfg.n_layers - len(mcfg.moe_layer_ids())
     sharded = mcfg.n_layers * 4 * mcfg.d_model ** 2 + n_dense * 2 * mcfg.d_model * mcfg.d_ff
     dense = cost.params_total - experts_total - sharded + sharded // args.mp
@@ -609,7 +635,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                           dense_params=dense, expert_params=experts_total // expert_ranks,
                           dp_size=dp, expert_dp_size=world // expert_ranks, mp=args.mp,
                           nodes=nodes, ranks_per_node=per, grad_accum=args.grad_accum,
-                          recompute=args.recompute)
+                          recompute=args.recompute, elem_bytes=spec.elem_bytes)
         res = simulate_train(tspec, costs, {b: layer for b in tspec.moe_blocks})
         first = res["step_s"] if first is None else first
         res.update(variant=variant, routing=how, ratio_to_first=res["step_s"] / first,

@@ -67,6 +67,10 @@ def load(path: str | None) -> Measured | None:
         return None
     with open(path) as f:
         data = json.load(f)
+    if "speedup_fine_over_bigmac" in data:
+        raise SystemExit(f"moeflow simulate layer: --measured {path} is a `bench bigmac` file: "
+                         "predict it with `moeflow simulate bigmac` and bench bigmac's "
+                         "arguments, --measured FILE")
     if "results" in data:
         return Measured("layer", path, data)
     if "rows" in data and "fits" in data:

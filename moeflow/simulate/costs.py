@@ -134,10 +134,12 @@ LINK_MODELS = ("curve", "fit")
 
 def cost_model(links: str | None = None, compute: str | None = None,
                profile: Profile | None = None, nodes: int = 1,
-               ranks_per_node: int = 1, link_model: str = "curve") -> CostModel:
-    """Measured fits where given, the profile's datasheet numbers for the rest. ``link_model``:
-    ``curve`` reads each measured collective as the curve through its points
-    (:class:`moeflow.measure.linkmodel.MeasuredCurve`), ``fit`` as its alpha-beta line."""
+               ranks_per_node: int = 1, link_model: str = "curve",
+               dtype: str = "fp32") -> CostModel:
+    """Measured fits where given, the profile's datasheet numbers for the rest (its GEMM peak
+    for ``dtype``). ``link_model``: ``curve`` reads each measured collective as the curve
+    through its points (:class:`moeflow.measure.linkmodel.MeasuredCurve`), ``fit`` as its
+    alpha-beta line."""
     if link_model not in LINK_MODELS:
         raise ConfigError(f"link_model={link_model!r} is not one of {', '.join(LINK_MODELS)}")
     if compute is None and profile is None:
@@ -150,7 +152,7 @@ def cost_model(links: str | None = None, compute: str | None = None,
               "links": links or (f"profile {profile.name}" if profile else "none")}
     if links:
         source["link_model"] = link_model
-    comp = load_compute(compute) if compute else profile_compute(profile)
+    comp = load_compute(compute) if compute else profile_compute(profile, dtype)
     if links:
         lk = load_fits(links, curves=link_model == "curve")
     elif profile is not None:

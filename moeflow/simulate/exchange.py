@@ -108,7 +108,7 @@ def _phase_lists(spec, S: np.ndarray, combine: bool, dedup, row: int
                  ) -> dict[int, list[tuple]]:
     """Per rank, ``(Phase, row_bytes, stage)`` of one exchange of the split matrix ``S``
     (rows). ``dedup``: node_dedup's ``(NE, C, phase)``; its rows are wider where gates travel."""
-    N, L, d, B = spec.nodes, spec.ranks_per_node, spec.d_model, spec.elem_bytes
+    N, L, d, B = spec.nodes, spec.ranks_per_node, spec.width, spec.elem_bytes
     out = {}
     for n in range(N):
         for l in range(L):
@@ -146,8 +146,9 @@ def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forw
                    dedup=None, row_bytes: int | None = None) -> dict[int, list[Step]]:
     """Per rank, the steps of one all-to-all of split matrix ``S`` (rows; ``combine``: the
     way back, as :meth:`AllToAll.start_combine`), with their times from ``costs``.
-    ``row_bytes``: bytes per row on the wire (a codec's; default ``d_model`` elements)."""
-    row = spec.d_model * spec.elem_bytes if row_bytes is None else row_bytes
+    ``row_bytes``: bytes per row on the wire (a codec's; default ``spec.width`` elements:
+    ``d_model``, or BigMac's ``r * d_model``, whose DCCA exchanges the descended rows)."""
+    row = spec.width * spec.elem_bytes if row_bytes is None else row_bytes
     if spec.a2a not in HIERARCHICAL:
         return _one_hop(spec, costs, S * row)
     L, W = spec.ranks_per_node, spec.world

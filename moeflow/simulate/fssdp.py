@@ -110,7 +110,8 @@ def plan(spec, fs: FSSDPSpec, routing: list | None) -> dict:
     p1 = placement(spec, fs, every.sum(0).astype(np.float64))
     routes = dispatch_plan(p1, every, spec.ranks_per_node)
     slots, slot_of = held_slots(p1)
-    expert_bytes = expert_numel(spec.d_model, spec.d_expert, spec.activation) * spec.elem_bytes
+    # an expert's row at the widths it is built with (BigMac: rM -> F/r -> rM, Eq. 4)
+    expert_bytes = expert_numel(spec.width, spec.hidden, spec.activation) * spec.elem_bytes
     W = spec.world
     p0c, p1c = p1.owner_chunks(), p1.holder_chunks()
     spag = spag_send_bytes(p0c, p1c, expert_bytes, W)

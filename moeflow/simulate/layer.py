@@ -31,6 +31,18 @@ minus the count exchange, which the plan record replays (:mod:`moeflow.plan_reco
 FSSDP one spAG of the recorded ``P'`` runs before it and takes the place of HECATE-RM's
 backward spAG. The saved-tensor hooks make the checkpointed forward keep input rows too, so
 its backward E also reruns the experts (three expert forwards per step).
+
+BigMac's DCCA structure (``structure="bigmac"``; BigMac, "DCCA: Low-dimensional Communication
+Strategy", Eq. 2, and "BigMac Expert Design", Eq. 4): the widths come from the library's own
+:func:`moeflow.experts.structure.comm_width` / :func:`~moeflow.experts.structure.expert_hidden`
+on the layer's :class:`~moeflow.config.MoEConfig`, and the task graph follows
+:meth:`moeflow.layer.MoELayer.forward`: ``route`` reads ``x`` at ``d_model``, then
+``descend`` (``z = x W_d``, a ``T x M x rM`` GEMM, the layer's ``project`` phase before the
+dispatch), ``permute``, the all-to-alls, the codecs and ``combine`` at the reduced width ``rM``
+(Eq. 1's volume times ``r``), the experts ``rM -> F/r -> rM`` (the same FLOPs as a
+fine-grained expert), and ``ascend`` (``y W_u``, ``rM -> M``) after ``combine``; backward
+mirrors them (``ascend`` first, ``descend`` before ``route``), each projection's backward at
+twice its forward FLOPs (input and weight gradients).
 """
 
 from __future__ import annotations
@@ -42,7 +54,9 @@ import torch
 
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.plan import make_plan
+from moeflow.config import STRUCTURES, MoEConfig
 from moeflow.errors import ConfigError
+from moeflow.experts.structure import comm_width, expert_hidden
 from moeflow.registry import registry
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.schedule.schedulers import SCHEDULERS
@@ -91,6 +105,10 @@ class LayerSpec:
     # "moe_act": backward task E reruns the experts' forward; "full": the whole forward again
     # before the backward (the count exchange replayed, not re-sent); module docstring
     recompute: str = "none"
+    # MoEConfig.structure / downscale_factor: "bigmac" descends to r*d_model before dispatch
+    # (BigMac Eq. 2); the others communicate at d_model
+    structure: str = "vanilla"
+    downscale_factor: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens", "d_model", "d_expert", "num_experts", "top_k",
@@ -138,6 +156,33 @@ class LayerSpec:
         if self.dtype not in _BYTES:
             raise ConfigError(f"LayerSpec.dtype={self.dtype!r} is invalid; choose one of "
                               f"{', '.join(_BYTES)}")
+        if self.structure not in STRUCTURES:
+            raise ConfigError(f"LayerSpec.structure={self.structure!r} is invalid; choose one "
+                              f"of {', '.join(STRUCTURES)}")
+        # the widths as the layer computes them, from its own MoEConfig (which also checks
+        # downscale_factor against d_model and d_expert, naming the field)
+        cfg = MoEConfig(d_model=self.d_model, d_expert=self.d_expert,
+                        num_experts=self.num_experts, top_k=self.top_k,
+                        capacity_factor=self.capacity_factor, activation=self.activation,
+                        structure=self.structure, downscale_factor=self.downscale_factor)
+        object.__setattr__(self, "_widths", (comm_width(cfg), expert_hidden(cfg)))
+
+    @property
+    def width(self) -> int:
+        """Columns a routed row carries through permute, the all-to-alls and combine
+        (:func:`~moeflow.experts.structure.comm_width`: ``r * d_model`` for BigMac)."""
+        return self._widths[0]
+
+    @property
+    def hidden(self) -> int:
+        """An expert's hidden width (:func:`~moeflow.experts.structure.expert_hidden`:
+        ``d_expert / r`` for BigMac's reversed experts, Eq. 4)."""
+        return self._widths[1]
+
+    @property
+    def dcca(self) -> bool:
+        """BigMac's descend / ascend projections sit around the exchange (Eq. 2)."""
+        return self.structure == "bigmac"
 
     @property
     def world(self) -> int:
@@ -155,9 +200,9 @@ class LayerSpec:
         return registry("codec")[name]()
 
     def wire_row_bytes(self, phase: str) -> int:
-        """Bytes one ``d_model`` row takes on the wire in a pass: the codec's own size function
-        (``Codec.wire_bytes``), per row (every codec's size is linear in rows)."""
-        return int(self.pass_codec(phase).wire_bytes(1, self.d_model, _TORCH[self.dtype]))
+        """Bytes one routed row (``width`` columns) takes on the wire in a pass: the codec's own
+        size function (``Codec.wire_bytes``), per row (every codec's size is linear in rows)."""
+        return int(self.pass_codec(phase).wire_bytes(1, self.width, _TORCH[self.dtype]))
 
 
 def count_matrix(spec: LayerSpec, routing: list | None = None) -> np.ndarray:
@@ -219,7 +264,10 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
     """Queue one pass (forward, its recomputation, or backward) on every rank's lanes;
     ``last[rank]`` is the last computing task queued before it (the pass waits for it). A
     recomputed forward is the forward without the count exchange (the plan record's counts)."""
-    W, d, h, B = spec.world, spec.d_model, spec.d_expert, spec.elem_bytes
+    # d: the routed rows' width (BigMac's r*M, Eq. 2), h: the expert hidden width (F/r, Eq. 4);
+    # M: the tokens' width, which the router and BigMac's projections read
+    W, d, h, B = spec.world, spec.width, spec.hidden, spec.elem_bytes
+    M = spec.d_model
     r, T, E = spec.pipeline_degree, spec.tokens, spec.num_experts
     sched = SCHEDULERS[spec.schedule]()
     mats_fn = 3 if spec.activation == "swiglu" else 2
@@ -257,10 +305,15 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
         el = lambda nbytes: costs.compute_time("elementwise", nbytes)   # noqa: E731
         outer = []
         if fwd:
-            outer.append(("route", costs.compute_time("gemm", 2 * T * d * E)
-                          + el(4 * T * E * B), T * d))
+            outer.append(("route", costs.compute_time("gemm", 2 * T * M * E)
+                          + el(4 * T * E * B), T * M))
+            if spec.dcca:      # BigMac Eq. 2: z = x W_d before the dispatch (MoELayer.forward)
+                outer.append(("descend", costs.compute_time("gemm", 2 * T * M * d), T * M))
             outer.append(("permute", el(2 * S * d * B), S * d))
         else:
+            if spec.dcca:      # y W_u's backward first: its input and weight gradients
+                outer.append(("ascend", costs.compute_time("gemm_backward", 4 * T * d * M),
+                              T * M))
             assemble = el(2 * S * d * B) if r > 1 else 0.0
             outer.append(("combine", el(2 * S * d * B + T * d * B) + assemble, S * d))
         for name, sec, size in outer:
@@ -328,10 +381,15 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
         if fwd:
             assemble = el(2 * S * d * B) if r > 1 else 0.0
             outer = [("combine", el(2 * S * d * B + T * d * B) + assemble, S * d)]
+            if spec.dcca:      # BigMac Eq. 2: y = (sum_i g_i E_i(z)) W_u after the combine
+                outer.append(("ascend", costs.compute_time("gemm", 2 * T * d * M), T * d))
         else:
-            outer = [("permute", el(2 * S * d * B), S * d),
-                     ("route", costs.compute_time("gemm_backward", 4 * T * d * E)
-                      + el(4 * T * E * B), T * d)]
+            outer = [("permute", el(2 * S * d * B), S * d)]
+            if spec.dcca:
+                outer.append(("descend", costs.compute_time("gemm_backward", 4 * T * M * d),
+                              T * d))
+            outer.append(("route", costs.compute_time("gemm_backward", 4 * T * M * E)
+                          + el(4 * T * E * B), T * M))
         deps = ends
         for name, sec, size in outer:
             tail = add(name, sec, size, deps)
@@ -415,9 +473,11 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
             "expert_rows": [int(v) for v in rank_rows],
             "load_max_over_mean": (float(rank_rows.max() / rank_rows.mean())
                                    if rank_rows.sum() else 1.0),
+            # the routed rows' width: d_model, or BigMac's r * d_model (Eq. 2)
+            "width": spec.width, "expert_hidden": spec.hidden,
             "a2a_bytes": {f"{k}^{i + 1}": [int(v) for v in
                                            ((m.sum(1) if k == "A1" else m.sum(0))
-                                            * spec.d_model * spec.elem_bytes)]
+                                            * spec.width * spec.elem_bytes)]
                           for i, m in enumerate(mats) for k in ("A1", "A2")},
             # per rank, bytes put on inter-node links, forward + backward (the layer's
             # stats["inter_node_bytes"]), and per all-to-all step the bytes each rank sends

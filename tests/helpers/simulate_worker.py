@@ -1,6 +1,7 @@
 """Ranks of tests/multirank/test_simulate.py: run the real layer with a Timeline attached and return what
 the executor recorded (task, phase, lane, size per record, in record order) with the routing
-the layer's router chose, for each (capacity, schedule, r) case."""
+the layer's router chose, for each (capacity, schedule, r) case; BigMac's cases also return the
+bytes the layer handed to the all-to-all (the ``counting`` algorithm, moeflow.bench.a2a_count)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ CASES = [(cap, s, r) for cap in (1.25, None) for s in ("sequential", "pipelined"
          for r in (2, 4)]
 # (capacity, schedule, r, codec, codec_backward): the compressed payloads' bytes on the wire
 CODEC_CASES = [(1.25, "optsche", 2, "int8", True), (None, "pipelined", 2, "fp16", False)]
+# BigMac's DCCA (r = 0.25: the all-to-alls at 2 of D = 8 columns, experts 2 -> 64 -> 2), and
+# the same layer as plain EP (fine_grained: D columns) for the byte ratio
+BIGMAC_CASES = [(cap, s, r, st) for st in ("bigmac", "fine_grained")
+                for cap, s, r in ((None, "optsche", 2), (1.25, "pipelined", 2))]
 
 
 def run_case(topo: Topology, cap, schedule: str, r: int, codec: str = "none",
@@ -36,6 +41,28 @@ def run_case(topo: Topology, cap, schedule: str, r: int, codec: str = "none",
     return {"ids": got["ids"].tolist(), "records": recs}
 
 
+def run_structure(topo: Topology, cap, schedule: str, r: int, structure: str) -> dict:
+    """One structure's layer with the ``counting`` all-to-all (a direct one that counts the
+    bytes handed to it) and a Timeline attached."""
+    from moeflow.bench import a2a_count  # noqa: F401  (registers "counting")
+
+    cfg = MoEConfig(d_model=D, d_expert=H, num_experts=EXPERTS, top_k=TOP_K,
+                    capacity_factor=cap, schedule=schedule, pipeline_degree=r, seed=3,
+                    structure=structure, a2a="counting")
+    layer = MoELayer(cfg, topo)
+    got = {}
+    layer.router.register_forward_hook(lambda _m, _i, out: got.update(ids=out.experts))
+    layer.timeline = Timeline()
+    gen = torch.Generator().manual_seed(100 + topo.rank)
+    x = torch.randn(TOKENS, D, generator=gen).requires_grad_()
+    layer(x).square().sum().backward()
+    recs = [(str(rec.task), rec.phase, rec.lane, rec.size) for rec in layer.timeline.records]
+    return {"ids": got["ids"].tolist(), "records": recs,
+            "payload_bytes": int(layer.algo.payload_bytes)}
+
+
 def worker() -> dict:
     topo = Topology.from_env()
-    return {case: run_case(topo, *case) for case in CASES + CODEC_CASES}
+    out = {case: run_case(topo, *case) for case in CASES + CODEC_CASES}
+    out.update({case: run_structure(topo, *case) for case in BIGMAC_CASES})
+    return out
