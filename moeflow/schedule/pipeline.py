@@ -232,7 +232,7 @@ class ScheduledExperts:
                 wrt = rebound
             else:
                 (inp, out), wrt = saved[i], params
-            got = torch.autograd.grad(out, ([inp] + wrt)[first:], g, allow_unused=True)
+            got = _grad(out, ([inp] + wrt)[first:], g)
             for j, pg in enumerate(got[1 - first:]):
                 if pg is not None:
                     param_grads[j] = pg if param_grads[j] is None else param_grads[j] + pg
@@ -251,8 +251,7 @@ class ScheduledExperts:
                     out = self.shared(inp)
             else:
                 inp, out = got
-            side_grads.extend(torch.autograd.grad(out, [inp] + shared_params, shared_grad,
-                                                  allow_unused=True))
+            side_grads.extend(_grad(out, [inp] + shared_params, shared_grad))
             return None, shared_grad.numel()
 
         back = self._run(grad, cp, self.backward_codec, expert, "backward",
@@ -389,3 +388,16 @@ def scheduled_experts(send: torch.Tensor, plan: DispatchPlan,
                                       *shared_params)
     back, _, side = runner.forward(send, cp, keep_graph=False, shared_in=shared_in)
     return back, side["y"]
+
+
+def _grad(out: torch.Tensor, wrt: list, grad: torch.Tensor) -> list:
+    """``torch.autograd.grad(out, wrt, grad)`` for the tensors of ``wrt`` that require a
+    gradient (frozen experts, ``requires_grad_(False)``, have none: None in their place, as
+    autograd leaves a frozen parameter's ``.grad`` alone)."""
+    need = [k for k, t in enumerate(wrt) if t.requires_grad]
+    got: list = [None] * len(wrt)
+    if need and out.requires_grad:
+        for k, v in zip(need, torch.autograd.grad(out, [wrt[k] for k in need], grad,
+                                                  allow_unused=True)):
+            got[k] = v
+    return got
