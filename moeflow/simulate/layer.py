@@ -18,8 +18,12 @@ Pipe-A2A's two streams run at once (ScheMoE Section 5, Eq. 16), the Inter-Stream
 of its own process group beside the communication thread.
 Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a
 trained router's loads). Codecs: encode / decode as the C / D tasks, compressed rows on the
-wire (``Codec.wire_bytes``). HECATE's placement: :mod:`.fssdp` (the exchange over held slots,
-with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet: the shared experts' task S.
+wire (``Codec.wire_bytes``). ``node_dedup`` (DeepEP's inter-node dispatch): each of the r chunks
+of consecutive tokens a whole deduplicated exchange (:func:`.exchange.node_dedup_chunks`), its
+hops lane tasks in the scheduler's order in forward and backward, its count exchange one
+all-gather of every chunk's counts, its codec on the inter-node hops, encoded and decoded inside
+the lane task (:mod:`moeflow.strategies.node_dedup`). HECATE's placement: :mod:`.fssdp` (the
+exchange over held slots, with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet: the shared experts' task S.
 
 Recomputation (``LayerSpec.recompute``; docs/training.md, "Activation recomputation"):
 ``moe_act`` keeps the experts' input rows and reruns the experts' forward inside backward task
