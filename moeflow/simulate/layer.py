@@ -23,7 +23,8 @@ of consecutive tokens a whole deduplicated exchange (:func:`.exchange.node_dedup
 hops lane tasks in the scheduler's order in forward and backward, its count exchange one
 all-gather of every chunk's counts, its codec on the inter-node hops, encoded and decoded inside
 the lane task (:mod:`moeflow.strategies.node_dedup`). HECATE's placement: :mod:`.fssdp` (the
-exchange over held slots, with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet: the shared experts' task S.
+exchange over held slots, with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet:
+the shared experts' task S.
 
 Recomputation (``LayerSpec.recompute``; docs/training.md, "Activation recomputation"):
 ``moe_act`` keeps the experts' input rows and reruns the experts' forward inside backward task
