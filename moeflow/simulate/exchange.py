@@ -5,10 +5,14 @@ Eq. 15). The hierarchical exchanges are their phases, each an all-to-all over th
 node (link class ``intra``) or over the ranks of equal local rank (``inter``), with the split
 sizes the algorithms themselves use (:mod:`moeflow.dispatch.phases`): ``hier2d`` (intra then
 inter), ``bilevel`` (inter then intra; its combine as hier2d), ``hier1d`` (gather to the leader,
-inter among leaders, scatter) and ``node_dedup`` (one row per (token, node) across nodes, with
-its k gates, and its k expert ids as int32 in a second inter-node collective; then one row per
-choice inside the node; the combine and the backward the mirror, without the ids). A phase over
-one rank per node (L = 1) skips its intra step, as the algorithms do.
+inter among leaders, scatter) and ``node_dedup`` (one row per (token, node) across nodes: the
+token through the pass's codec with its k gates and its k expert ids (int32) raw in the same
+buffer, :func:`moeflow.strategies.node_dedup_steps._coded`; then one raw row per choice inside
+the node; the combine and the backward the mirror, without the ids). A phase over one rank per
+node (L = 1) skips its intra step, as the algorithms do. node_dedup's lane tasks also hold the
+work the library does on the communication thread around the collectives (``local`` steps):
+the codec's encode before the inter-node hop and its decode after it, and the relay's fan-out
+index arithmetic or gated partial sum (:mod:`moeflow.strategies.node_dedup`, ``a1`` / ``a2``).
 
 ``pipe`` (ScheMoE Section 5, Fig. 7) is two collectives issued together, not in order
 (:func:`~moeflow.dispatch.phases.pipe_phases`): the Intra-Stream, an all-to-all over the node's
@@ -49,7 +53,8 @@ HIERARCHICAL = ("hier2d", "bilevel", "hier1d", "node_dedup", "pipe")
 class Step:
     """One collective call of one rank inside an all-to-all."""
 
-    stage: str           # "all_to_all", "pairwise", "intra", "inter", "inter-ids"
+    stage: str           # "all_to_all", "pairwise", "intra", "inter"; local: "encode",
+                         # "decode", "relay"
     link: str            # link class: of the fit, and the lane with --comm-lanes link
     seconds: float       # (pipe's Inter-Stream: "inter", timed with the world fit)
     nbytes: int          # bytes of this rank's send buffer
@@ -57,6 +62,7 @@ class Step:
     group: str           # the collective: "world", or "<step>/node<n>", "<step>/local<l>",
                          # "<step>/world"
     concurrent: bool = False    # issued with the step before it, both waited for (pipe)
+    local: bool = False         # work of this rank's lane task, not a collective (node_dedup)
 
 
 def _link_class(spec, a: int, b: int) -> str:
@@ -107,7 +113,9 @@ def _one_hop(spec, costs, mat_bytes: np.ndarray) -> dict[int, list[Step]]:
 def _phase_lists(spec, S: np.ndarray, combine: bool, dedup, row: int
                  ) -> dict[int, list[tuple]]:
     """Per rank, ``(Phase, row_bytes, stage)`` of one exchange of the split matrix ``S``
-    (rows). ``dedup``: node_dedup's ``(NE, C, phase)``; its rows are wider where gates travel."""
+    (rows). ``dedup``: node_dedup's ``(NE, C, phase, codec)`` of one chunk; ``row``: bytes of
+    a row through the pass's codec, which node_dedup applies on its inter-node hops only (its
+    intra-node rows are raw: ``d`` elements), with its gates (and ids) raw beside them."""
     N, L, d, B = spec.nodes, spec.ranks_per_node, spec.width, spec.elem_bytes
     out = {}
     for n in range(N):
@@ -122,21 +130,20 @@ def _phase_lists(spec, S: np.ndarray, combine: bool, dedup, row: int
             elif spec.a2a == "pipe":
                 out[p] = [(ph, row, ph.link) for ph in pipe_phases(S[p], S[:, p], N, L, n)]
             else:
-                NE, C, phase = dedup
+                NE, C, phase, _ = dedup
                 k = spec.top_k
                 inter, intra = node_dedup_phases(NE, C, N, L, spec.num_experts // spec.world,
                                                  n, l)
                 back = lambda ph: Phase(ph.link, ph.recv, ph.send)    # noqa: E731
-                gated = (d + k) * B            # the token with its k gate weights, one row
-                if phase == "forward" and not combine:        # dispatch
-                    out[p] = [(inter, gated, INTER), (inter, 4 * k, "inter-ids"),
-                              (intra, row, INTRA)]
+                raw = d * B                    # the fan-out and its way back: raw rows
+                if phase == "forward" and not combine:        # dispatch: token, gates, ids
+                    out[p] = [(inter, row + k * B + 4 * k, INTER), (intra, raw, INTRA)]
                 elif phase == "forward":                      # combine: partial sums back
-                    out[p] = [(back(intra), row, INTRA), (back(inter), row, INTER)]
+                    out[p] = [(back(intra), raw, INTRA), (back(inter), row, INTER)]
                 elif not combine:   # backward's first exchange: the partial sums' gradients
-                    out[p] = [(inter, row, INTER), (intra, row, INTRA)]
-                else:               # the gradients of the experts' inputs, tokens and gates
-                    out[p] = [(back(intra), row, INTRA), (back(inter), gated, INTER)]
+                    out[p] = [(inter, row, INTER), (intra, raw, INTRA)]
+                else:               # the gradients of the experts' inputs: tokens and gates
+                    out[p] = [(back(intra), raw, INTRA), (back(inter), row + k * B, INTER)]
             if L == 1:              # a node of one rank: the algorithms skip the intra step
                 out[p] = [x for x in out[p] if x[0].link != INTRA]
     return out
@@ -152,7 +159,7 @@ def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forw
     if spec.a2a not in HIERARCHICAL:
         return _one_hop(spec, costs, S * row)
     L, W = spec.ranks_per_node, spec.world
-    lists = _phase_lists(spec, S, combine, dedup, row)
+    lists, wire = _phase_lists(spec, S, combine, dedup, row), row
     out: dict[int, list[Step]] = {p: [] for p in lists}
     for j in range(max(len(v) for v in lists.values())):
         groups: dict[str, list[tuple[int, int, int]]] = {}     # group -> (rank, send, buffer)
@@ -183,20 +190,72 @@ def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forw
                 # node of one rank has no intra step, and its inter step is the only one)
                 out[p].append(Step(stage, ph.link, seconds, nbytes, remote, f"{j}/{key}",
                                    concurrent=ph.world and j > 0))
+    if spec.a2a == "node_dedup":
+        for p in out:
+            out[p] = _dedup_lane_work(spec, costs, dedup, combine, wire, p, out[p])
     return out
 
 
-def node_pairs(spec, routing: list) -> np.ndarray:
-    """``C[p][m]``: tokens of rank p with a kept choice on node m (node_dedup's inter-node rows
-    per dispatch), from the routing as the strategy plans it (capacity drops reach no node)."""
-    E, N = spec.num_experts, spec.nodes
+def _dedup_lane_work(spec, costs, dedup, combine: bool, wire: int, p: int,
+                     steps: list[Step]) -> list[Step]:
+    """node_dedup's lane task of rank ``p``: its collectives with the work the library does
+    between them on the communication thread (:mod:`moeflow.strategies.node_dedup`'s ``a1`` /
+    ``a2`` and their explicit backward): the codec encodes what the inter-node hop sends and
+    decodes what it receives (``CodedAllToAll``: one encoding per (token, node) or per partial
+    sum), and the relay fans the received rows out by expert id, or forms the gated partial sum
+    per received token (or their backward). The first exchange of a pass (``combine`` False)
+    crosses nodes first, from the tokens' side; the second ends with the crossing back."""
+    NE, C, phase, codec = dedup
+    N, L, k, d, B = spec.nodes, spec.ranks_per_node, spec.top_k, spec.width, spec.elem_bytes
+    n, l = divmod(p, L)
+    inter, intra = node_dedup_phases(NE, C, N, L, spec.num_experts // spec.world, n, l)
+    pairs, R, fan = sum(inter.send), sum(inter.recv), sum(intra.send)
+    el = lambda nbytes: costs.compute_time("elementwise", nbytes)   # noqa: E731
+
+    def local(stage: str, link: str, seconds: float) -> Step:
+        return Step(stage, link, seconds, 0, 0, "", local=True)
+
+    def coded(rows: int) -> float:
+        return costs.codec_time(codec.name, rows * d * B, rows * wire)
+
+    # the hop's sender: the tokens' side in dispatch and in the backward's first exchange
+    enc, dec = (pairs, R) if not combine else (R, pairs)
+    if combine == (phase == "forward"):     # the gated partial sum, or its backward: R x k rows
+        relay = local("relay", "intra", el(3 * R * k * d * B))
+    else:                                   # the fan-out by expert id, or its sum back
+        relay = local("relay", "intra", el(2 * fan * d * B))
+    hop = [st for st in steps if st.stage == INTER]
+    if codec.name != "none":
+        hop = ([local("encode", INTER, coded(enc))] + hop + [local("decode", INTER, coded(dec))])
+    rest = [st for st in steps if st.stage != INTER]
+    return hop + [relay] + rest if not combine else rest + [relay] + hop
+
+
+def node_dedup_chunks(spec, routing: list) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per chunk of consecutive tokens (``pipeline_degree`` r; the library's bounds
+    ``(i T) // r``), ``(NE, C)``: ``NE[p][e]`` kept choices of rank p for expert e and
+    ``C[p][m]`` its tokens with a kept choice on node m (the inter-node rows of its dispatch),
+    what :meth:`moeflow.strategies.node_dedup.NodeDedup._trimmed_stage` gathers per chunk in
+    its one count exchange. Capacity drops are decided over the whole call, as
+    :meth:`~moeflow.strategies.node_dedup.NodeDedup.plan` does, and reach no node."""
+    E, N, r = spec.num_experts, spec.nodes, spec.pipeline_degree
+    En = E // N
     cap = (None if spec.capacity_factor is None
            else capacity(spec.tokens, spec.top_k, E, spec.capacity_factor))
-    rows = []
+    per_rank = []
     for ids in routing:
         ids = torch.as_tensor(np.asarray(ids), dtype=torch.int64)
         if cap is not None:
             plan = make_plan(ids, E, cap)
             ids, _ = kept_choices(ids, plan.slot, plan.send_rows, E)
-        rows.append(token_nodes(ids, E // N, N).sum(0).numpy())
-    return np.stack(rows).astype(np.int64)
+        T = ids.shape[0]
+        bounds = [(i * T) // r for i in range(r + 1)]
+        hit = token_nodes(ids, En, N)
+        rows = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            flat = ids[lo:hi].reshape(-1)
+            rows.append((flat.new_zeros(E + 1).index_add_(0, flat, torch.ones_like(flat))[:E]
+                         .numpy(), hit[lo:hi].sum(0).numpy()))
+        per_rank.append(rows)
+    return [(np.stack([rk[i][0] for rk in per_rank]).astype(np.int64),
+             np.stack([rk[i][1] for rk in per_rank]).astype(np.int64)) for i in range(r)]

@@ -18,8 +18,13 @@ Pipe-A2A's two streams run at once (ScheMoE Section 5, Eq. 16), the Inter-Stream
 of its own process group beside the communication thread.
 Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a
 trained router's loads). Codecs: encode / decode as the C / D tasks, compressed rows on the
-wire (``Codec.wire_bytes``). HECATE's placement: :mod:`.fssdp` (the exchange over held slots,
-with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet: the shared experts' task S.
+wire (``Codec.wire_bytes``). ``node_dedup`` (DeepEP's inter-node dispatch): each of the r chunks
+of consecutive tokens a whole deduplicated exchange (:func:`.exchange.node_dedup_chunks`), its
+hops lane tasks in the scheduler's order in forward and backward, its count exchange one
+all-gather of every chunk's counts, its codec on the inter-node hops, encoded and decoded inside
+the lane task (:mod:`moeflow.strategies.node_dedup`). HECATE's placement: :mod:`.fssdp` (the
+exchange over held slots, with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet:
+the shared experts' task S.
 
 Recomputation (``LayerSpec.recompute``; docs/training.md, "Activation recomputation"):
 ``moe_act`` keeps the experts' input rows and reruns the experts' forward inside backward task
@@ -64,7 +69,8 @@ from moeflow.schedule.tasks import Task
 from moeflow.simulate import engine, fssdp as fssdp_model
 from moeflow.simulate.costs import CostModel
 from moeflow.simulate.engine import SimTask
-from moeflow.simulate.exchange import HIERARCHICAL, a2a_seconds, exchange_steps, node_pairs
+from moeflow.simulate.exchange import (HIERARCHICAL, a2a_seconds, exchange_steps,
+                                       node_dedup_chunks)
 
 __all__ = ["LayerSpec", "a2a_seconds", "count_matrix", "simulate_layer", "lane_orders"]
 A2AS = ("direct", "pairwise") + HIERARCHICAL        # the all-to-alls with a link model here
@@ -132,18 +138,10 @@ class LayerSpec:
             raise ConfigError(f"LayerSpec.a2a={self.a2a!r} needs several nodes (it splits into "
                               f"intra- and inter-node phases); the layout is {self.nodes} node "
                               f"x {self.ranks_per_node} ranks: give nodes >= 2 or a2a='direct'")
-        if self.a2a == "node_dedup" and self.pipeline_degree != 1:
-            raise ConfigError(f"LayerSpec.pipeline_degree={self.pipeline_degree} cannot be "
-                              "combined with a2a='node_dedup' (its exchange is not pipelined, "
-                              "as in the library): use pipeline_degree=1")
         codecs = registry("codec")
         if self.codec not in codecs:
             raise ConfigError(f"LayerSpec.codec={self.codec!r} is not a registered codec; "
                               f"choose one of {', '.join(sorted(codecs))}")
-        if self.a2a == "node_dedup" and self.codec != "none":
-            raise ConfigError(f"LayerSpec.codec={self.codec!r} cannot be combined with "
-                              "a2a='node_dedup' (its exchanges send raw rows, as in the "
-                              "library): use codec='none'")
         if self.comm_lanes not in COMM_LANES:
             raise ConfigError(f"LayerSpec.comm_lanes={self.comm_lanes!r} is invalid; choose "
                               f"one of {', '.join(COMM_LANES)}")
@@ -153,6 +151,16 @@ class LayerSpec:
         if self.recompute not in RECOMPUTES:
             raise ConfigError(f"LayerSpec.recompute={self.recompute!r} is invalid; choose one "
                               f"of {', '.join(RECOMPUTES)}")
+        if (self.a2a == "node_dedup" and self.recompute == "full"
+                and self.pipeline_degree > 1):
+            # under the non-reentrant checkpoint the saved-tensor hooks make node_dedup's
+            # backward autograd's mirror of the chunks' graphs (strategies/node_dedup_backward),
+            # whose order over r > 1 chunks is autograd's, not a scheduler's
+            raise ConfigError(f"LayerSpec.recompute='full' with a2a='node_dedup' and "
+                              f"pipeline_degree={self.pipeline_degree} is not modelled (the "
+                              "checkpointed backward is autograd's mirror of the chunks, in "
+                              "autograd's order): use pipeline_degree=1 or recompute='none' / "
+                              "'moe_act'")
         if self.dtype not in _BYTES:
             raise ConfigError(f"LayerSpec.dtype={self.dtype!r} is invalid; choose one of "
                               f"{', '.join(_BYTES)}")
@@ -240,10 +248,12 @@ def chunk_matrices(spec: LayerSpec, counts: np.ndarray) -> list[np.ndarray]:
 
 
 def count_width(spec: LayerSpec, fssdp: bool = False) -> int:
-    """int64 values each rank puts in the count exchange: its per-expert counts, node_dedup's
-    tokens per destination node, FSSDP's two measured times (KeptChoices' extras)."""
-    return (spec.num_experts + (spec.nodes if spec.a2a == "node_dedup" else 0)
-            + (2 if fssdp else 0))
+    """int64 values each rank puts in the count exchange: its per-expert counts, FSSDP's two
+    measured times (KeptChoices' extras); node_dedup: per chunk, its choices per expert and
+    its tokens per destination node, all r chunks' in one all-gather (``_trimmed_stage``)."""
+    if spec.a2a == "node_dedup":
+        return spec.pipeline_degree * (spec.num_experts + spec.nodes)
+    return spec.num_experts + (2 if fssdp else 0)
 
 
 def counts_seconds(spec: LayerSpec, costs: CostModel, fssdp: bool = False
@@ -263,7 +273,8 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
                 fssdp: bool = False) -> None:
     """Queue one pass (forward, its recomputation, or backward) on every rank's lanes;
     ``last[rank]`` is the last computing task queued before it (the pass waits for it). A
-    recomputed forward is the forward without the count exchange (the plan record's counts)."""
+    recomputed forward is the forward without the count exchange (the plan record's counts).
+    ``dedup``: node_dedup's ``(NE, C)`` per chunk (:func:`.exchange.node_dedup_chunks`)."""
     # d: the routed rows' width (BigMac's r*M, Eq. 2), h: the expert hidden width (F/r, Eq. 4);
     # M: the tokens' width, which the router and BigMac's projections read
     W, d, h, B = spec.world, spec.width, spec.hidden, spec.elem_bytes
@@ -276,14 +287,18 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
     send_rows = sum(m.sum(1) for m in mats)           # per rank, rows of the send buffer
     # (kind, chunk) -> per rank, the collectives of that all-to-all; A2 is the way back
     # (the transposed matrix, AllToAll.start_combine), in both passes as the pipeline runs it
-    dedup = None if dedup is None else (*dedup, xphase)      # node_dedup: (N[p][e], C[p][m])
     codec = spec.pass_codec(phase)
     wire = spec.wire_row_bytes(phase)               # bytes per row on the wire
+    # node_dedup: each chunk is a whole deduplicated exchange (its (NE, C)); the codec
+    # encodes and decodes inside its lane tasks, around the inter-node hops (.exchange)
+    chunk_dedup = (None if dedup is None else
+                   [(NE, Cn, xphase, codec) for NE, Cn in dedup])
     a2a = {(kind, i): exchange_steps(spec, costs, m if kind == "A1" else m.T, kind == "A2",
-                                     xphase, dedup, wire)
+                                     xphase, None if dedup is None else chunk_dedup[i], wire)
            for i, m in enumerate(mats) for kind in ("A1", "A2")}
-    # node_dedup's collectives run on the computing thread (strategies/node_dedup.py)
-    overlap = sched.overlap and spec.a2a != "node_dedup"
+    overlap = sched.overlap
+    bounds = [(i * T) // r for i in range(r + 1)]     # node_dedup's chunks of tokens
+    k = spec.top_k
     for p in range(W):
         # pipe: a thread's steps in flight on another process group, which the thread's next
         # task waits for (it blocks in their wait()), and an all-to-all's concurrent steps,
@@ -300,7 +315,10 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
         S = int(send_rows[p])
 
         def enc(rows: int) -> float:
-            """ScheMoE Section 3.1: C compresses a chunk's payload, D decompresses it."""
+            """ScheMoE Section 3.1: C compresses a chunk's payload, D decompresses it
+            (node_dedup: inside its lane tasks instead)."""
+            if dedup is not None:
+                return 0.0
             return costs.codec_time(codec.name, rows * d * B, rows * wire)
         el = lambda nbytes: costs.compute_time("elementwise", nbytes)   # noqa: E731
         outer = []
@@ -309,13 +327,19 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
                           + el(4 * T * E * B), T * M))
             if spec.dcca:      # BigMac Eq. 2: z = x W_d before the dispatch (MoELayer.forward)
                 outer.append(("descend", costs.compute_time("gemm", 2 * T * M * d), T * M))
-            outer.append(("permute", el(2 * S * d * B), S * d))
+            if dedup is None:
+                outer.append(("permute", el(2 * S * d * B), S * d))
+            else:       # node_dedup: each token once, its k gates beside it (NodeDedup.permute)
+                outer.append(("permute", el(2 * T * (d + k) * B), T * (d + k)))
         else:
             if spec.dcca:      # y W_u's backward first: its input and weight gradients
                 outer.append(("ascend", costs.compute_time("gemm_backward", 4 * T * d * M),
                               T * M))
             assemble = el(2 * S * d * B) if r > 1 else 0.0
-            outer.append(("combine", el(2 * S * d * B + T * d * B) + assemble, S * d))
+            if dedup is None:
+                outer.append(("combine", el(2 * S * d * B + T * d * B) + assemble, S * d))
+            else:       # node_dedup combines inside its exchange: the chunks' split only
+                outer.append(("combine", el(2 * T * d * B) if r > 1 else 0.0, T * d))
         for name, sec, size in outer:
             last[p] = add(name, sec, size, [last[p]] if last[p] else [])
         if phase == "forward":
@@ -327,14 +351,27 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
         for task in sched.order(r):
             i = task.chunk
             send, recv = int(mats[i][p].sum()), int(mats[i][:, p].sum())
-            if task.kind == "C1":
+            if dedup is not None and task.kind in ("C1", "D2"):
+                # node_dedup: C1 gathers the chunk's (token, node) pair rows (token and gates),
+                # D2 sums each token's nodes' partial sums; backward the mirror (the chunk's
+                # output gradient in, the send buffer's rows' gradient out)
+                pairs, t_i = int(dedup[i][1][p].sum()), bounds[i + 1] - bounds[i]
+                if task.kind == "C1":
+                    size = pairs * (d + k) if fwd else t_i * d
+                    sec = el(2 * pairs * (d + k) * B) if fwd else el(2 * t_i * d * B)
+                else:
+                    size = pairs * d if fwd else t_i * (d + k)
+                    sec = el((2 * pairs + t_i) * d * B) if fwd else el(2 * t_i * (d + k) * B)
+            elif task.kind == "C1":
                 sec = (el(2 * send * d * B) if r > 1 else 0.0) + enc(send)
                 size = send * d
             elif task.kind == "E":
                 flops = 2 * recv * mats_fn * d * h
                 sec = costs.compute_time("experts" if fwd else "experts_backward",
                                          flops if fwd else 2 * flops)
-                if not fwd and spec.recompute != "none":     # the experts rerun first
+                # the experts rerun first (node_dedup's task E keeps its own graph: moe_act
+                # does not apply; a full recompute reran the whole forward before)
+                if not fwd and spec.recompute != "none" and dedup is None:
                     sec += costs.compute_time("experts", flops)
                 size = recv * d
             else:                      # D1, C2 on the expert side, D2 back on the tokens' side
@@ -351,6 +388,10 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
                     thread = "compute" if not overlap else "comm"
                     runs_on = (thread if not overlap or spec.comm_lanes == "thread"
                                else f"comm/{st.link}")
+                    if st.local:         # node_dedup: codec / relay work of the lane task
+                        prev = add(str(a), st.seconds, 0, [prev], runs_on=runs_on, lane="comm",
+                                   link=st.link)
+                        continue
                     kw = dict(lane="comm", collective=f"{phase}/{a}/{st.group}", link=st.link,
                               stage=st.stage, remote_bytes=st.remote_bytes)
                     if not st.concurrent:
@@ -380,11 +421,14 @@ def _pass_tasks(spec: LayerSpec, costs: CostModel, mats: list[np.ndarray], phase
         ends = [done[Task("D2", i)] for i in range(r)]
         if fwd:
             assemble = el(2 * S * d * B) if r > 1 else 0.0
-            outer = [("combine", el(2 * S * d * B + T * d * B) + assemble, S * d)]
+            outer = [("combine", el(2 * S * d * B + T * d * B) + assemble, S * d)
+                     if dedup is None else
+                     ("combine", el(2 * T * d * B) if r > 1 else 0.0, T * d)]
             if spec.dcca:      # BigMac Eq. 2: y = (sum_i g_i E_i(z)) W_u after the combine
                 outer.append(("ascend", costs.compute_time("gemm", 2 * T * d * M), T * d))
         else:
-            outer = [("permute", el(2 * S * d * B), S * d)]
+            outer = [("permute", el(2 * S * d * B), S * d) if dedup is None else
+                     ("permute", el(2 * T * (d + k) * B), T * (d + k))]
             if spec.dcca:
                 outer.append(("descend", costs.compute_time("gemm_backward", 4 * T * M * d),
                               T * d))
@@ -416,14 +460,19 @@ def simulate_layer(spec: LayerSpec, costs: CostModel, routing: list | None = Non
             from moeflow.simulate.loads import sample_routing
             routing = sample_routing(np.full(spec.num_experts, 1.0 / spec.num_experts),
                                      spec.world, spec.tokens, spec.top_k)
-        # node_dedup sends only kept rows (it refuses capacity_padding="pad")
-        counts = count_matrix(replace(spec, trim_padding=True), routing)
-        dedup = (counts, node_pairs(spec, routing))
+        # per chunk of consecutive tokens, the kept choices per expert and the (token, node)
+        # pairs, as the library's trimmed exchange gathers them (its padded capacity layout,
+        # capacity_padding="pad" or "auto" on a GPU, is modelled as trimmed)
+        dedup = node_dedup_chunks(spec, routing)
+        counts = sum(NE for NE, _ in dedup)
     else:
         counts = count_matrix(spec, routing)
     # FSSDP: held slot v = d * slots + j plays a global expert's role (token_plan.py)
-    mats = chunk_matrices(spec if fp is None else
-                          replace(spec, num_experts=spec.world * fp["slots"]), counts)
+    if dedup is not None:       # each chunk's split matrix, from its own choices per expert
+        mats = [NE.reshape(spec.world, spec.world, -1).sum(2) for NE, _ in dedup]
+    else:
+        mats = chunk_matrices(spec if fp is None else
+                              replace(spec, num_experts=spec.world * fp["slots"]), counts)
     rank_rows = counts.sum(0).reshape(spec.world, -1).sum(1)
     lanes: dict = {}
     for p in range(spec.world):
@@ -525,10 +574,13 @@ def _step_bytes(tasks: list[SimTask], world: int) -> dict[str, list[int]]:
 
 def lane_orders(result: dict, rank: int, phase: str) -> dict[str, list[str]]:
     """Task names per lane in the order they ran (ties in issue order): what the executor's
-    :class:`~moeflow.schedule.executor.Timeline` records for the 7r tasks."""
+    :class:`~moeflow.schedule.executor.Timeline` records for the 7r tasks (one record per task:
+    a lane task's successive steps, e.g. a hierarchical exchange's phases, are one entry)."""
     out: dict[str, list[str]] = {"compute": [], "comm": []}
     recs = [(rec["start_s"], n, rec) for n, rec in enumerate(result["tasks"])
             if rec["rank"] == rank and rec["phase"] == phase and "^" in rec["task"]]
     for _, _, rec in sorted(recs, key=lambda x: (x[0], x[1])):
-        out[rec["lane"]].append(rec["task"])
+        lane = out[rec["lane"]]
+        if not lane or lane[-1] != rec["task"]:
+            lane.append(rec["task"])
     return out

@@ -1,7 +1,8 @@
 """Ranks of tests/multirank/test_simulate.py: run the real layer with a Timeline attached and return what
 the executor recorded (task, phase, lane, size per record, in record order) with the routing
 the layer's router chose, for each (capacity, schedule, r) case; BigMac's cases also return the
-bytes the layer handed to the all-to-all (the ``counting`` algorithm, moeflow.bench.a2a_count)."""
+bytes the layer handed to the all-to-all (the ``counting`` algorithm, moeflow.bench.a2a_count);
+node_dedup's cases (2 emulated nodes of one rank) also the layer's inter-node bytes."""
 
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ CODEC_CASES = [(1.25, "optsche", 2, "int8", True), (None, "pipelined", 2, "fp16"
 # the same layer as plain EP (fine_grained: D columns) for the byte ratio
 BIGMAC_CASES = [(cap, s, r, st) for st in ("bigmac", "fine_grained")
                 for cap, s, r in ((None, "optsche", 2), (1.25, "pipelined", 2))]
+# node_dedup on the 2 ranks as 2 nodes x 1 (capacity, schedule, r, codec, codec_backward): its
+# chunks' hops as lane tasks in OptSche's order, forward and scheduled backward
+DEDUP_CASES = [(None, "optsche", 2, "none", False)]
+DEDUP_SLOW_CASES = [(1.25, "optsche", 2, "int8", True)]
 
 
 def run_case(topo: Topology, cap, schedule: str, r: int, codec: str = "none",
-             codec_backward: bool = False) -> dict:
+             codec_backward: bool = False, a2a: str = "direct") -> dict:
     cfg = MoEConfig(d_model=D, d_expert=H, num_experts=EXPERTS, top_k=TOP_K,
                     capacity_factor=cap, schedule=schedule, pipeline_degree=r, seed=3,
-                    codec=codec, codec_backward=codec_backward)
+                    codec=codec, codec_backward=codec_backward, a2a=a2a)
     layer = MoELayer(cfg, topo)
     got = {}
 
@@ -38,7 +43,8 @@ def run_case(topo: Topology, cap, schedule: str, r: int, codec: str = "none",
     x = torch.randn(TOKENS, D, generator=gen).requires_grad_()
     layer(x).square().sum().backward()
     recs = [(str(rec.task), rec.phase, rec.lane, rec.size) for rec in layer.timeline.records]
-    return {"ids": got["ids"].tolist(), "records": recs}
+    return {"ids": got["ids"].tolist(), "records": recs,
+            "inter_node_bytes": int(layer.stats["inter_node_bytes"])}
 
 
 def run_structure(topo: Topology, cap, schedule: str, r: int, structure: str) -> dict:
@@ -65,4 +71,14 @@ def worker() -> dict:
     topo = Topology.from_env()
     out = {case: run_case(topo, *case) for case in CASES + CODEC_CASES}
     out.update({case: run_structure(topo, *case) for case in BIGMAC_CASES})
+    nodes = Topology.from_env(local_size=1)         # 2 emulated nodes of one rank
+    out.update({("node_dedup", *case): run_case(nodes, *case, a2a="node_dedup")
+                for case in DEDUP_CASES})
     return out
+
+
+def dedup_worker() -> dict:
+    """The slow node_dedup cases (2 nodes x 1)."""
+    nodes = Topology.from_env(local_size=1)
+    return {("node_dedup", *case): run_case(nodes, *case, a2a="node_dedup")
+            for case in DEDUP_SLOW_CASES}

@@ -9,6 +9,8 @@ alone (a choice crosses when its expert sits on another node; its output crosses
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from moeflow.launch import launch_local
 
 D_MODEL, E, K = 6, 8, 2
 ALGOS = ["direct", "hier2d", "bilevel", "hier1d", "pipe"]
+DEDUP_R2 = dict(pipeline_degree=2, schedule="optsche", codec="int8", codec_backward=True)
 MODES = {"dropless": dict(capacity_factor=None),
          "pad": dict(capacity_factor=1.0, capacity_padding="pad"),
          "trim": dict(capacity_factor=1.0, capacity_padding="trim")}
@@ -51,9 +54,13 @@ def _worker() -> dict:
     topo = mf.Topology.from_env(local_size=2)
     out = {}
     for mode, opts in MODES.items():
-        for algo in ALGOS + (["node_dedup"] if mode != "pad" else []):
-            cfg = mf.MoEConfig(d_model=D_MODEL, d_expert=5, num_experts=E, top_k=K, a2a=algo,
-                               **opts)
+        for algo in ALGOS + (["node_dedup"] if mode != "pad" else []) + (
+                ["node_dedup_r2_int8"] if mode == "dropless" else []):
+            extra = {}
+            if algo == "node_dedup_r2_int8":        # chunks, OptSche, a codec both ways
+                extra = dict(DEDUP_R2, a2a="node_dedup")
+            cfg = mf.MoEConfig(d_model=D_MODEL, d_expert=5, num_experts=E, top_k=K,
+                               **{"a2a": algo, **opts, **extra})
             layer = mf.MoELayer(cfg, topo).double()
             T = 5 + 2 * topo.rank
             x = seeded_normal((T, D_MODEL), 1.0, "inb", topo.rank,
@@ -172,3 +179,11 @@ def test_simulator_phases_cross_the_counted_bytes(results, algo):
     routing = [results[r][("dropless", algo)]["ids"] for r in range(4)]
     sim = simulate_layer(spec, costs, routing)
     assert sim["inter_node_bytes"] == [results[r][("dropless", algo)]["stat"] for r in range(4)]
+    if algo == "node_dedup":    # r = 2 chunks, OptSche, int8 on the inter-node hops both ways
+        costs.compute["codec:int8"] = fit
+        key = ("dropless", "node_dedup_r2_int8")
+        sim = simulate_layer(replace(spec, **DEDUP_R2), costs,
+                             [results[r][key]["ids"] for r in range(4)])
+        got = [results[r][key]["stat"] for r in range(4)]
+        assert sim["inter_node_bytes"] == got == [results[r][key]["wire"] for r in range(4)]
+        assert sum(got) < sum(results[r][("dropless", algo)]["stat"] for r in range(4))

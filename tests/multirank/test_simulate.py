@@ -66,6 +66,50 @@ def test_lane_orders_and_bytes_match_the_executor(recorded, case):
             len(set(sim["counts"][0])) > 1
 
 
+def _check_dedup(recorded: dict, case: tuple) -> None:
+    """node_dedup at r = 2 (2 nodes x 1): the simulator's tasks run on each lane in the
+    executor's order, forward and scheduled backward, every task's recorded size is the
+    simulator's (elements) for the computing tasks, and the lane tasks put on inter-node links
+    the bytes the layer counted (its stats["inter_node_bytes"]: codec payloads, gates, ids)."""
+    cap, schedule, r, codec, codec_backward = case
+    key = ("node_dedup", *case)
+    routing = [recorded[rank][key]["ids"] for rank in (0, 1)]
+    spec = LayerSpec(tokens=w.TOKENS, d_model=w.D, d_expert=w.H, num_experts=w.EXPERTS,
+                     top_k=w.TOP_K, capacity_factor=cap, schedule=schedule,
+                     pipeline_degree=r, nodes=2, ranks_per_node=1, a2a="node_dedup",
+                     codec=codec, codec_backward=codec_backward)
+    costs = _codec_costs()
+    costs.links.update({("inter", op): AlphaBeta(1e-3, 1e-6) for op in ("all_to_all",
+                                                                        "all_gather")})
+    sim = simulate_layer(spec, costs, routing)
+    for rank in (0, 1):
+        recs = recorded[rank][key]["records"]
+        for phase in ("forward", "backward"):
+            real = {lane: [t for t, p, ln, _ in recs if p == phase and ln == lane]
+                    for lane in ("compute", "comm")}
+            assert len(real["comm"]) == 2 * r
+            assert lane_orders(sim, rank, phase) == real, (rank, phase)
+            sim_sizes = {t["task"]: t["size"] for t in sim["tasks"] if t["rank"] == rank
+                         and t["phase"] == phase and t["lane"] == "compute" and "^" in t["task"]}
+            assert sim_sizes == {t: s for t, p, ln, s in recs
+                                 if p == phase and ln == "compute"}, (rank, phase)
+        assert sim["inter_node_bytes"][rank] == recorded[rank][key]["inter_node_bytes"] > 0
+    # the count exchange: once per call, every chunk's counts in one all-gather
+    counts = [t for t in sim["tasks"] if t["task"] == "counts" and t["rank"] == 0]
+    assert len(counts) == 1 and counts[0]["size"] == 2 * r * (w.EXPERTS + 2) * 8
+
+
+@pytest.mark.parametrize("case", w.DEDUP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_node_dedup_lane_orders_and_bytes_match_the_executor(recorded, case):
+    _check_dedup(recorded, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", w.DEDUP_SLOW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_node_dedup_codec_lane_orders_and_bytes_match_the_executor(case):
+    _check_dedup(launch_local(w.dedup_worker, 2, timeout_s=240), case)
+
+
 def _structure_spec(cap, schedule, r, structure) -> LayerSpec:
     return LayerSpec(tokens=w.TOKENS, d_model=w.D, d_expert=w.H, num_experts=w.EXPERTS,
                      top_k=w.TOP_K, capacity_factor=cap, schedule=schedule,

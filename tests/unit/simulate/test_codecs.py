@@ -90,5 +90,7 @@ def test_missing_fit_and_profile_fallback():
 def test_refusals():
     with pytest.raises(ConfigError, match="codec='nope'"):
         _spec(codec="nope")
-    with pytest.raises(ConfigError, match="codec='fp16' cannot be combined with a2a='node_dedup"):
-        _spec(codec="fp16", a2a="node_dedup", nodes=2)
+    _spec(codec="fp16", a2a="node_dedup", nodes=2, pipeline_degree=2)     # modelled
+    with pytest.raises(ConfigError, match="recompute='full' with a2a='node_dedup' and "
+                                          "pipeline_degree=2"):
+        _spec(a2a="node_dedup", nodes=2, pipeline_degree=2, recompute="full")

@@ -6,6 +6,8 @@ overlap; Pipe-A2A's two streams carry what the library's pipe issues and run at 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,8 @@ from moeflow.dispatch.phases import bilevel_phases, hier1d_phases, hier2d_phases
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.simulate import CostModel, LayerSpec, simulate_layer
 from moeflow.simulate.costs import KINDS
-from moeflow.simulate.exchange import exchange_steps
+from moeflow.dispatch.phases import token_nodes
+from moeflow.simulate.exchange import exchange_steps, node_dedup_chunks
 from moeflow.simulate.loads import sample_routing, zipf_popularity
 from moeflow.topology import Topology
 
@@ -107,11 +110,13 @@ def test_thread_lane_orders_and_collectives(algo):
     """One communication thread (the library): a rank's collectives never overlap and run in
     issue order; the members of a phase's group start and end it together; a phase starts
     after the one before it."""
-    r = 1 if algo == "node_dedup" else 2
-    sim = simulate_layer(_spec(a2a=algo, schedule="pipelined" if r > 1 else "sequential",
-                               pipeline_degree=r),
+    sim = simulate_layer(_spec(a2a=algo, schedule="pipelined", pipeline_degree=2),
                          _costs(), sample_routing(zipf_popularity(8, 1.0), 4, 256, 2))
-    comm = [t for t in sim["tasks"] if t["lane"] == "comm" and t["task"] != "counts"]
+    lane = [t for t in sim["tasks"] if t["lane"] == "comm" and t["task"] != "counts"]
+    for p in range(4):          # the thread's tasks (node_dedup's relay work too) in order
+        mine = sorted((t for t in lane if t["rank"] == p), key=lambda t: t["start_s"])
+        assert all(a["end_s"] <= b["start_s"] + 1e-15 for a, b in zip(mine, mine[1:]))
+    comm = [t for t in lane if "collective" in t]
     for p in range(4):
         mine = sorted((t for t in comm if t["rank"] == p), key=lambda t: t["start_s"])
         assert all(a["end_s"] <= b["start_s"] + 1e-15 for a, b in zip(mine, mine[1:]))
@@ -147,26 +152,105 @@ def test_link_lanes_overlap_phases_of_successive_all_to_alls():
         assert a1[(f"A1^{i}", "intra")]["end_s"] <= a1[(f"A1^{i}", "inter")]["start_s"]
 
 
+def _pairs(spec, routing) -> list[np.ndarray]:
+    """Per chunk, each rank's (token, node) pairs, from the chunk's own tokens (the library's
+    consecutive cut)."""
+    T, r, En = spec.tokens, spec.pipeline_degree, spec.num_experts // spec.nodes
+    b = [(i * T) // r for i in range(r + 1)]
+    return [np.array([int(token_nodes(torch.as_tensor(ids)[b[i]:b[i + 1]], En, 2).sum())
+                      for ids in routing]) for i in range(r)]
+
+
+def _relayed(spec, routing) -> list[np.ndarray]:
+    """Per chunk, the pairs each rank relays (received from the ranks of its local rank)."""
+    out = []
+    for NE, C in node_dedup_chunks(spec, routing):
+        L = spec.ranks_per_node
+        out.append(np.array([sum(int(C[m * L + p % L][p // L]) for m in range(spec.nodes))
+                             for p in range(spec.world)]))
+    return out
+
+
 def test_node_dedup_crosses_once_per_token_and_node():
     """Top-2 over 2 nodes: a token whose two experts share a node crosses once, so fewer
-    bytes cross than with hier2d (every choice); the inter-node dispatch carries the k gates
-    per row and the k ids (int32) in a second collective; the backward has no ids."""
+    bytes cross than with hier2d (every choice); the inter-node dispatch carries the token
+    with its k gates and its k ids (int32) in one buffer (one collective); the backward has
+    no ids, and the tokens' gradients cross back with their gates'."""
     routing = sample_routing(zipf_popularity(8, 0.0), 4, 256, 2, seed=1)
-    dedup = simulate_layer(_spec(a2a="node_dedup"), _costs(), routing)
+    spec = _spec(a2a="node_dedup")
+    dedup = simulate_layer(spec, _costs(), routing)
     hier = simulate_layer(_spec(a2a="hier2d"), _costs(), routing)
     assert 0 < sum(dedup["inter_node_bytes"]) < sum(hier["inter_node_bytes"])
     b = dedup["step_bytes"]
-    pairs = np.array(b["forward/A1^1/inter-ids"]) // (2 * 4)
-    assert (np.array(b["forward/A1^1/inter"]) == pairs * (16 + 2) * 4).all()
+    (pairs,), (relayed,) = _pairs(spec, routing), _relayed(spec, routing)
+    assert (np.array(b["forward/A1^1/inter"]) == pairs * (16 * 4 + 2 * 4 + 2 * 4)).all()
+    assert (np.array(b["forward/A2^1/inter"]) == relayed * 16 * 4).all()
     assert (np.array(b["backward/A1^1/inter"]) == pairs * 16 * 4).all()
-    assert not any(k.startswith("backward") and k.endswith("inter-ids") for k in b)
+    assert (np.array(b["backward/A2^1/inter"]) == relayed * (16 + 2) * 4).all()
+    assert not any("ids" in k for k in b)
     # each rank's pairs: its tokens' distinct nodes (both nodes, or one)
     assert all(256 <= n <= 2 * 256 for n in pairs)
 
 
-def test_node_dedup_refuses_pipelining():
-    with pytest.raises(Exception, match="pipeline_degree=2"):
-        _spec(a2a="node_dedup", pipeline_degree=2)
+def test_node_dedup_chunks_are_whole_exchanges_on_the_lane():
+    """r = 2: each chunk is a deduplicated exchange of its own consecutive tokens (its pairs
+    cross, in sum what r = 1 sends); the hops are communication-lane tasks that OptSche
+    overlaps with the other chunk's computing tasks; the count exchange runs once, every
+    chunk's counts (E choices, N pairs) in one all-gather, on the computing lane."""
+    routing = sample_routing(zipf_popularity(8, 1.0), 4, 256, 2, seed=2)
+    one = simulate_layer(_spec(a2a="node_dedup"), _costs(), routing)
+    spec = _spec(a2a="node_dedup", pipeline_degree=2, schedule="optsche")
+    sim = simulate_layer(spec, _costs(), routing)
+    b = sim["step_bytes"]
+    for i, pairs in enumerate(_pairs(spec, routing)):
+        assert (np.array(b[f"forward/A1^{i + 1}/inter"]) == pairs * (16 + 2 + 2) * 4).all()
+    assert sim["inter_node_bytes"] == one["inter_node_bytes"]
+    counts = [t for t in sim["tasks"] if t["task"] == "counts"]
+    assert len(counts) == 4 and {t["size"] for t in counts} == {4 * 2 * (8 + 2) * 8}
+    tasks = [t for t in sim["tasks"] if t["rank"] == 0 and t["phase"] == "forward"]
+    hop = next(t for t in tasks if t["task"] == "A1^2" and t.get("stage") == "inter")
+    assert any(t["lane"] == "compute" and t["task"].startswith(("D1^1", "E^1"))
+               and t["start_s"] < hop["end_s"] and hop["start_s"] < t["end_s"] for t in tasks)
+    back = [t for t in sim["tasks"] if t["phase"] == "backward" and t["lane"] == "comm"
+            and t.get("stage") == "inter"]
+    assert {t["task"] for t in back} == {"A1^1", "A1^2", "A2^1", "A2^2"}
+    # the same tasks one after another on the computing thread take longer
+    seq = simulate_layer(replace(spec, schedule="sequential"), _costs(), routing)
+    assert sim["step_s"] < seq["step_s"]
+
+
+def test_node_dedup_codec_on_the_inter_node_hops_only():
+    """A codec encodes what crosses nodes (one encoding per (token, node) or partial sum):
+    the inter-node hops carry its wire bytes with the gates and ids raw, the fan-out inside the
+    node raw rows; encode and decode run in the lane task, not in C / D; codec_backward
+    compresses the backward's hops too."""
+    routing = sample_routing(zipf_popularity(8, 1.0), 4, 256, 2, seed=3)
+    costs = _costs()
+    costs.compute["codec:fp16"] = AlphaBeta(1e-5, 1e-9)
+    plain = simulate_layer(_spec(a2a="node_dedup"), costs, routing)
+    for codec_backward in (False, True):
+        spec = _spec(a2a="node_dedup", codec="fp16", codec_backward=codec_backward)
+        sim = simulate_layer(spec, costs, routing)
+        b, p = sim["step_bytes"], plain["step_bytes"]
+        (pairs,), (relayed,) = _pairs(spec, routing), _relayed(spec, routing)
+        assert (np.array(b["forward/A1^1/inter"]) == pairs * (16 * 2 + 2 * 4 + 2 * 4)).all()
+        assert (np.array(b["forward/A2^1/inter"]) == relayed * 16 * 2).all()
+        for key in ("forward/A1^1/intra", "forward/A2^1/intra", "backward/A1^1/intra"):
+            assert b[key] == p[key]
+        e = 2 if codec_backward else 4
+        assert (np.array(b["backward/A1^1/inter"]) == pairs * 16 * e).all()
+        assert (np.array(b["backward/A2^1/inter"]) == relayed * (16 * e + 2 * 4)).all()
+        lane = [t for t in sim["tasks"] if t["rank"] == 0 and t["task"] == "A1^1"
+                and t["phase"] == "forward"]
+        # encode, the hop, decode, the relay's fan-out, the intra-node step
+        assert [t.get("stage") for t in lane] == [None, "inter", None, None, "intra"]
+        assert lane[0]["end_s"] - lane[0]["start_s"] == pytest.approx(
+            0.5 * (1e-5 + 1e-9 * pairs[0] * 16 * 4))
+        for name in ("C1^1", "D2^1"):       # no codec time in the computing tasks
+            t = [x for x in sim["tasks"] if x["rank"] == 0 and x["task"] == name]
+            u = [x for x in plain["tasks"] if x["rank"] == 0 and x["task"] == name]
+            assert [x["end_s"] - x["start_s"] for x in t] == \
+                pytest.approx([x["end_s"] - x["start_s"] for x in u])
 
 
 class _Work:
