@@ -78,6 +78,11 @@ def check_config(cfg, topo) -> None:
                           f"a2a='node_dedup' yet: {fix}, {_FIX}")
     if cfg.placement != "ep":
         refuse("placement", cfg.placement, "it places whole experts; use placement='ep'")
+    if cfg.recompute == "moe_act":
+        # its task E keeps the experts' graph (strategies/node_dedup_backward.py): moe_act
+        # would save nothing, so it is refused rather than silently ignored
+        refuse("recompute", cfg.recompute, "its experts keep their activations; use "
+               "recompute='none' (or TrainConfig.recompute='full', which node_dedup replays)")
     if topo.esp_size > 1 or topo.mp_size > 1:
         raise ConfigError(f"a2a='node_dedup' cannot be combined with Parm's MP/ESP "
                           f"(mp_size={topo.mp_size}, esp_size={topo.esp_size}) yet: use "
