@@ -20,7 +20,7 @@ BASE = dict(d_model=8, d_expert=16, num_experts=4, top_k=2)
     (dict(capacity_factor=-1.5), "capacity_factor=-1.5", "> 0"),
     (dict(router="nope"), "router='nope'", "registered: bilevel, deepseek_v3, topk"),
     (dict(codec="zip"), "codec='zip'", "register_codec"),
-    (dict(a2a="magic"), "a2a='magic'", "registered: bilevel, direct"),
+    (dict(a2a="magic"), "a2a='magic'", "registered: bilevel, "),
     (dict(activation="tanhh"), "activation='tanhh'", "did you mean 'tanh'"),
     (dict(activation="softmax"), "activation='softmax'", "not an elementwise function"),
     (dict(activation="dropout"), "activation='dropout'", "not an elementwise function"),
