@@ -38,13 +38,19 @@ def run_case(topo: Topology, cap, schedule: str, r: int, codec: str = "none",
         got["ids"] = out.experts
 
     layer.router.register_forward_hook(keep_ids)
+    recs = _step_records(layer, topo)
+    return {"ids": got["ids"].tolist(), "records": recs,
+            "inter_node_bytes": int(layer.stats["inter_node_bytes"])}
+
+
+def _step_records(layer: MoELayer, topo: Topology) -> list:
+    """One forward + backward of ``layer`` on this rank's seeded tokens, with a Timeline
+    attached: each task's (name, pass, lane, recorded size)."""
     layer.timeline = Timeline()
     gen = torch.Generator().manual_seed(100 + topo.rank)
     x = torch.randn(TOKENS, D, generator=gen).requires_grad_()
     layer(x).square().sum().backward()
-    recs = [(str(rec.task), rec.phase, rec.lane, rec.size) for rec in layer.timeline.records]
-    return {"ids": got["ids"].tolist(), "records": recs,
-            "inter_node_bytes": int(layer.stats["inter_node_bytes"])}
+    return [(str(rec.task), rec.phase, rec.lane, rec.size) for rec in layer.timeline.records]
 
 
 def run_structure(topo: Topology, cap, schedule: str, r: int, structure: str) -> dict:
@@ -58,11 +64,7 @@ def run_structure(topo: Topology, cap, schedule: str, r: int, structure: str) ->
     layer = MoELayer(cfg, topo)
     got = {}
     layer.router.register_forward_hook(lambda _m, _i, out: got.update(ids=out.experts))
-    layer.timeline = Timeline()
-    gen = torch.Generator().manual_seed(100 + topo.rank)
-    x = torch.randn(TOKENS, D, generator=gen).requires_grad_()
-    layer(x).square().sum().backward()
-    recs = [(str(rec.task), rec.phase, rec.lane, rec.size) for rec in layer.timeline.records]
+    recs = _step_records(layer, topo)
     return {"ids": got["ids"].tolist(), "records": recs,
             "payload_bytes": int(layer.algo.payload_bytes)}
 

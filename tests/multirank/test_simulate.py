@@ -44,6 +44,18 @@ def _codec_costs() -> CostModel:
     return c
 
 
+def _assert_tasks_match(sim: dict, recs: list, rank: int) -> None:
+    """Each lane's task order per pass, and every task's recorded size (elements for
+    computing tasks, bytes on the wire for the all-to-alls), as the executor recorded them."""
+    for phase in ("forward", "backward"):
+        real = {lane: [t for t, p, ln, _ in recs if p == phase and ln == lane]
+                for lane in ("compute", "comm")}
+        assert lane_orders(sim, rank, phase) == real, (rank, phase)
+        sim_sizes = {t["task"]: t["size"] for t in sim["tasks"]
+                     if t["rank"] == rank and t["phase"] == phase and "^" in t["task"]}
+        assert sim_sizes == {t: s for t, p, _, s in recs if p == phase}, (rank, phase)
+
+
 @pytest.mark.parametrize("case", w.CASES + w.CODEC_CASES,
                          ids=lambda c: f"cap{c[0]}-{c[1]}-r{c[2]}" + "".join(
                              f"-{x}" for x in c[3:]))
@@ -51,15 +63,7 @@ def test_lane_orders_and_bytes_match_the_executor(recorded, case):
     routing = [recorded[rank][case]["ids"] for rank in (0, 1)]
     sim = simulate_layer(_spec(*case), _codec_costs(), routing)
     for rank in (0, 1):
-        recs = recorded[rank][case]["records"]
-        for phase in ("forward", "backward"):
-            real = {lane: [t for t, p, ln, _ in recs if p == phase and ln == lane]
-                    for lane in ("compute", "comm")}
-            assert lane_orders(sim, rank, phase) == real, (rank, phase)
-            # every task's recorded size: elements (compute), bytes on the wire (comm)
-            sim_sizes = {t["task"]: t["size"] for t in sim["tasks"]
-                         if t["rank"] == rank and t["phase"] == phase and "^" in t["task"]}
-            assert sim_sizes == {t: s for t, p, _, s in recs if p == phase}, (rank, phase)
+        _assert_tasks_match(sim, recorded[rank][case]["records"], rank)
     # dropless routing on 24 tokens is uneven: the check is not one of equal splits
     if case[0] is None:
         assert len({tuple(row) for row in sim["counts"]}) > 1 or \
@@ -125,14 +129,7 @@ def test_bigmac_sizes_and_bytes_match_the_layer(recorded, case):
     spec = _structure_spec(*case)
     sim = simulate_layer(spec, _costs(), routing)
     for rank in (0, 1):
-        recs = recorded[rank][case]["records"]
-        for phase in ("forward", "backward"):
-            real = {lane: [t for t, p, ln, _ in recs if p == phase and ln == lane]
-                    for lane in ("compute", "comm")}
-            assert lane_orders(sim, rank, phase) == real, (rank, phase)
-            sim_sizes = {t["task"]: t["size"] for t in sim["tasks"]
-                         if t["rank"] == rank and t["phase"] == phase and "^" in t["task"]}
-            assert sim_sizes == {t: s for t, p, _, s in recs if p == phase}, (rank, phase)
+        _assert_tasks_match(sim, recorded[rank][case]["records"], rank)
         sent = sum(v[rank] for v in sim["step_bytes"].values())
         assert sent == recorded[rank][case]["payload_bytes"] > 0
     if case[3] == "bigmac":             # the same routing at d_model: r = 0.25 of the bytes
