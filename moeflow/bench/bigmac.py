@@ -95,12 +95,10 @@ def case_routing(case: StructureCase, world: int, tokens: int, d_model: int
     """The ``(tokens, top_k)`` expert ids each rank's router picks in a timed step (the router
     is built from the config alone, reads ``x`` before BigMac's descend, and no step changes
     it): the routing ``moeflow simulate bigmac`` plans, so its bytes are the measured run's."""
-    from moeflow.routing import ROUTERS
+    from moeflow.bench.layer import router_choices
 
-    cfg = case_config(case, d_model)
-    router = ROUTERS[cfg.router](cfg)
-    with torch.no_grad():
-        return [router(case_input(tokens, d_model, p)).experts for p in range(world)]
+    return router_choices(case_config(case, d_model),
+                          [case_input(tokens, d_model, p) for p in range(world)])
 
 
 class _Runner:

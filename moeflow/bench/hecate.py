@@ -107,13 +107,11 @@ def case_routing(tokens: int, d_model: int, d_expert: int, num_experts: int, top
     skew ``s`` (no drift: the router is built from the config and skewed once, the input is
     the same every step, every variant alike): what ``moeflow simulate layer --measured``
     plans, so its loads and bytes are those of the measured run."""
-    from moeflow.routing import ROUTERS
+    from moeflow.bench.layer import router_choices
 
-    cfg = case_config(d_model, d_expert, num_experts, top_k)
-    router = ROUTERS[cfg.router](cfg)
-    skew_router(router, num_experts, s)
-    with torch.no_grad():
-        return [router(case_input(tokens, d_model, p)).experts for p in range(world)]
+    return router_choices(case_config(d_model, d_expert, num_experts, top_k),
+                          [case_input(tokens, d_model, p) for p in range(world)],
+                          lambda router: skew_router(router, num_experts, s))
 
 
 def skew(layer: MoELayer, s: float, rotation: int = 0, loads=None) -> None:

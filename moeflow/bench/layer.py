@@ -106,12 +106,22 @@ def case_routing(case: BenchCase, world: int, tokens: int, d_model: int,
     """The ``(tokens, top_k)`` expert ids each rank's router picks in :func:`bench_case` (the
     router is built from the config alone and no step changes it): the routing sample that
     ``moeflow simulate layer`` plans, so its bytes are those of the measured run."""
+    return router_choices(case_config(case, d_model, d_expert),
+                          [case_input(tokens, d_model, p) for p in range(world)])
+
+
+def router_choices(cfg: MoEConfig, inputs: list[torch.Tensor], prepare=None
+                   ) -> list[torch.Tensor]:
+    """The ``(tokens, top_k)`` expert ids a router built from ``cfg`` alone picks on each of
+    ``inputs`` (``prepare(router)`` first, e.g. bench hecate's skew): the routing a bench's
+    timed steps use when no step changes the router, which ``moeflow simulate`` plans."""
     from moeflow.routing import ROUTERS
 
-    cfg = case_config(case, d_model, d_expert)
     router = ROUTERS[cfg.router](cfg)
+    if prepare is not None:
+        prepare(router)
     with torch.no_grad():
-        return [router(case_input(tokens, d_model, p)).experts for p in range(world)]
+        return [router(x).experts for x in inputs]
 
 
 def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_expert: int,

@@ -75,12 +75,10 @@ def case_routing(tokens: int, d_model: int, num_experts: int, top_k: int,
     :func:`bench_worker` (rank ``p`` gates MP group ``p // mp``'s batch; the router is built
     from the config alone and no step changes it, every variant alike): what ``moeflow
     simulate layer --measured`` plans, so its bytes are those of the measured run."""
-    from moeflow.routing import ROUTERS
+    from moeflow.bench.layer import router_choices
 
-    cfg = case_config(d_model, num_experts, top_k, capacity_factor)
-    router = ROUTERS[cfg.router](cfg)
-    with torch.no_grad():
-        return [router(case_input(tokens, d_model, p // mp)).experts for p in range(world)]
+    return router_choices(case_config(d_model, num_experts, top_k, capacity_factor),
+                          [case_input(tokens, d_model, p // mp) for p in range(world)])
 
 
 def parse_layout(text: str) -> tuple[int, int, int, bool]:

@@ -14,23 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 
 import torch
 
 from moeflow.bench.layer import case_routing, cases_for
 from moeflow.commands import simulate_twins as twins
 from moeflow.commands.bench import add_layer_args
-from moeflow.commands.common import run_meta
+from moeflow.commands.simulate_common import add_model_args, add_out_summary, write_rows
 from moeflow.errors import ConfigError
 
-
-
-def _add_link_model(g) -> None:
-    g.add_argument("--link-model", default="curve", choices=("curve", "fit"),
-                   help="how --links is read: curve (default) interpolates each collective's "
-                        "measured sizes, fit uses its alpha-beta line over all sizes")
 
 
 def register(sub) -> None:
@@ -40,16 +32,8 @@ def register(sub) -> None:
                                           "link and compute fits or a hardware profile")
     add_layer_args(layer)
     g = layer.add_argument_group("the models and the layout")
-    _add_out_summary(g)
-    g.add_argument("--links", default=None, metavar="JSON",
-                   help="link fits from `moeflow bench links --out` (default: the profile's)")
-    _add_link_model(g)
-    g.add_argument("--compute", default=None, metavar="JSON",
-                   help="compute fits from `moeflow bench compute --out` (default: the "
-                        "profile's)")
-    g.add_argument("--profile", default=None, metavar="NAME",
-                   help="a hardware profile (file or built-in name, e.g. schemoe-32gpu) for "
-                        "what --links / --compute do not give")
+    add_out_summary(g)
+    add_model_args(g)
     g.add_argument("--nodes", type=int, default=1, help="nodes of the simulated layout")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --nproc, so nodes x ranks = bench layer's "
@@ -420,7 +404,7 @@ def run_simulate_layer(args: argparse.Namespace) -> int:
         print(f"note: the parm rows' MP groups of {args.mp} ranks share one batch of --tokens "
               f"(Parm's replicated MoE input), the other rows give every rank its own: they "
               f"carry {args.mp}x the distinct tokens")
-    return _write_rows(args, costs, rows)
+    return write_rows(args, costs, rows)
 
 
 def _finish_row(args: argparse.Namespace, res: dict, case) -> dict:
@@ -439,13 +423,6 @@ def _finish_row(args: argparse.Namespace, res: dict, case) -> dict:
 
 
 # -- moeflow simulate train -----------------------------------------------------------------
-
-def _add_out_summary(group) -> None:
-    group.add_argument("--out-summary", action="store_true",
-                       help="with --out: leave out each row's per-task and per-collective "
-                            "lists (thousands of entries at tens of ranks), keep the step "
-                            "times and their breakdown")
-
 
 def add_train_parser(ssub) -> None:
     """``moeflow simulate train``: ``moeflow train``'s model arguments (``--preset``, ``--set``,
@@ -475,12 +452,7 @@ def add_train_parser(ssub) -> None:
                    help="ranks (default 2, as `moeflow train`); the layout is --nodes x "
                         "--ranks-per-node when given")
     g = p.add_argument_group("the models and the layout")
-    g.add_argument("--links", default=None, metavar="JSON", help="`moeflow bench links` fits")
-    _add_link_model(g)
-    g.add_argument("--compute", default=None, metavar="JSON",
-                   help="`moeflow bench compute` fits (gemm, gemm_backward, experts, "
-                        "elementwise)")
-    g.add_argument("--profile", default=None, metavar="NAME", help="a hardware profile")
+    add_model_args(g)
     g.add_argument("--nodes", type=int, default=1, help="nodes of the simulated layout")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --nproc / --nodes)")
@@ -496,7 +468,7 @@ def add_train_parser(ssub) -> None:
                         "expectation)")
     g.add_argument("--routing-seed", type=int, default=0, help="seed of the --zipf sample")
     g.add_argument("--out", default=None, metavar="JSON", help="write the prediction")
-    _add_out_summary(g)
+    add_out_summary(g)
     g.add_argument("--measured", default=None, metavar="RUN_DIR",
                    help="the measured twin: a `moeflow train --out RUN_DIR` folder (or its "
                         "metrics.jsonl) of the same arguments (checked against its "
@@ -649,7 +621,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     print(format_train_table(rows, label, world))
     if args.measured:
         _measured_train(args, mcfg, rows, _config_variant(mcfg, args), world, per)
-    return _write_rows(args, costs, rows)
+    return write_rows(args, costs, rows)
 
 
 def _measured_train(args: argparse.Namespace, mcfg, rows: list[dict], own: str, world: int,
@@ -697,17 +669,3 @@ def format_train_table(rows: list[dict], label: str, world: int) -> str:
                  "micro-batches; grad_accumulate, the gradient all-reduces and the optimizer "
                  "once; tok/s: distinct tokens per step / step")
     return "\n".join(lines)
-
-
-def _write_rows(args: argparse.Namespace, costs, rows: list) -> int:
-    """With --out, the predicted rows as JSON with the command, the fits' source and the
-    provenance (:func:`run_meta`)."""
-    if args.out:
-        if args.out_summary:
-            rows = [{k: v for k, v in r.items() if k not in ("tasks", "collectives")}
-                    for r in rows]
-        with open(args.out, "w") as f:
-            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
-                       "models": costs.source, **run_meta(), "results": rows}, f, indent=1)
-        print(f"wrote {args.out}")
-    return 0

@@ -14,26 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 
 from moeflow.errors import ConfigError
 
 
 def add_parser(ssub) -> None:
     from moeflow.commands.bench_bigmac import add_bigmac_args
+    from moeflow.commands.simulate_common import add_model_args, add_out_summary
 
     p = ssub.add_parser("bigmac", help="predict `moeflow bench bigmac` (same arguments): "
                                        "fine-grained vs BigMac layers from fits or a profile")
     add_bigmac_args(p)
     g = p.add_argument_group("the models and the layout")
-    g.add_argument("--links", default=None, metavar="JSON",
-                   help="link fits from `moeflow bench links --out` (default: the profile's)")
-    g.add_argument("--compute", default=None, metavar="JSON",
-                   help="compute fits from `moeflow bench compute --out` (default: the "
-                        "profile's)")
-    g.add_argument("--profile", default=None, metavar="NAME",
-                   help="a hardware profile (file or built-in name, e.g. bigmac-32gpu)")
+    add_model_args(g, "bigmac-32gpu")
     g.add_argument("--nodes", type=int, default=1, help="nodes of the simulated layout")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --nproc / --nodes, so the world is bench "
@@ -44,8 +37,7 @@ def add_parser(ssub) -> None:
     g.add_argument("--measured", default=None, metavar="JSON",
                    help="a `moeflow bench bigmac --out` file of the same arguments: adds the "
                         "measured step and predicted / measured per row")
-    g.add_argument("--out-summary", action="store_true",
-                   help="with --out: leave out each row's per-task lists")
+    add_out_summary(g)
     p.set_defaults(func=run_simulate_bigmac)
 
 
@@ -113,14 +105,14 @@ def format_table(rows: list[dict]) -> str:
 def run_simulate_bigmac(args: argparse.Namespace) -> int:
     from moeflow.bench.bigmac import case_routing
     from moeflow.commands.bench_bigmac import bigmac_cases
-    from moeflow.commands.common import run_meta
+    from moeflow.commands.simulate_common import write_rows
     from moeflow.measure.profiles import load_profile
     from moeflow.simulate import cost_model, simulate_layer
 
     cases = bigmac_cases(args, "simulate bigmac")
     nodes, per = _layout(args)
     profile = load_profile(args.profile) if args.profile else None
-    costs = cost_model(args.links, args.compute, profile, nodes, per)
+    costs = cost_model(args.links, args.compute, profile, nodes, per, args.link_model)
     measured = {}
     if args.measured:
         with open(args.measured) as f:
@@ -156,12 +148,5 @@ def run_simulate_bigmac(args: argparse.Namespace) -> int:
             res["measured_a2a_bytes_per_token"] = m["a2a_bytes_per_token"]
         rows.append(res)
     print(format_table(rows))
-    if args.out:
-        if args.out_summary:
-            rows = [{k: v for k, v in r.items() if k != "tasks"} for r in rows]
-        with open(args.out, "w") as f:
-            json.dump({"command": "moeflow " + shlex.join(sys.argv[1:]),
-                       "models": costs.source, **run_meta(), "results": rows,
-                       "predicted_speedup_fine_over_bigmac": speedups(rows)}, f, indent=1)
-        print(f"wrote {args.out}")
-    return 0
+    return write_rows(args, costs, rows,
+                      predicted_speedup_fine_over_bigmac=speedups(rows))
