@@ -270,7 +270,7 @@ def dedup_place(saving: float, link_s: float | None, budget_s: float | None) -> 
 
     ``saving``: the share of the rows crossing nodes that ``node_dedup`` does not send, from
     the tuning batch's routing (one row per (token, other node) instead of one per (token,
-    choice on another node): :func:`moeflow.dispatch.phases.crossing_rows`, summed over the
+    choice on another node): :func:`moeflow.comm.alltoall.phases.crossing_rows`, summed over the
     ranks). ``link_s``: the seconds per step the per-choice exchange spends on the
     inter-node link alone (its crossing rows in dispatch and combine, forward and backward, at
     the probed inter-node bandwidth, the slowest rank's), None when not probed.
@@ -337,7 +337,7 @@ def dedup_inputs(layer, x: torch.Tensor, budgeted: bool) -> dict:
     exchanges per step (dispatch and combine, forward and backward), rows of ``x``'s width
     and dtype (a BigMac layer's narrower rows are not modelled)."""
     from moeflow.devices import host_all_reduce
-    from moeflow.dispatch.phases import crossing_rows
+    from moeflow.comm.alltoall.phases import crossing_rows
     from moeflow.measure.timing import inter_node_seconds_per_byte
 
     topo, cfg = layer.topo, layer.cfg

@@ -3,7 +3,7 @@
 ``direct`` is one collective over the EP group, ``pairwise`` P-1 rounds of p2p (ScheMoE
 Eq. 15). The hierarchical exchanges are their phases, each an all-to-all over the ranks of one
 node (link class ``intra``) or over the ranks of equal local rank (``inter``), with the split
-sizes the algorithms themselves use (:mod:`moeflow.dispatch.phases`): ``hier2d`` (intra then
+sizes the algorithms themselves use (:mod:`moeflow.comm.alltoall.phases`): ``hier2d`` (intra then
 inter), ``bilevel`` (inter then intra; its combine as hier2d), ``hier1d`` (gather to the leader,
 inter among leaders, scatter) and ``node_dedup`` (one row per (token, node) across nodes: the
 token through the pass's codec with its k gates and its k expert ids (int32) raw in the same
@@ -15,7 +15,7 @@ the codec's encode before the inter-node hop and its decode after it, and the re
 index arithmetic or gated partial sum (:mod:`moeflow.strategies.node_dedup`, ``a1`` / ``a2``).
 
 ``pipe`` (ScheMoE Section 5, Fig. 7) is two collectives issued together, not in order
-(:func:`~moeflow.dispatch.phases.pipe_phases`): the Intra-Stream, an all-to-all over the node's
+(:func:`~moeflow.comm.alltoall.phases.pipe_phases`): the Intra-Stream, an all-to-all over the node's
 ranks on the ``intra`` fit, and the Inter-Stream, an all-to-all over the whole world (the
 topology's ``lane_group``) with the node's own blocks zeroed, marked ``concurrent``: the layer
 model starts it beside the intra step and ends the exchange when both have ended, Eq. 16's
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from moeflow.dispatch.capacity import capacity
-from moeflow.dispatch.phases import (INTER, INTRA, Phase, bilevel_phases, hier1d_phases,
+from moeflow.comm.alltoall.phases import (INTER, INTRA, Phase, bilevel_phases, hier1d_phases,
                                      hier2d_phases, kept_choices, node_dedup_phases,
                                      pipe_phases, token_nodes)
 from moeflow.dispatch.plan import make_plan

@@ -13,7 +13,7 @@ One step is the layer's forward then its backward (what ``moeflow bench layer`` 
 ``route``, ``permute``, the count matrix's all-gather, the 7r scheduled tasks, ``combine``;
 then ``combine``'s backward, the 7r mirrored tasks (the same chunks and splits; ScheMoE
 Section 3.2), ``permute`` and ``route`` backward. Hierarchical all-to-alls run as their
-intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.dispatch.phases`);
+intra- and inter-node phases (:mod:`.exchange`, the splits of :mod:`moeflow.comm.alltoall.phases`);
 Pipe-A2A's two streams run at once (ScheMoE Section 5, Eq. 16), the Inter-Stream on the lane
 of its own process group beside the communication thread.
 Skewed loads are routing samples drawn from an expert popularity (:mod:`.loads`: Zipf, or a

@@ -15,7 +15,7 @@ Combine (the mirror)
   4. The partial sums cross back (inter-node) and each token sums its nodes' partials.
 Inter-node rows per dispatch and per combine are (tokens x distinct destination nodes)
 instead of (tokens x k). The split sizes of the two exchanges are
-:func:`moeflow.dispatch.phases.node_dedup_phases` (which the step simulator models too). The
+:func:`moeflow.comm.alltoall.phases.node_dedup_phases` (which the step simulator models too). The
 backward is the mirror: the gradients of the partial sums cross once per (token, node), and
 the gradients of the tokens and gates once per (token, node) the other way.
 
@@ -57,7 +57,7 @@ import torch
 
 from moeflow.comm.exchange import gather_device_counts
 from moeflow.dispatch import DispatchPlan, make_plan
-from moeflow.dispatch.phases import kept_choices, token_nodes
+from moeflow.comm.alltoall.phases import kept_choices, token_nodes
 from moeflow.errors import ConfigError
 from moeflow.schedule.executor import Stage
 from moeflow.strategies.base import ExpertStrategy

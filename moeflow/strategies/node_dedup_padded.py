@@ -26,7 +26,7 @@ import torch
 
 from moeflow.comm.exchange import gather_host_ints
 from moeflow.devices import to_device_async
-from moeflow.dispatch.phases import token_nodes
+from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.schedule.executor import Stage
 from moeflow.strategies.node_dedup_steps import (AllToAll, CodedAllToAll, DedupStage, Hop,
                                                  exchange_rows, gated_sum_backward,

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.alltoall.blocks import take
-from moeflow.dispatch.phases import node_dedup_phases
+from moeflow.comm.alltoall.phases import node_dedup_phases
 from moeflow.schedule.pipeline import pack, unpack
 
 

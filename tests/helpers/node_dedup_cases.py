@@ -110,9 +110,9 @@ def dedup_rule_worker(name: str) -> dict:
     link time exceeds any budget, node_dedup goes first) and by a free one (0 s: the budget
     holds more, node_dedup goes early), each followed by the parity step; per run the rule
     (``TunedChoice.node_dedup_rule``), the first measured candidate and the choice, and this
-    rank's crossing rows from its routing (:func:`moeflow.dispatch.phases.crossing_rows`)."""
+    rank's crossing rows from its routing (:func:`moeflow.comm.alltoall.phases.crossing_rows`)."""
     import moeflow.measure.timing as timing
-    from moeflow.dispatch.phases import crossing_rows
+    from moeflow.comm.alltoall.phases import crossing_rows
 
     topo = Topology.from_env(local_size=2)
     out: dict = {}

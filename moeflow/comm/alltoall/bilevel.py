@@ -5,7 +5,7 @@ to (n', l) everything bound for node n'), then an intra-node all-to-all (to the 
 rank). Combine (``start_combine``): the reverse, intra-node first, then inter-node. Each rank
 talks to N-1 + L-1 peers instead of N*L - 1 (O(m + n) launches instead of O(mn)). Results are in
 source-rank order like every algorithm, so schedulers and codecs apply unchanged. The split sizes
-of the stages are :func:`moeflow.dispatch.phases.bilevel_phases`.
+of the stages are :func:`moeflow.comm.alltoall.phases.bilevel_phases`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from moeflow.comm.alltoall.base import Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hier2d import Hier2DAllToAll, _a2a
 from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
-from moeflow.dispatch.phases import bilevel_phases
+from moeflow.comm.alltoall.phases import bilevel_phases
 
 
 @register_alltoall("bilevel")

@@ -6,7 +6,7 @@
 3. Each leader regroups what it received by destination local rank, in source-rank order, and
    scatters it to its local ranks.
 Fewest inter-node messages, at the price of the leader relaying everything twice. The split sizes
-of the three steps are :func:`moeflow.dispatch.phases.hier1d_phases`.
+of the three steps are :func:`moeflow.comm.alltoall.phases.hier1d_phases`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hier2d import _a2a
 from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
-from moeflow.dispatch.phases import hier1d_phases
+from moeflow.comm.alltoall.phases import hier1d_phases
 
 
 @register_alltoall("hier1d")

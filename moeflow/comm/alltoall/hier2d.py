@@ -8,7 +8,7 @@ Rank (n, l) = node n, local rank l; ranks are numbered g = n*L + l.
 4. Inter-node all-to-all among the ranks with the same local rank: node n' receives its blocks.
 The result is in source-rank order (n, l), as the interface requires. Only N-1 inter-node
 messages per rank (instead of P - L), each L times larger. The split sizes of steps 2 and 4 are
-:func:`moeflow.dispatch.phases.hier2d_phases` (which the step simulator models too).
+:func:`moeflow.comm.alltoall.phases.hier2d_phases` (which the step simulator models too).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import take
 from moeflow.comm.alltoall.hierarchy import Layout, require_nodes
-from moeflow.dispatch.phases import hier2d_phases
+from moeflow.comm.alltoall.phases import hier2d_phases
 
 
 def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:

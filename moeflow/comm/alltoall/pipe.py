@@ -5,7 +5,7 @@ all-to-all on the intra-node group (the "Intra-Stream"), pairs across nodes as a
 on a second world group with the intra-node sizes set to zero (the "Inter-Stream"). Both are
 issued asynchronously, so they run concurrently (two process groups are two lanes); the time
 approaches ``max(M t1, (P-M) t2)`` (Eq. 16) instead of their sum (Eq. 17). The split sizes
-of the two streams are :func:`moeflow.dispatch.phases.pipe_phases` (which the step simulator
+of the two streams are :func:`moeflow.comm.alltoall.phases.pipe_phases` (which the step simulator
 models too).
 """
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moeflow.comm.alltoall.base import AllToAll, Pending, register_alltoall
 from moeflow.comm.alltoall.blocks import offsets, take
 from moeflow.comm.alltoall.hierarchy import require_nodes
-from moeflow.dispatch.phases import pipe_phases
+from moeflow.comm.alltoall.phases import pipe_phases
 
 
 @register_alltoall("pipe")

@@ -1,5 +1,5 @@
 """The early-node_dedup rule of the tuner's screen (moeflow/autotune/tuner.py: dedup_place,
-screen_order) and the crossing rows it is derived from (moeflow/dispatch/phases.py:
+screen_order) and the crossing rows it is derived from (moeflow/comm/alltoall/phases.py:
 crossing_rows)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeflow.autotune import DEDUP_FIRST_SAVING, DEDUP_MIN_SAVING, dedup_place, screen_order
-from moeflow.dispatch.phases import crossing_rows
+from moeflow.comm.alltoall.phases import crossing_rows
 
 SCHED = ["sequential", "pipelined", "optsche"]
 OTHERS = ["bilevel", "hier2d", "node_dedup", "pairwise"]

@@ -218,7 +218,8 @@ def test_config_does_not_reach_the_integrations():
 SIMULATE_MAY_IMPORT = ("moeflow.simulate", "moeflow.measure", "moeflow.schedule",
                        "moeflow.dispatch", "moeflow.errors", "moeflow.registry",
                        "moeflow.topology", "moeflow.parallel.parm", "moeflow.placement",
-                       "moeflow.comm.sparse", "moeflow.config", "moeflow.experts.structure")
+                       "moeflow.comm.sparse", "moeflow.comm.alltoall.phases",
+                       "moeflow.config", "moeflow.experts.structure")
 
 
 def test_simulate_imports_only_the_model_inputs():

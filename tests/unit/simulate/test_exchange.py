@@ -16,11 +16,11 @@ from moeflow.comm.alltoall.bilevel import BiLevelAllToAll
 from moeflow.comm.alltoall.hier1d import Hier1DAllToAll
 from moeflow.comm.alltoall import pipe as pipe_module
 from moeflow.comm.alltoall.hier2d import Hier2DAllToAll
-from moeflow.dispatch.phases import bilevel_phases, hier1d_phases, hier2d_phases
+from moeflow.comm.alltoall.phases import bilevel_phases, hier1d_phases, hier2d_phases
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.simulate import CostModel, LayerSpec, simulate_layer
 from moeflow.simulate.costs import KINDS
-from moeflow.dispatch.phases import token_nodes
+from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.simulate.exchange import exchange_steps, node_dedup_chunks
 from moeflow.simulate.loads import sample_routing, zipf_popularity
 from moeflow.topology import Topology
