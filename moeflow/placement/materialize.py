@@ -22,6 +22,10 @@ Algorithm 1, line by line (:func:`sparse_materialize`):
    (the text of Section 4.2) "nodes that do not already have the expert parameters
    materialized": one replica at a time, to the node without the expert first, then the node
    with the most free slots, then the device with the most free slots (ties: lower id).
+   A slot an expert cannot use (every device with a free slot already holds it) goes to the
+   next candidate in load order, and a final sweep over the top ``t`` places one replica at a
+   time until no free slot can host any of them: the budget ``|D| m`` is never left unspent
+   where a top-``t`` expert could use it.
 
 Every input is the same on every rank (the loads come from the count exchange, ``t`` from the
 ranks' mean measurement carried in it), so every rank computes the same ``P'``.
@@ -129,6 +133,31 @@ def _apportion(total: int, weights: np.ndarray, caps: np.ndarray) -> np.ndarray:
     return n
 
 
+def _place(e: int, n: int, holders: list[set[int]], free: np.ndarray, nodes: int,
+           local_size: int) -> int:
+    """Distribute up to ``n`` replicas of expert ``e`` "across nodes and devices, prioritizing
+    nodes with more available slots" and nodes without ``e`` (Section 4.2), one at a time; returns
+    how many were placed (fewer when no device with a free slot lacks ``e``)."""
+    for placed in range(n):
+        best = None
+        for node in range(nodes):
+            devs = [d for d in range(node * local_size, (node + 1) * local_size)
+                    if d not in holders[e] and free[d] > 0]
+            if not devs:
+                continue
+            has = any(d // local_size == node for d in holders[e])
+            node_free = int(free[node * local_size:(node + 1) * local_size].sum())
+            dev = min(devs, key=lambda d: (-free[d], d))
+            key = (has, -node_free, node)
+            if best is None or key < best[0]:
+                best = (key, dev)
+        if best is None:
+            return placed
+        holders[e].add(best[1])
+        free[best[1]] -= 1
+    return n
+
+
 def sparse_materialize(owners: Placement, loads, t: int, m, local_size: int,
                        base: Placement | None = None) -> Placement:
     """Algorithm 1. ``m``: an int (every device) or a per-device sequence of free slots;
@@ -158,24 +187,14 @@ def sparse_materialize(owners: Placement, loads, t: int, m, local_size: int,
     caps = np.array([world - len(holders[e]) for e in top])          # at most every device
     n_rep = _apportion(tot_slots, loads[top], caps)                   # line 9
     nodes = world // local_size
+    carry = 0                          # slots an earlier expert could not use
     for e, n in zip(top, n_rep):                                   # descending load
-        for _ in range(int(n)):
-            best = None
-            for node in range(nodes):
-                devs = [d for d in range(node * local_size, (node + 1) * local_size)
-                        if d not in holders[e] and free[d] > 0]
-                if not devs:
-                    continue
-                has = any(d // local_size == node for d in holders[e])
-                node_free = int(free[node * local_size:(node + 1) * local_size].sum())
-                dev = min(devs, key=lambda d: (-free[d], d))
-                key = (has, -node_free, node)
-                if best is None or key < best[0]:
-                    best = (key, dev)
-            if best is None:
-                break
-            holders[e].add(best[1])
-            free[best[1]] -= 1
+        carry = int(n) + carry - _place(e, int(n) + carry, holders, free, nodes, local_size)
+    # a slot no expert of its turn could take goes to the next candidate: sweep the top-t again
+    # in descending load, one replica at a time, until every free slot sits on a device that
+    # already holds every top-t expert (the budget |D| m is spent wherever it can host one)
+    while free.sum() > 0 and any(_place(e, 1, holders, free, nodes, local_size) for e in top):
+        pass
     return owners.materialize(holders)
 
 

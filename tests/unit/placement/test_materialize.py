@@ -139,3 +139,35 @@ def test_options_refuse_what_algorithm_1_cannot_use():
     with pytest.raises(ConfigError, match="memory_capacity"):
         FSSDPOptions(materialize="sparse", overlap_degree=1, memory_capacity=-1)
     assert FSSDPOptions(materialize="sparse", overlap_degree=2).window == 5
+
+
+def _spent_where_possible(got, loads, t, m):
+    """Algorithm 1's budget is spent: a device with a slot left holds every top-t expert."""
+    top = sorted(range(len(loads)), key=lambda e: (-loads[e], e))[:t]
+    left = [d for d, r in enumerate(replicas_per_device(got)) if r < m]
+    return all(d in got.holders[e] for d in left for e in top)
+
+
+def test_branch_t_gt_m_places_every_slot_a_top_expert_can_use():
+    # the apportioned shares (line 9) give an expert more replicas than the devices with a
+    # free slot can take; the left-over slot must go to the next candidate, not be dropped
+    # (2 nodes x 2; the top 2 are experts 0 (rank 1) and 2 (rank 3), 2 slots each by load)
+    owners = Placement([1, 3, 3, 3], world_size=4)
+    loads = np.array([8, 6, 7, 5], dtype=float)
+    got = sparse_materialize(owners, loads, t=2, m=1, local_size=2)
+    assert replicas_per_device(got).sum() == 4                       # |D| * m, none lost
+    assert _spent_where_possible(got, loads, 2, 1)
+
+
+def test_branch_t_gt_m_never_leaves_a_usable_slot_on_random_cases():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        world, local = [(4, 2), (8, 2), (8, 4)][rng.integers(3)]
+        E = int(rng.choice([4, 8, 16]))
+        owners = Placement([int(x) for x in rng.integers(0, world, E)], world_size=world)
+        m = int(rng.integers(1, 4))
+        t = int(rng.integers(m + 1, E + 1))
+        loads = rng.zipf(1.5, E).astype(float)
+        got = sparse_materialize(owners, loads, t=t, m=m, local_size=local)
+        assert replicas_per_device(got).max() <= m
+        assert _spent_where_possible(got, loads, t, m), (owners.owners, loads, t, m)
