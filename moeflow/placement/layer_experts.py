@@ -362,9 +362,11 @@ class FSSDPExperts(nn.Module):
         its attention in between, which has none (FSSDP refuses tensor parallelism).
         ``timeline`` (a :class:`~moeflow.schedule.executor.Timeline`; benchmarks pass one):
         record the spAG as a ``comm`` task ``SPAG`` of the forward (its lane's clock)."""
-        if self._pending is not None or self.world == 1:
+        if self._pending is not None:
             return
-        self.non_moe.start(self.slots.device)
+        self.non_moe.start(self.slots.device)     # T_non-MoE of Algorithm 1, every world size
+        if self.world == 1:
+            return
         placement = self.next_placement()
         dev = self.slots.device
         hand = Handoff(lane, dev)
@@ -435,6 +437,15 @@ class FSSDPExperts(nn.Module):
         are bound by :meth:`plan`, after the optional calibration. ``lane``: the layer's
         communication lane (``overlap_backward`` runs the spRS there)."""
         self.lane = lane
+        if (self.options.materialize == "sparse" and self.options.overlap_degree is None
+                and not self.non_moe.started):     # the same on every rank: no collective yet
+            raise ConfigError(
+                "MoEConfig.fssdp.materialize='sparse' derives Algorithm 1's overlap degree t "
+                "from T_non-MoE, the time from the layer's prefetch() (the GPT block calls it "
+                "before its attention) to its forward, and this layer ran without a "
+                "prefetch() before it, so t would be 0 (static placement): call "
+                "layer.prefetch() before the work that precedes the layer, or give "
+                "fssdp.overlap_degree")
         self.non_moe.stop()
         placement, got, nbytes = self._gathered()
         self.bytes["spag"] = nbytes

@@ -157,6 +157,13 @@ class FSSDPOptions:
             raise ConfigError(f"{o}: materialize='sparse' derives the overlap degree t from a "
                               "bandwidth: give bandwidth_Bps, links (a `moeflow bench links` "
                               "JSON) or overlap_degree")
+        if self.materialize == "sparse" and self.overlap_degree is None \
+                and not self.early_gather:
+            raise ConfigError(f"{o}: materialize='sparse' derives the overlap degree t from "
+                              "T_non-MoE, measured from the block's early spAG "
+                              "(early_gather=True) to the MoE layer; with "
+                              "early_gather=False nothing measures it (t would be 0: static "
+                              "placement): set early_gather=True or give overlap_degree")
         if self.overlap_regather and not self.rematerialize:
             raise ConfigError(f"{o}.overlap_regather=True is invalid with rematerialize=False: "
                               "only HECATE-RM frees the experts after the forward and gathers "

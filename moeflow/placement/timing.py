@@ -18,8 +18,10 @@ class LazyInterval:
         self._cpu_start: float | None = None
         self._events: tuple | None = None
         self._last = 0.0
+        self.started = False             # whether start() was ever called
 
     def start(self, device: torch.device) -> None:
+        self.started = True
         if device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
