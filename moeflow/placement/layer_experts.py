@@ -246,7 +246,7 @@ class FSSDPExperts(nn.Module):
                               f"placement='fssdp' on {world} ranks: the initial (even) sharding "
                               f"needs a multiple of {world}; use "
                               f"{-(-num_experts // world) * world} experts")
-        self.options, self.rank, self.world = options, rank, world
+        self.options, self.rank, self.world, self.d_in = options, rank, world, d_in
         self.local_size, self.group = local_size, group
         # the early spAG's group: its batched point-to-point runs on the lane thread while
         # the caller's thread runs the block's attention, and a batch's coalescing state
@@ -319,6 +319,14 @@ class FSSDPExperts(nn.Module):
         """``P'`` for the next iterations (``materialize="manual"``): ``holders[e]`` the ranks
         holding expert ``e``; must contain its owner (checked by :class:`Placement`)."""
         self.holders = [frozenset(h) for h in self.owners.materialize(holders).holders]
+
+    def _row_bytes(self) -> int:
+        """Bytes of one token row in the all-to-alls: ``d_in`` values at the autocast dtype
+        when autocast is on (the tokens' precision), else at the experts' parameter dtype."""
+        dev = self.slots.device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else self.slots.dtype)
+        return self.d_in * dtype.itemsize
 
     @property
     def expert_bytes(self) -> int:
@@ -472,7 +480,8 @@ class FSSDPExperts(nn.Module):
         if self.options.calibrate and self.world > 1 and self.token_s > 0:
             better = calibrate(self.owners, placement, kept.every, self.overlap(),
                                self.memory_capacity, self.local_size, self.token_s,
-                               self.expert_bytes, self.bandwidth or float("inf"))
+                               self.expert_bytes, self.bandwidth or float("inf"),
+                               row_bytes=self._row_bytes())
             if better != placement:                     # the extra spAG, on the critical path
                 extra = self.owners.materialize(
                     [{self.owners.owners[e]} | (set(better.holders[e]) - set(h))

@@ -32,7 +32,8 @@ ranks' mean measurement carried in it), so every rank computes the same ``P'``.
 
 *Calibration* (Section 4.2, optional): :func:`calibrate` re-runs Algorithm 1 from ``P'`` with
 the current iteration's loads and the remaining capacity, and accepts the result only if the
-predicted latency, extra spAG included, is lower (:func:`predicted_latency`).
+predicted latency (expert phase and the dispatch / combine all-to-alls), extra spAG included, is
+lower (:func:`predicted_latency`).
 """
 
 from __future__ import annotations
@@ -213,11 +214,25 @@ def replicas_per_device(placement: Placement) -> np.ndarray:
     return np.array([len(placement.replicas(d)) for d in range(placement.world_size)])
 
 
-def predicted_latency(placement: Placement, counts, local_size: int, token_s: float) -> float:
-    """The expert phase's latency model: the most loaded rank's tokens times the per-token
-    expert time (the straggler sets the pace, Section 2)."""
-    loads = dispatch_plan(placement, counts, local_size).sum(axis=(0, 1))
-    return float(loads.max()) * token_s
+def predicted_latency(placement: Placement, counts, local_size: int, token_s: float,
+                      row_bytes: int = 0, bandwidth_Bps: float = float("inf")) -> float:
+    """The forward's latency model of calibration (Section 4.2): the expert phase, the most
+    loaded rank's tokens times the per-token expert time (the straggler sets the pace,
+    Section 2), plus the two all-to-alls around it (dispatch and combine, Section 4.4's plan):
+    the busiest rank's rows over the slow links, sent or received, times ``row_bytes`` over
+    ``bandwidth_Bps`` (the inter-node links on a cluster of several nodes, every off-rank link
+    on one node). ``row_bytes = 0`` leaves the all-to-all out (the expert phase alone)."""
+    plan = dispatch_plan(placement, counts, local_size)
+    latency = float(plan.sum(axis=(0, 1)).max()) * token_s
+    if row_bytes and bandwidth_Bps != float("inf"):
+        world = placement.world_size
+        node = np.arange(world) // local_size
+        slow = (node[:, None] != node[None, :]) if world > local_size \
+            else ~np.eye(world, dtype=bool)
+        rows = plan.sum(axis=1) * slow                  # [src, dst] rows over slow links
+        busiest = max(rows.sum(axis=1).max(), rows.sum(axis=0).max())
+        latency += 2 * float(busiest) * row_bytes / bandwidth_Bps
+    return latency
 
 
 def extra_gather_s(before: Placement, after: Placement, expert_bytes: int,
@@ -229,15 +244,17 @@ def extra_gather_s(before: Placement, after: Placement, expert_bytes: int,
 
 
 def calibrate(owners: Placement, current: Placement, counts, t: int, m: int, local_size: int,
-              token_s: float, expert_bytes: int, bandwidth_Bps: float) -> Placement:
+              token_s: float, expert_bytes: int, bandwidth_Bps: float,
+              row_bytes: int = 0) -> Placement:
     """Section 4.2's calibration: Algorithm 1 again with the real loads ``counts`` (source rank
     x expert) and the capacity left after ``current``; the new placement is accepted only if
-    its predicted latency plus the extra spAG is below ``current``'s."""
+    its predicted latency (:func:`predicted_latency`: expert phase and all-to-all, the tokens'
+    ``row_bytes`` over ``bandwidth_Bps``) plus the extra spAG is below ``current``'s."""
     counts = np.asarray(counts)
     free = np.maximum(m - replicas_per_device(current), 0)
     new = sparse_materialize(owners, counts.sum(0), t, free, local_size, base=current)
-    keep = predicted_latency(current, counts, local_size, token_s)
-    moved = (predicted_latency(new, counts, local_size, token_s)
+    keep = predicted_latency(current, counts, local_size, token_s, row_bytes, bandwidth_Bps)
+    moved = (predicted_latency(new, counts, local_size, token_s, row_bytes, bandwidth_Bps)
              + extra_gather_s(current, new, expert_bytes, bandwidth_Bps))
     return new if moved < keep else current
 

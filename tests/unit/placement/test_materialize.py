@@ -11,6 +11,7 @@ import pytest
 from moeflow.errors import ConfigError
 from moeflow.placement import Placement
 from moeflow.placement.materialize import (LoadWindow, _apportion, calibrate, link_bandwidth,
+                                           predicted_latency,
                                            overlap_degree, replicas_per_device,
                                            sparse_materialize)
 from moeflow.placement.options import FSSDPOptions
@@ -171,3 +172,19 @@ def test_branch_t_gt_m_never_leaves_a_usable_slot_on_random_cases():
         got = sparse_materialize(owners, loads, t=t, m=m, local_size=local)
         assert replicas_per_device(got).max() <= m
         assert _spent_where_possible(got, loads, t, m), (owners.owners, loads, t, m)
+
+
+def test_calibration_counts_the_all_to_all():
+    # node 1's ranks (2, 3) send all their tokens to expert 3, owned on node 0 (rank 1): the
+    # expert time is negligible (1 ns per token), so only the all-to-all makes a replica on
+    # node 1 worth its extra spAG (1 us per expert at 1 GB/s)
+    counts = np.zeros((4, 8), dtype=np.int64)
+    counts[2:, 3] = 100
+    current = Placement.even(8, 4)
+    args = dict(t=1, m=1, local_size=2, token_s=1e-9, expert_bytes=1000, bandwidth_Bps=1e9)
+    assert calibrate(P, current, counts, **args) == current          # expert phase only
+    moved = calibrate(P, current, counts, row_bytes=4096, **args)   # + dispatch / combine
+    assert moved != current and {2, 3} & moved.holders[3]
+    before = predicted_latency(current, counts, 2, 1e-9, 4096, 1e9)
+    assert before == pytest.approx(200 * 1e-9 + 2 * 200 * 4096 / 1e9)   # rank 1 receives 200
+    assert predicted_latency(moved, counts, 2, 1e-9, 4096, 1e9) < before
