@@ -35,7 +35,7 @@ The auto-tuned exchange settings of the MoE layers (docs/autotune.md) are kept b
 ``autotune.json``, so a resume on the same topology does not re-tune.
 
 HECATE FSSDP (``placement="fssdp"``): a rank's owned experts are rows of one slot tensor
-(:class:`~moeflow.placement.layer_experts.FSSDPExperts`); each row is split back into its named
+(:class:`~moeflow.strategies.fssdp.layer_experts.FSSDPExperts`); each row is split back into its named
 tensors under the same keys as expert parallelism (``.../experts.w1/expert/5``), written by its
 owner only, so each expert is saved once with its optimizer state, and FSSDP and EP checkpoints
 load into each other on any world size.
@@ -67,7 +67,7 @@ from moeflow.errors import ConfigError
 from moeflow.experts.ffn import HIDDEN_DIM, ExpertFFN
 from moeflow.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from moeflow.autotune import restore_tuning, tuning_state
-from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -341,7 +341,7 @@ def _fssdp_meta(model: nn.Module) -> dict[str, torch.Tensor]:
 def _restore_fssdp(path: str, model: nn.Module, optimizer) -> None:
     """Load the shard maps and windows saved with FSSDP, and re-shard to those owners when
     they fit this job (same world size); otherwise the experts load into the current owners."""
-    from moeflow.placement.reshard import apply_owners, fssdp_layers
+    from moeflow.strategies.fssdp.reshard import apply_owners, fssdp_layers
 
     meta = _fssdp_meta(model)
     if not meta:

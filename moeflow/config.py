@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from moeflow.devices import DEVICES, DTYPES
 from moeflow.errors import ConfigError
-from moeflow.placement.options import PLACEMENTS, FSSDPOptions
 from moeflow.registry import did_you_mean, registry
 
 
@@ -188,7 +187,7 @@ class MoEConfig:
     DeepSpeed-MoE, Tutel); see ``moeflow/routing/losses.py``. With ``router="bilevel"`` it
     applies per level of SMILE's Eq. (4), whose ``f`` is the first choice (argmax).
 
-    ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/parallel/parm``,
+    ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/strategies/parm``,
     used when the topology has ``mp_size`` or ``esp_size`` > 1): ``"baseline"`` is
     DeepSpeed-MoE's order (Parm Fig. 3a); ``"s1"`` pauses MP before the gate (Fig. 3b),
     ``"s2"`` after it (Fig. 3c), both with the EP&ESP-AlltoAll; ``"auto"`` picks S1 or S2 per
@@ -243,7 +242,7 @@ class MoEConfig:
     parm_saa: bool = True
     # S2, and the baseline with the ESP group inside the MP group: compare a digest of the
     # dispatch plan over the MP group each call (a debug check:
-    # one host sync and a small all-reduce; moeflow/parallel/parm/plan_agreement.py)
+    # one host sync and a small all-reduce; moeflow/strategies/parm/plan_agreement.py)
     parm_check_plan: bool = False
     # Auto-tuning (moeflow/autotune/, docs/autotune.md): codec="auto:lossy" lets the tuner pick
     # a lossy codec whose relative L2 error (layer output and input gradient vs the lossless
@@ -254,7 +253,7 @@ class MoEConfig:
 
     # HECATE FSSDP (Section 3.2, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
     # experts fully sharded (one owner each), materialized per iteration by spAG; its options
-    # (a dict or moeflow.placement.options.FSSDPOptions) are checked there.
+    # (a dict or moeflow.strategies.fssdp.options.FSSDPOptions) are checked there.
     placement: str = "ep"
     fssdp: dict | FSSDPOptions | None = None
     # Capacity mode's empty slots (moeflow/dispatch/plan.py): "pad" sends and
@@ -266,7 +265,7 @@ class MoEConfig:
     # top_k / capacity_factor overrides) at each call, e.g. fixed (batch, seq) batches. It
     # lets the layer skip two host collectives after their first call per distinct count:
     # capacity mode's gather of every rank's C_p (moeflow/dispatch/plan.py) and Parm auto's
-    # all-reduce of Algorithm 1's predictions (moeflow/parallel/parm/algorithm1.py). Each
+    # all-reduce of Algorithm 1's predictions (moeflow/strategies/parm/algorithm1.py). Each
     # first call checks the promise and raises a ConfigError naming this field if it fails.
     equal_rank_tokens: bool = False
     # Activation memory of the experts (moeflow/schedule/pipeline.py, "Recomputation"):
@@ -276,6 +275,8 @@ class MoEConfig:
     recompute: str = "none"
 
     def __post_init__(self) -> None:
+        from moeflow.strategies.fssdp.options import PLACEMENTS, FSSDPOptions
+
         o = "MoEConfig"
         _require(isinstance(self.equal_rank_tokens, bool), o, "equal_rank_tokens",
                  self.equal_rank_tokens, "must be True (every rank calls the layer with the "

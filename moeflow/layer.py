@@ -23,11 +23,11 @@ from moeflow.dispatch.plan import KnownCapacities
 from moeflow.experts.ffn import EXPERTS
 from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections, comm_width, expert_hidden
-from moeflow.parallel.parm import schedules as parm
-from moeflow.parallel.parm.checks import check_parm_layer
-from moeflow.parallel.parm.baseline import esp_reduce
+from moeflow.strategies.parm import schedules as parm
+from moeflow.strategies.parm.checks import check_parm_layer
+from moeflow.strategies.parm.baseline import esp_reduce
 from moeflow.schedule.phases import NULL_TIMER, PhaseTimer
-from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
 from moeflow.routing.aux_grad import attach_aux_loss
 from moeflow import autotune, plan_record

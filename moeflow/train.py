@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 
 from moeflow import checkpoint
-from moeflow.placement.metrics import fssdp_metrics
-from moeflow.placement.replace import maybe_replace
-from moeflow.placement.reshard import maybe_reshard
+from moeflow.strategies.fssdp.metrics import fssdp_metrics
+from moeflow.strategies.fssdp.replace import maybe_replace
+from moeflow.strategies.fssdp.reshard import maybe_reshard
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
 from moeflow.devices import autocast, host_all_reduce, resolve_device, resolve_dtype

@@ -71,8 +71,8 @@ from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import MoEConfig
 from moeflow.devices import resolve_device
 from moeflow.layer import MoELayer
-from moeflow.parallel.parm.algorithm1 import use_fits
-from moeflow.parallel.parm.fits import measure_parm_fits
+from moeflow.strategies.parm.algorithm1 import use_fits
+from moeflow.strategies.parm.fits import measure_parm_fits
 from moeflow.parallel.tensor_parallel import copy_to_mp, reduce_from_mp
 from moeflow.topology import Topology
 

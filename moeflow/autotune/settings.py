@@ -44,7 +44,7 @@ def apply(layer, cfg: MoEConfig) -> None:
     """Run ``layer`` with the concrete settings of ``cfg`` (algorithm, scheduler and codecs
     rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them). Moving
     to or from ``a2a="node_dedup"`` also replaces the layer's strategy: that algorithm is a
-    dispatch and combine of its own (:mod:`moeflow.strategies.node_dedup`), not only an
+    dispatch and combine of its own (:mod:`moeflow.strategies.node_dedup.strategy`), not only an
     exchange."""
     from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.comm.codecs import CODECS

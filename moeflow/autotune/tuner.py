@@ -174,7 +174,7 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
     :func:`~moeflow.strategies.node_dedup.check_config` on the placeholder config."""
     from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.errors import ConfigError
-    from moeflow.strategies.node_dedup import check_config
+    from moeflow.strategies.node_dedup.strategy import check_config
 
     if requested.a2a != AUTO:
         return [requested.a2a]
@@ -190,7 +190,7 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
             continue
         ok.append(name)
     if topo.esp_size > 1:
-        from moeflow.parallel.parm.checks import ESP_ALLTOALLS
+        from moeflow.strategies.parm.checks import ESP_ALLTOALLS
         ok = [a for a in ok if a in ESP_ALLTOALLS]
     return ok
 

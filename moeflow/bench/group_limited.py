@@ -8,7 +8,7 @@ DeepSeek-V3 (section 2.1.2 / 3.2.2, "node-limited routing") makes the expert gro
 bi-level router (``routing/bilevel.py``) gets the same bound from its node router. The bound
 pays off only with a dispatch that sends a token once per destination node (DeepSeek-V3's
 IB-then-NVLink dispatch, section 3.2.2): ``a2a="node_dedup"``
-(:mod:`moeflow.strategies.node_dedup`). Run on several nodes (``moeflow cluster run --nodes 2
+(:mod:`moeflow.strategies.node_dedup.strategy`). Run on several nodes (``moeflow cluster run --nodes 2
 --ranks-per-node 2 -- python -m moeflow.cli bench group-limited --out x.json``, or
 ``--local-size`` under torchrun); variants = routing x ``--algorithms``, side by side on the same
 input, round robin, dropless. Per variant (``rows``):

@@ -11,7 +11,7 @@ input (forward + backward + gradient sync; ranks aligned; the slowest rank's tim
 * ``shadow``: FasterMoE-style shadowing (:mod:`moeflow.bench.shadow`): each step, the current
   global counts (an all-reduce after a gate pass, inside the timed step) pick the ``shadow``
   most loaded experts, held by every rank; owners static;
-* ``replace``: SmartMoE-style periodic expert re-placement (:mod:`moeflow.placement.replace`,
+* ``replace``: SmartMoE-style periodic expert re-placement (:mod:`moeflow.strategies.fssdp.replace`,
   ``fssdp={"replace_every": K}``): ``P' = P`` (EP's data flow) with owners re-assigned from the
   load window after the warm-up and then every ``K`` timed steps (inside the timed step),
   each move carrying the expert's parameters and its Adam moments (zero-filled Adam state is
@@ -54,9 +54,9 @@ from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.schedule.phases import PhaseTimer
-from moeflow.placement.layer_experts import FSSDPExperts
-from moeflow.placement.replace import rank_loads, replace
-from moeflow.placement.reshard import reshard
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.replace import rank_loads, replace
+from moeflow.strategies.fssdp.reshard import reshard
 from moeflow.topology import Topology
 
 

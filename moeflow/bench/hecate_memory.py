@@ -5,7 +5,7 @@
   tensors this rank holds (unique storages, ``untyped_storage().nbytes()``, so shared or
   viewed storage counts once).
 * :class:`MaterializedProbe`: the bytes of the FSSDP layer's materialized experts (the stacked
-  held-expert tensor of :mod:`moeflow.placement.layer_experts`) **still held between the
+  held-expert tensor of :mod:`moeflow.strategies.fssdp.layer_experts`) **still held between the
   forward and the backward**: with HECATE-RM its storage is resized to 0 after the forward and
   refilled by the backward's second spAG, without it the held copies stay for the backward.
   It wraps the layer's ``end`` hook on this one instance (bench instrumentation, no change of
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 
 
 def _storage_bytes(tensors) -> int:

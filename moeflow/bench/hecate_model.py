@@ -34,7 +34,7 @@ from moeflow.config import ModelConfig, TrainConfig, model_preset
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.models.gpt import GPT
 from moeflow.parallel.grad_sync import sync_gradients
-from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 from moeflow.topology import Topology
 from moeflow.train import make_optimizer
 

@@ -25,7 +25,7 @@ Modes (``--modes``):
   (:func:`moeflow.bench.shadow.current_loads`) pick the ``--t`` most loaded experts, held by
   every rank; the spAG then runs on the critical path (FasterMoE decides after the gate).
 * ``replace``: SmartMoE-style re-placement every ``--replace-every`` steps
-  (``fssdp={"replace_every": K}``, :mod:`moeflow.placement.replace`), EP's data flow between.
+  (``fssdp={"replace_every": K}``, :mod:`moeflow.strategies.fssdp.replace`), EP's data flow between.
 * ``hecate``: Algorithm 1 (``t = --t``, ``m = --m``) every step, early spAG under the attention,
   Algorithm 2 every ``--reshard-every`` steps.
 * ``hecate-rm``: the same with re-materialization (HECATE-RM, Section 3.2).
@@ -130,7 +130,7 @@ def _rank_tokens(layers, counts: torch.Tensor, world: int) -> list[list[int]]:
     own record (``last_loads``: over ``P'``, the same on every rank), EP layers' ``counts``
     summed over each rank's contiguous block of experts (this rank's counts here: the worker
     recomputes EP's rows from the all-reduced counts after the run)."""
-    from moeflow.placement.layer_experts import FSSDPExperts
+    from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 
     out = []
     for mod, c in zip(layers, counts):

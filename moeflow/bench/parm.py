@@ -8,7 +8,7 @@ cross the nodes, :func:`crossing`) and every MoE case (tokens per rank
 (Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
 hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
 are reported. Per layout, the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the
-running cluster first (:func:`moeflow.parallel.parm.fits.measure_parm_fits`), twice: at the
+running cluster first (:func:`moeflow.strategies.parm.fits.measure_parm_fits`), twice: at the
 default 16 Ki-256 Ki elements and at sizes spanning the messages this grid sends on the layout
 (:func:`moeflow.bench.parm_collectives.grid_elements`); the auto layers take the set
 ``fit_sizes`` names, and both sets' Algorithm 1 predictions (communication only, Eq. 13 and
@@ -31,8 +31,8 @@ from moeflow.bench.parm_collectives import (
 from moeflow.bench.schedule import time_variants
 from moeflow.config import MoEConfig
 from moeflow.devices import resolve_device
-from moeflow.parallel.parm.algorithm1 import algorithm1, use_fits
-from moeflow.parallel.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
+from moeflow.strategies.parm.algorithm1 import algorithm1, use_fits
+from moeflow.strategies.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
 from moeflow.topology import Topology
 
 VARIANTS = [("baseline", dict(parallel_schedule="baseline")),

@@ -23,7 +23,7 @@ the slowest rank per repetition via :func:`moeflow.measure.timing.time_aligned`,
 each schedule's whole forward chain of collectives back to back as the schedule issues them
 (no expert compute between them: "the schedule's communication"). Predictions: the piece's
 alpha-beta fit (``fits``: ``ag_mp`` / ``a2a`` / ``overlap`` as Algorithm 1 uses them,
-:mod:`moeflow.parallel.parm.fits`, plus the baseline's ``ag_esp`` / ``a2a_ep`` / ``ar_esp``
+:mod:`moeflow.strategies.parm.fits`, plus the baseline's ``ag_esp`` / ``a2a_ep`` / ``ar_esp``
 from :func:`measure_baseline_fits`), and per schedule the equation's total (the sum of the
 predicted terms) beside the sum of the measured pieces and the measured chain.
 """
@@ -41,10 +41,10 @@ import torch.distributed as dist
 from moeflow.measure.linkmodel import AlphaBeta, fit_alpha_beta
 from moeflow.measure.timing import time_aligned
 from moeflow.dispatch.capacity import capacity
-from moeflow.parallel.parm.baseline import esp_peers_share_tokens
-from moeflow.parallel.parm.collectives import _all_gather
-from moeflow.parallel.parm.s1 import token_rows
-from moeflow.parallel.parm.saa import saa
+from moeflow.strategies.parm.baseline import esp_peers_share_tokens
+from moeflow.strategies.parm.collectives import _all_gather
+from moeflow.strategies.parm.s1 import token_rows
+from moeflow.strategies.parm.saa import saa
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.topology import Topology
 

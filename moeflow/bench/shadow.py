@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.errors import ConfigError
-from moeflow.placement.placement import Placement
+from moeflow.strategies.fssdp.placement import Placement
 
 
 def shadow_placement(owners: Placement, loads, num_shadowed: int) -> Placement:

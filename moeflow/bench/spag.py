@@ -22,7 +22,7 @@ import torch
 from moeflow.comm.holder_groups import HolderGroups
 from moeflow.comm.sparse import SparseAllGather, SparseReduceScatter, group_timeout
 from moeflow.measure.timing import slowest, start_aligned
-from moeflow.placement.placement import Placement
+from moeflow.strategies.fssdp.placement import Placement
 from moeflow.topology import Topology
 
 TRANSPORTS = ("p2p", "broadcast")

@@ -45,7 +45,7 @@ import torch
 from moeflow.bench.spag import random_holders
 from moeflow.devices import host_all_reduce
 from moeflow.measure.timing import slowest, start_aligned
-from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 from moeflow.schedule.executor import Timeline
 from moeflow.schedule.streams import Clock
 from moeflow.schedule.tasks import Task
@@ -215,7 +215,7 @@ def regather_worker(opts: dict) -> dict:
     dense block's attention backward alone, for scale. The four in alternating order (ABCD,
     DCBA, ...), ranks aligned, slowest rank. ``hidden`` per repetition: (sync - overlapped) /
     spAG alone."""
-    from moeflow.placement.layer_experts import _run_spag, _spag_op
+    from moeflow.strategies.fssdp.layer_experts import _run_spag, _spag_op
 
     topo = Topology.from_env()
     dev = torch.device("cpu")

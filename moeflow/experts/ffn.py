@@ -21,7 +21,7 @@ for widths whose rows are not 16-byte aligned (a grouped-GEMM layout requirement
 Expert sharding (Parm's ESP, ``shard=(s, n)``): the module holds shard s of n of every local
 expert's hidden dimension, an exact slice of the global expert's weights (W1 / W3 columns,
 W2 rows, b1 / b3 entries, so still layout-independent); its output is a partial sum. ``reduce``
-(the ESP-AllReduce, :mod:`moeflow.parallel.parm.collectives`) sums the partials, and only then
+(the ESP-AllReduce, :mod:`moeflow.strategies.parm.collectives`) sums the partials, and only then
 is b2, which every shard holds whole, added; an ``EspReduce`` over ESP peers that hold the same
 rows (Parm's baseline with the ESP group inside the MP group) also sets the gradients:
 ``reduce.output`` after b2, and :meth:`ExpertFFN.reduce_input_grad` (Megatron's ``f``), which

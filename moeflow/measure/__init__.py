@@ -1,8 +1,8 @@
 """Measurement core: aligned timing of distributed work and alpha-beta link models.
 
 The layer below the auto-tuner (``moeflow.autotune``), Parm's Algorithm 1 fits
-(``moeflow.parallel.parm.fits``, Parm section V) and HECATE's Algorithm 1 cost model
-(``moeflow.placement.materialize``, HECATE section 4.2); the benchmark commands (``moeflow.bench``)
+(``moeflow.strategies.parm.fits``, Parm section V) and HECATE's Algorithm 1 cost model
+(``moeflow.strategies.fssdp.materialize``, HECATE section 4.2); the benchmark commands (``moeflow.bench``)
 build on it. It imports only torch, numpy, the standard library and the leaf modules
 ``moeflow.errors`` / ``moeflow.devices`` (the device clock and host-side collectives), never the
 layer, the schedule or the benchmarks (``tests/unit/core/test_import_layers.py`` checks this).

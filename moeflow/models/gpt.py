@@ -34,7 +34,7 @@ from moeflow.init import seeded_normal
 from moeflow.layer import MoELayer
 from moeflow.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                               check_divisible, shard_of, tp_shard)
-from moeflow.placement.reshard import fssdp_layers, share_slots
+from moeflow.strategies.fssdp.reshard import fssdp_layers, share_slots
 from moeflow.topology import Topology
 
 

@@ -7,12 +7,12 @@ sizes the algorithms themselves use (:mod:`moeflow.comm.alltoall.phases`): ``hie
 inter), ``bilevel`` (inter then intra; its combine as hier2d), ``hier1d`` (gather to the leader,
 inter among leaders, scatter) and ``node_dedup`` (one row per (token, node) across nodes: the
 token through the pass's codec with its k gates and its k expert ids (int32) raw in the same
-buffer, :func:`moeflow.strategies.node_dedup_steps._coded`; then one raw row per choice inside
+buffer, :func:`moeflow.strategies.node_dedup.steps._coded`; then one raw row per choice inside
 the node; the combine and the backward the mirror, without the ids). A phase over one rank per
 node (L = 1) skips its intra step, as the algorithms do. node_dedup's lane tasks also hold the
 work the library does on the communication thread around the collectives (``local`` steps):
 the codec's encode before the inter-node hop and its decode after it, and the relay's fan-out
-index arithmetic or gated partial sum (:mod:`moeflow.strategies.node_dedup`, ``a1`` / ``a2``).
+index arithmetic or gated partial sum (:mod:`moeflow.strategies.node_dedup.strategy`, ``a1`` / ``a2``).
 
 ``pipe`` (ScheMoE Section 5, Fig. 7) is two collectives issued together, not in order
 (:func:`~moeflow.comm.alltoall.phases.pipe_phases`): the Intra-Stream, an all-to-all over the node's
@@ -199,7 +199,7 @@ def exchange_steps(spec, costs, S: np.ndarray, combine: bool, phase: str = "forw
 def _dedup_lane_work(spec, costs, dedup, combine: bool, wire: int, p: int,
                      steps: list[Step]) -> list[Step]:
     """node_dedup's lane task of rank ``p``: its collectives with the work the library does
-    between them on the communication thread (:mod:`moeflow.strategies.node_dedup`'s ``a1`` /
+    between them on the communication thread (:mod:`moeflow.strategies.node_dedup.strategy`'s ``a1`` /
     ``a2`` and their explicit backward): the codec encodes what the inter-node hop sends and
     decodes what it receives (``CodedAllToAll``: one encoding per (token, node) or per partial
     sum), and the relay fans the received rows out by expert id, or forms the gated partial sum

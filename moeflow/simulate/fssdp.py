@@ -3,14 +3,14 @@
 What changes against expert parallelism, each from the library's placement code:
 
 * **the placement** ``P'`` (Section 3.2): ``static`` (``P' = P``, the even owners of
-  :meth:`moeflow.placement.placement.Placement.even`), ``sparse`` (Algorithm 1,
-  :func:`moeflow.placement.materialize.sparse_materialize`, with the overlap degree ``t`` and
+  :meth:`moeflow.strategies.fssdp.placement.Placement.even`), ``sparse`` (Algorithm 1,
+  :func:`moeflow.strategies.fssdp.materialize.sparse_materialize`, with the overlap degree ``t`` and
   memory capacity ``m`` given, on the sample's per-expert loads: the steady state in which the
   window of the last ``w`` iterations holds this routing), or ``manual`` holders;
 * **the token dispatch** (Section 4.4): capacity over the real experts first (GShard, as the
-  layer's :class:`~moeflow.placement.token_plan.KeptChoices`), then every kept choice to one
-  holder by :func:`moeflow.placement.dispatch.dispatch_plan`; the count matrix over held slots
-  (:func:`~moeflow.placement.token_plan.held_slots`, :func:`~moeflow.placement.token_plan.
+  layer's :class:`~moeflow.strategies.fssdp.token_plan.KeptChoices`), then every kept choice to one
+  holder by :func:`moeflow.strategies.fssdp.dispatch.dispatch_plan`; the count matrix over held slots
+  (:func:`~moeflow.strategies.fssdp.token_plan.held_slots`, :func:`~moeflow.strategies.fssdp.token_plan.
   slot_counts`) is what the all-to-alls, chunks and experts of :mod:`.layer` then run on,
   exactly as the layer reuses the EP exchange;
 * **spAG** before the layer (Section 3.1: each owner sends its expert to every new holder;
@@ -36,10 +36,10 @@ from moeflow.comm.sparse import spag_send_bytes, sprs_send_bytes
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.plan import expert_counts, make_plan
 from moeflow.errors import ConfigError
-from moeflow.placement.dispatch import dispatch_plan
-from moeflow.placement.materialize import sparse_materialize
-from moeflow.placement.placement import Placement
-from moeflow.placement.token_plan import held_slots, slot_counts
+from moeflow.strategies.fssdp.dispatch import dispatch_plan
+from moeflow.strategies.fssdp.materialize import sparse_materialize
+from moeflow.strategies.fssdp.placement import Placement
+from moeflow.strategies.fssdp.token_plan import held_slots, slot_counts
 
 MATERIALIZE = ("static", "sparse", "manual")
 
@@ -74,7 +74,7 @@ def expert_numel(d_model: int, d_expert: int, activation: str, bias: bool = Fals
 
 def kept_counts(spec, routing: list | None) -> np.ndarray:
     """``(world, E)`` kept choices per rank and expert: GShard capacity over the real experts,
-    as :class:`~moeflow.placement.token_plan.KeptChoices` (uniform expectation without ids)."""
+    as :class:`~moeflow.strategies.fssdp.token_plan.KeptChoices` (uniform expectation without ids)."""
     E, k, T, W = spec.num_experts, spec.top_k, spec.tokens, spec.world
     cap = None if spec.capacity_factor is None else capacity(T, k, E, spec.capacity_factor)
     if routing is None:

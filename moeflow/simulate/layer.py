@@ -22,7 +22,7 @@ wire (``Codec.wire_bytes``). ``node_dedup`` (DeepEP's inter-node dispatch): each
 of consecutive tokens a whole deduplicated exchange (:func:`.exchange.node_dedup_chunks`), its
 hops lane tasks in the scheduler's order in forward and backward, its count exchange one
 all-gather of every chunk's counts, its codec on the inter-node hops, encoded and decoded inside
-the lane task (:mod:`moeflow.strategies.node_dedup`). HECATE's placement: :mod:`.fssdp` (the
+the lane task (:mod:`moeflow.strategies.node_dedup.strategy`). HECATE's placement: :mod:`.fssdp` (the
 exchange over held slots, with spAG / spRS); Parm's schedules: :mod:`.parm`. Not modelled yet:
 the shared experts' task S.
 

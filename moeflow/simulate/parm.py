@@ -1,18 +1,18 @@
 """Parm's schedules in the simulator: every rank's collectives and tasks of one MoE layer step
-under MP + EP + ESP (Parm Section III; ``moeflow/parallel/parm/``).
+under MP + EP + ESP (Parm Section III; ``moeflow/strategies/parm/``).
 
 * ``baseline`` (Fig. 3a, Eq. 1; DeepSpeed-MoE 0.8.1's volumes where the ESP group lies inside
-  the MP group, :func:`moeflow.parallel.parm.baseline.esp_peers_share_tokens`): EP-AlltoAll,
+  the MP group, :func:`moeflow.strategies.parm.baseline.esp_peers_share_tokens`): EP-AlltoAll,
   expert shards with the ESP-AllReduce inside task E (forward: the outputs; backward: the
   input gradients), EP-AlltoAll back; where the ESP peers hold other tokens, Eq. 1's
   ESP-AllGather of the input (with the int64 row maps), the merged buffers' EP-AlltoAll,
   ESP-AllReduce, ESP-Split, and in backward ESP-Split's AllGather and the gather's
   ReduceScatter.
 * ``s1`` (Fig. 3b, Eq. 11): MP-Split before the gate (backward: an AllGather), the EP&ESP
-  exchange of the dumped buffer (Fig. 4c, :class:`moeflow.parallel.parm.ep_esp.Dump`), the
+  exchange of the dumped buffer (Fig. 4c, :class:`moeflow.strategies.parm.ep_esp.Dump`), the
   local combine, the MP-AllGather of the outputs and of the MP parts' balancing losses.
 * ``s2`` (Fig. 3c, Eq. 7 / 14): the gate on the whole batch, MP-Split of the send buffer
-  (:func:`moeflow.schedule.chunks.chunk_counts` shares, as :func:`moeflow.parallel.parm.s2.
+  (:func:`moeflow.schedule.chunks.chunk_counts` shares, as :func:`moeflow.strategies.parm.s2.
   s2_experts`), the EP&ESP-AlltoAll, then SAA (Section III-D, Fig. 5: ``u`` phases of
   point-to-point exchange, each overlapped with the MP-AllGather of the previous phase's slice;
   backward: the reduce-scatters with the reverse exchanges) or AAS (``saa=False``: the
@@ -51,10 +51,10 @@ import torch
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.plan import make_plan
 from moeflow.errors import ConfigError
-from moeflow.parallel.parm.baseline import esp_peer_ranks, esp_peers_share_tokens
-from moeflow.parallel.parm.ep_esp import Dump
-from moeflow.parallel.parm.s1 import token_rows
-from moeflow.parallel.parm.s2 import mp_slots
+from moeflow.strategies.parm.baseline import esp_peer_ranks, esp_peers_share_tokens
+from moeflow.strategies.parm.ep_esp import Dump
+from moeflow.strategies.parm.s1 import token_rows
+from moeflow.strategies.parm.s2 import mp_slots
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.simulate import engine
 from moeflow.simulate.costs import CostModel

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from moeflow.strategies.base import Call, ExpertStrategy
 from moeflow.strategies.expert_parallel import ExpertParallel
-from moeflow.strategies.fssdp import FSSDP
-from moeflow.strategies.node_dedup import NodeDedup
-from moeflow.strategies.parm import Parm
+from moeflow.strategies.fssdp.strategy import FSSDP
+from moeflow.strategies.node_dedup.strategy import NodeDedup
+from moeflow.strategies.parm.strategy import Parm
 
 __all__ = ["Call", "ExpertStrategy", "ExpertParallel", "FSSDP", "NodeDedup", "Parm", "select"]
 

@@ -13,8 +13,8 @@ import torch
 from moeflow import Topology, sync_gradients
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 from moeflow.init import seeded_normal
-from moeflow.placement.layer_experts import FSSDPExperts
-from moeflow.placement.memory import slot_bytes
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.memory import slot_bytes
 from tests.helpers import parity
 
 WORLD, LOCAL, STEPS, LR = 4, 2, 3, 0.02
@@ -277,7 +277,7 @@ def reshard_worker(path: str) -> dict:
     """EP vs FSSDP (static and Algorithm 1) with a re-shard after step 2 of 4; a checkpoint
     taken after the re-shard resumes exactly."""
     from moeflow import checkpoint
-    from moeflow.placement.reshard import maybe_reshard
+    from moeflow.strategies.fssdp.reshard import maybe_reshard
 
     topo = Topology.from_env(local_size=LOCAL)
     out = {}
@@ -295,7 +295,7 @@ def reshard_worker(path: str) -> dict:
                 owners.append([list(m.experts.owners.owners) for m in model.moe_layers()])
             if step == 2 and label == "sparse":
                 checkpoint.save(path, model, opt, 3)
-        from moeflow.placement.metrics import fssdp_metrics
+        from moeflow.strategies.fssdp.metrics import fssdp_metrics
 
         rec = {"losses": losses, "owners": owners, "experts": all_experts(model),
                "metrics": fssdp_metrics(model),      # after a re-shard (the last step's P)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import Topology, sync_gradients
-from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 
 LOCAL, STEPS = 2, 3
 # (n_layers, moe_every): both blocks MoE (the next block's attention triggers the re-gather,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.init import seeded_normal
-from moeflow.placement import Placement, dispatch_plan
+from moeflow.strategies.fssdp import Placement, dispatch_plan
 from tests.reference.fssdp import ShardedExperts
 
 WORLD, LOCAL, E, D, H = 4, 2, 6, 3, 4

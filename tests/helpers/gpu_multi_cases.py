@@ -151,7 +151,7 @@ def run_rank_layer(layer, x, g, topo: Topology, device: torch.device, dtype: tor
 def reference(name: str, batches: list, parts: int = 1, **overrides) -> dict:
     """One process, float64: rank r's batch ``batches[r]`` as ``parts`` batches of their own
     (S1's MP parts; 1 otherwise) on the mean of the ranks' local losses."""
-    from moeflow.parallel.parm.s1 import token_rows
+    from moeflow.strategies.parm.s1 import token_rows
 
     layer = parity.make_layer(name, Topology.single(), **overrides)
     total, ys, xs = 0.0, [], []

@@ -8,7 +8,7 @@ import torch
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.bench.parm import crossing
 from moeflow.bench.parm_collectives import measure_baseline_fits, messages, time_case
-from moeflow.parallel.parm.fits import measure_parm_fits
+from moeflow.strategies.parm.fits import measure_parm_fits
 from moeflow.topology import Topology
 
 SYNTHETIC = AlphaBeta(1e-4, 1e-9)

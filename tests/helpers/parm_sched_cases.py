@@ -15,10 +15,10 @@ import torch
 from moeflow import MoELayer, Topology
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.config import ConfigError, MoEConfig
-from moeflow.parallel.parm.fits import ParmFits, measure_parm_fits
-from moeflow.parallel.parm.s1 import token_rows
-from moeflow.parallel.parm.s2 import mp_slots
-from moeflow.parallel.parm.saa import aas, saa
+from moeflow.strategies.parm.fits import ParmFits, measure_parm_fits
+from moeflow.strategies.parm.s1 import token_rows
+from moeflow.strategies.parm.s2 import mp_slots
+from moeflow.strategies.parm.saa import aas, saa
 from tests.helpers import parity
 from tests.helpers.parm_cases import CASES, batch_index, run_rank, topology
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from benchmarks.deepspeed.parm_deepspeed_trace import traced
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
-from moeflow.parallel.parm.baseline import esp_peer_ranks
+from moeflow.strategies.parm.baseline import esp_peer_ranks
 from moeflow.topology import Topology
 
 TOKENS, M, E = 16, 8, 4
@@ -58,7 +58,7 @@ def checked_plans() -> int:
     """The baseline with ``parm_check_plan=True`` where the ESP group is the MP group: how
     often the check ran in one forward (the ranks' plans agree, so it passes; its refusal is
     tests/multirank/test_plan_agreement.py's)."""
-    from moeflow.strategies import parm as strategy
+    from moeflow.strategies.parm import strategy
 
     cfg = MoEConfig(d_model=M, d_expert=2 * M, num_experts=E, top_k=2, capacity_factor=1.0,
                     parallel_schedule="baseline", parm_check_plan=True, seed=1)

@@ -21,13 +21,13 @@ import weakref
 import torch
 import torch.utils.checkpoint as ckpt
 
-import moeflow.parallel.parm.ep_esp as ep_esp
-import moeflow.placement.layer_experts as layer_experts
+import moeflow.strategies.parm.ep_esp as ep_esp
+import moeflow.strategies.fssdp.layer_experts as layer_experts
 import moeflow.schedule.pipeline as pipeline
-import moeflow.strategies.node_dedup as node_dedup
-import moeflow.strategies.node_dedup_padded as node_dedup_padded
+import moeflow.strategies.node_dedup.strategy as node_dedup
+import moeflow.strategies.node_dedup.padded as node_dedup_padded
 from moeflow import Topology, sync_gradients, update_router_biases
-from moeflow.placement.layer_experts import FSSDPExperts
+from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 from tests.helpers import fssdp_layer_worker as fw
 from tests.helpers import parity
 

@@ -1,5 +1,5 @@
 """Rank side and reference of tests/multirank/test_replace.py: the SmartMoE-style re-placement
-(``fssdp={"replace_every": K}``, moeflow/placement/replace.py) against one process in float64.
+(``fssdp={"replace_every": K}``, moeflow/strategies/fssdp/replace.py) against one process in float64.
 
 Each rank trains one MoE layer for ``STEPS`` AdamW steps on its own batch (the parity cases of
 tests/helpers/parity.py, a fresh noise per step) and calls ``maybe_replace`` after every
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import Topology, sync_gradients
-from moeflow.placement.replace import maybe_replace
+from moeflow.strategies.fssdp.replace import maybe_replace
 from tests.helpers import parity
 from tests.helpers.fssdp_layer_worker import batch, dense, expert_tensors
 from tests.helpers.fssdp_layer_worker import reference as fssdp_reference

@@ -149,7 +149,7 @@ def _inter(ranks: tuple) -> bool:
 @pytest.mark.parametrize("case", NODE_DEDUP)
 def test_node_dedup_backward_hops_are_lane_tasks_in_schedule_order(events, case):
     """node_dedup's backward is scheduled like its forward (ScheMoE section 4, Eq. 12 on the
-    mirrored tasks; moeflow/strategies/node_dedup_backward.py): every all-to-all of a step,
+    mirrored tasks; moeflow/strategies/node_dedup/backward.py): every all-to-all of a step,
     backward included, is issued by the lane; the backward's lane tasks run in OptSche's
     order of the chunks; and each issues its chunk's hops in the mirror of its forward
     task's (backward A1, the partial sums' gradients: inter-node then the fan-in's reverse;

@@ -15,7 +15,7 @@ import torch
 from moeflow import Topology
 from moeflow.launch import launch_local
 from moeflow.measure.linkmodel import AlphaBeta
-from moeflow.parallel.parm.fits import ParmFits
+from moeflow.strategies.parm.fits import ParmFits
 from tests.helpers.parity import D_MODEL
 
 WORLD = 2
@@ -69,7 +69,7 @@ def _ep_runs(topo) -> dict:
 def _parm_runs(topo) -> dict:
     from tests.helpers import parity
     plan = importlib.import_module("moeflow.dispatch.plan")
-    algorithm1 = importlib.import_module("moeflow.parallel.parm.algorithm1")
+    algorithm1 = importlib.import_module("moeflow.strategies.parm.algorithm1")
     cheap, dear = AlphaBeta(1e-6, 1e-12), AlphaBeta(1e-3, 1e-6)
     out = {}
     for equal in (False, True):

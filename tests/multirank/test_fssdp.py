@@ -8,7 +8,7 @@ import torch
 
 from moeflow.comm.sparse import spag_send_bytes, sprs_send_bytes
 from moeflow.launch import launch_local
-from moeflow.placement import dispatch_plan
+from moeflow.strategies.fssdp import dispatch_plan
 from tests.helpers import fssdp_worker as fw
 
 

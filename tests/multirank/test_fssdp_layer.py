@@ -223,8 +223,8 @@ def test_checkpoint_resumes_exactly_and_loads_under_ep_and_one_process(ckpt):
 def test_cli_overrides_and_metrics():
     from moeflow.commands.common import parse_overrides
     from moeflow.config import ModelConfig
-    from moeflow.placement.metrics import fssdp_metrics
-    from moeflow.placement.options import FSSDPOptions
+    from moeflow.strategies.fssdp.metrics import fssdp_metrics
+    from moeflow.strategies.fssdp.options import FSSDPOptions
 
     over = parse_overrides(["placement=fssdp",
                             'fssdp={"materialize": "sparse", "overlap_degree": 2}'],

@@ -14,7 +14,7 @@ import torch
 from moeflow.config import ModelConfig, TrainConfig
 from moeflow.errors import ConfigError
 from moeflow.launch import launch_local
-from moeflow.placement.options import FSSDPOptions
+from moeflow.strategies.fssdp.options import FSSDPOptions
 from tests.helpers import fssdp_regather_worker as rw
 
 TOL = dict(rtol=1e-12, atol=1e-14)

@@ -11,7 +11,7 @@ import torch
 
 from moeflow.errors import ConfigError
 from moeflow.launch import launch_local
-from moeflow.placement.options import FSSDPOptions
+from moeflow.strategies.fssdp.options import FSSDPOptions
 from tests.helpers import fssdp_transport_worker as tw
 
 TOL = dict(rtol=1e-12, atol=1e-14)

@@ -83,7 +83,7 @@ def test_node_dedup_pipelined_optsche_matches_reference():
 
 @pytest.mark.multirank
 def test_node_dedup_backward_hops_overlap_the_experts():
-    """The backward is scheduled (moeflow/strategies/node_dedup_backward.py; ScheMoE section
+    """The backward is scheduled (moeflow/strategies/node_dedup/backward.py; ScheMoE section
     4): with OptSche at r = 2, a chunk's backward hops (lane) run while the computing lane
     differentiates the other chunk's experts (slowed to SLOW_EXPERTS_S); the sequential
     scheduler runs its hops inline, beside nothing. (The order of the backward's collectives
@@ -226,7 +226,7 @@ def test_node_dedup_refuses_what_it_does_not_run_yet(field, value):
     opts = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, capacity_factor=None,
                 a2a="node_dedup")
     opts[field] = value
-    from moeflow.strategies.node_dedup import check_config
+    from moeflow.strategies.node_dedup.strategy import check_config
     with pytest.raises(ConfigError, match=f"MoEConfig.{field}=.*node_dedup.*use"):
         check_config(mf.MoEConfig(**opts), mf.Topology(**TOPO))
 

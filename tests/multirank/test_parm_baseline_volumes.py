@@ -1,5 +1,5 @@
 """Parm's baseline (Fig. 3a) moves DeepSpeed-MoE 0.8.1's collective volumes where 0.8.1 has the
-layout, and Eq. 1's where it has none (``moeflow/parallel/parm/baseline.py``).
+layout, and Eq. 1's where it has none (``moeflow/strategies/parm/baseline.py``).
 
 One spawn of 4 gloo ranks traces one forward + backward of moeflow's ``baseline`` layer per
 layout (tests/helpers/parm_volume_worker.py, the tracer of ``benchmarks.deepspeed.parm_deepspeed_trace``)
@@ -29,8 +29,8 @@ import pytest
 
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.launch import launch_local
-from moeflow.parallel.parm.baseline import esp_peers_share_tokens
-from moeflow.parallel.parm.checks import check_parm_layer
+from moeflow.strategies.parm.baseline import esp_peers_share_tokens
+from moeflow.strategies.parm.checks import check_parm_layer
 from moeflow.topology import Topology
 from tests.helpers import parm_volume_worker as worker
 

@@ -11,8 +11,8 @@ from moeflow import MoEConfig
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
-from moeflow.parallel.parm.algorithm1 import algorithm1
-from moeflow.parallel.parm.fits import ParmFits, elements_around
+from moeflow.strategies.parm.algorithm1 import algorithm1
+from moeflow.strategies.parm.fits import ParmFits, elements_around
 from tests.helpers import parm_cases, parm_sched_cases as cases
 
 WORLD = 4
@@ -172,7 +172,7 @@ def test_auto_measures_fits_around_its_first_call(monkeypatch):
     import importlib
 
     from moeflow.topology import Topology
-    a1 = importlib.import_module("moeflow.parallel.parm.algorithm1")  # the module, not the fn
+    a1 = importlib.import_module("moeflow.strategies.parm.algorithm1")  # the module, not the fn
     calls = []
 
     def fake(topo, elements, width, device):

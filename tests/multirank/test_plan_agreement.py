@@ -1,4 +1,4 @@
-"""Parm S2's plan-agreement check (moeflow/parallel/parm/plan_agreement.py): silent when the
+"""Parm S2's plan-agreement check (moeflow/strategies/parm/plan_agreement.py): silent when the
 MP ranks route alike, a clear error on every rank (none left waiting) when they do not."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.dispatch.plan import make_plan
 from moeflow.launch import launch_local
-from moeflow.parallel.parm.plan_agreement import plan_digest
+from moeflow.strategies.parm.plan_agreement import plan_digest
 from tests.helpers import plan_agreement_worker as w
 
 

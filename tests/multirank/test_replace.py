@@ -1,5 +1,5 @@
 """The SmartMoE-style expert re-placement (``MoEConfig(placement="fssdp", fssdp={"replace_every":
-2})``, moeflow/placement/replace.py; HECATE Section 2.3's rearrangement peer) on 2 nodes x 2
+2})``, moeflow/strategies/fssdp/replace.py; HECATE Section 2.3's rearrangement peer) on 2 nodes x 2
 ranks in float64: outputs, input gradients, expert and dense gradients, parameters and AdamW
 moments after every step equal one process's, across two re-placements that move experts
 (parameters and optimizer state travel to the new owners); every rank takes the same
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moeflow.launch import launch_local
-from moeflow.placement.replace import rank_loads
+from moeflow.strategies.fssdp.replace import rank_loads
 from tests.helpers import replace_cases as w
 
 TOL = dict(rtol=1e-9, atol=1e-12)

@@ -11,8 +11,8 @@ import pytest
 
 from moeflow.launch import launch_local
 from moeflow.measure.linkmodel import AlphaBeta
-from moeflow.placement.materialize import sparse_materialize
-from moeflow.placement.placement import Placement
+from moeflow.strategies.fssdp.materialize import sparse_materialize
+from moeflow.strategies.fssdp.placement import Placement
 from moeflow.simulate import LayerSpec, lane_orders, simulate_layer
 from moeflow.simulate.costs import KINDS, CostModel
 from moeflow.simulate.fssdp import FSSDPSpec, expert_numel

@@ -1,5 +1,5 @@
 """The destination rank of each token choice under HECATE's topology-aware dispatch (Section
-4.4), one token at a time on the host: the reference that :mod:`moeflow.placement.token_plan`
+4.4), one token at a time on the host: the reference that :mod:`moeflow.strategies.fssdp.token_plan`
 (vectorised on the device) is held to."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from moeflow.errors import ConfigError
-from moeflow.placement.dispatch import dispatch_plan
-from moeflow.placement.placement import Placement
+from moeflow.strategies.fssdp.dispatch import dispatch_plan
+from moeflow.strategies.fssdp.placement import Placement
 
 
 def token_destinations(experts: torch.Tensor, placement: Placement, rank: int,

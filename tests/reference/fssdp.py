@@ -16,7 +16,7 @@ over them — holds exactly one copy of every expert and of its optimizer state 
 
 A standalone building block, kept as a test reference (tests/multirank/test_fssdp.py). The MoE layer's FSSDP
 (``placement="fssdp"``: slot storage, early spAG, spRS in autograd, re-materialization) is
-:mod:`moeflow.placement.layer_experts`.
+:mod:`moeflow.strategies.fssdp.layer_experts`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 
 from moeflow.comm.sparse import SparseAllGather, SparseReduceScatter
 from moeflow.errors import ConfigError
-from moeflow.placement.placement import Placement
+from moeflow.strategies.fssdp.placement import Placement
 
 
 class ShardedExperts(nn.Module):

@@ -3,7 +3,7 @@ Megatron-core's flex dispatcher; the hierarchical exchange of SMILE section 3.2.
 token-aware).
 
 The name selects the node-deduplicated dispatch and combine of the MoE layer
-(:mod:`moeflow.strategies.node_dedup`): a token goes once to every node that holds one of its
+(:mod:`moeflow.strategies.node_dedup.strategy`): a token goes once to every node that holds one of its
 experts, with its expert ids and gate weights, to the rank with the same local rank there,
 which fans it out to the experts' ranks over the intra-node links; the way back sums the
 gated expert outputs inside the node first, so one partial sum per (token, node) crosses back.

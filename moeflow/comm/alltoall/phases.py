@@ -7,7 +7,7 @@ rank) or over the ranks with its local rank (``"inter"``, group index = node; pi
 rank, group index = global rank), with the rows it sends to and receives from each member. The
 all-to-all algorithms (:mod:`moeflow.comm.alltoall`: ``hier2d``, ``bilevel``, ``hier1d``,
 ``pipe``) and the node-deduplicated
-strategy (:mod:`moeflow.strategies.node_dedup`) take their split sizes from here, and the step
+strategy (:mod:`moeflow.strategies.node_dedup.strategy`) take their split sizes from here, and the step
 simulator (:mod:`moeflow.simulate`) models the same phases on per-link lanes, so both follow one
 description. Pure host arithmetic (no communication); ``S`` may be nested lists or an array.
 

@@ -10,7 +10,7 @@ import torch
 from moeflow import MoEConfig, MoELayer, Topology
 from moeflow.bench.hecate import format_result, skew, variants
 from moeflow.bench.spag import random_holders
-from moeflow.placement import Placement
+from moeflow.strategies.fssdp import Placement
 
 
 def _loads(s: float) -> np.ndarray:

@@ -213,11 +213,11 @@ def test_config_does_not_reach_the_integrations():
 # the step simulator models the library's own task graphs (schedulers, dispatch planning) from
 # measured fits (moeflow.measure); it is below the command layer and never runs a benchmark.
 # Parm's and HECATE's sizes come from the library's own code (the layout arithmetic of
-# moeflow.topology, moeflow.parallel.parm, HECATE's placement and spAG / spRS volumes)
+# moeflow.topology, moeflow.strategies.parm, HECATE's placement and spAG / spRS volumes)
 # and BigMac's widths from the layer's own MoEConfig and moeflow.experts.structure
 SIMULATE_MAY_IMPORT = ("moeflow.simulate", "moeflow.measure", "moeflow.schedule",
                        "moeflow.dispatch", "moeflow.errors", "moeflow.registry",
-                       "moeflow.topology", "moeflow.parallel.parm", "moeflow.placement",
+                       "moeflow.topology", "moeflow.strategies.parm", "moeflow.strategies.fssdp",
                        "moeflow.comm.sparse", "moeflow.comm.alltoall.phases",
                        "moeflow.config", "moeflow.experts.structure")
 

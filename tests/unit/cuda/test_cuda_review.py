@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeflow.comm import sparse as sparse_mod
-from moeflow.placement import reshard as reshard_mod
+from moeflow.strategies.fssdp import reshard as reshard_mod
 
 TIMEOUT = datetime.timedelta(seconds=7)
 
@@ -272,7 +272,7 @@ def test_comm_lane_thread_keeps_its_device_too(fake_cuda):
 # -- 5. HECATE's host integers reach the device through pinned memory --------------------------
 
 def test_kept_choices_sends_extras_through_the_pinned_helper(monkeypatch):
-    from moeflow.placement import token_plan as tp
+    from moeflow.strategies.fssdp import token_plan as tp
     calls = []
     real = tp.to_device_async
 

@@ -1,0 +1,70 @@
+"""What Parm's schedules can run: the combinations refused, with the fix (docs/parm.md)."""
+
+from __future__ import annotations
+
+from moeflow.config import ConfigError, MoEConfig
+from moeflow.strategies.parm.baseline import esp_peers_share_tokens
+from moeflow.topology import Topology
+
+# all-to-all algorithms that only use the group's own ranks (the hierarchical ones assume that
+# EP groups map onto nodes, which ESP and the EP&ESP block change)
+ESP_ALLTOALLS = ("direct", "pairwise")
+
+
+def uses_parm(topo: Topology) -> bool:
+    return topo.mp_size > 1 or topo.esp_size > 1
+
+
+def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
+    """Refuse, with the fix, what the chosen schedule with this layout cannot run."""
+    sched = cfg.parallel_schedule
+    paused = sched != "baseline" and uses_parm(topo)       # S1, S2, auto: EP&ESP-AlltoAll
+    if topo.esp_size > 1 and hidden % topo.esp_size:
+        raise ConfigError(
+            f"MoEConfig.d_expert={cfg.d_expert} (expert hidden width {hidden}) is invalid for "
+            f"esp_size={topo.esp_size}: each expert's hidden dimension is split over the ESP "
+            f"group, so it must be a multiple of {topo.esp_size}; change d_expert or esp_size")
+    if (topo.esp_size > 1 or paused) and cfg.a2a not in ESP_ALLTOALLS:
+        raise ConfigError(
+            f"MoEConfig.a2a={cfg.a2a!r} is not supported with esp_size={topo.esp_size}, "
+            f"mp_size={topo.mp_size}, parallel_schedule={sched!r}: the hierarchical "
+            "algorithms assume EP groups laid over nodes, which expert sharding and the EP&ESP "
+            f"block change; use one of {', '.join(ESP_ALLTOALLS)}")
+    if (topo.esp_size > 1 or paused) and cfg.router == "bilevel":
+        raise ConfigError(
+            f"MoEConfig.router='bilevel' is not supported with esp_size={topo.esp_size}, "
+            f"mp_size={topo.mp_size}, parallel_schedule={sched!r}: SMILE's node-level routing "
+            "assumes one expert group per node of the EP group; use router='topk', or "
+            "esp_size=1 (with S1 / S2 also mp_size=1, or parallel_schedule='baseline')")
+    if (sched == "baseline" and topo.mp_size > 1 and topo.esp_size > 1 and cfg.gate_noise > 0
+            and esp_peers_share_tokens(topo)):
+        raise ConfigError(
+            f"MoEConfig.gate_noise={cfg.gate_noise} is not supported with "
+            f"parallel_schedule='baseline', mp_size={topo.mp_size}, esp_size={topo.esp_size} "
+            "and the ESP groups inside the MP groups: the ESP peers send their own copies of "
+            "the MP group's tokens to their shards, whose partial outputs are summed, so they "
+            "must route identically, and the noise is drawn per rank; use gate_noise=0, or a "
+            "layout whose ESP groups cross the MP groups")
+    if not paused or sched == "s1":
+        return
+    if topo.mp_size > 1 and cfg.gate_noise > 0:
+        raise ConfigError(
+            f"MoEConfig.gate_noise={cfg.gate_noise} is not supported with "
+            f"parallel_schedule={sched!r} and mp_size={topo.mp_size}: S2 splits one plan "
+            "over the MP group, so its ranks must route identically, and the noise is drawn "
+            "per rank; use gate_noise=0 or parallel_schedule='s1'")
+    check_saa(cfg, cfg.pipeline_degree)
+
+
+def check_saa(cfg: MoEConfig, pipeline_degree: int) -> None:
+    """SAA (S2's phased all-to-all with the MP-AllGather) takes neither codecs nor chunks."""
+    if not cfg.parm_saa or cfg.parallel_schedule == "s1":
+        return
+    if cfg.codec != "none" or pipeline_degree > 1:
+        raise ConfigError(
+            f"MoEConfig.parm_saa=True is not supported with codec={cfg.codec!r}, "
+            f"pipeline_degree={pipeline_degree} (parallel_schedule="
+            f"{cfg.parallel_schedule!r}): SAA runs its own phased all-to-all with the experts "
+            "between the two exchanges, without codecs or chunks; set parm_saa=False (AAS: "
+            "the EP&ESP exchange through the pipeline, then the MP-AllGather), or codec='none' "
+            "and pipeline_degree=1")

@@ -1,0 +1,68 @@
+"""How MoELayer runs Parm's schedules S1, S2 and ``auto`` (the baseline is in :mod:`.baseline`).
+
+:class:`ParmParts` holds what the EP&ESP exchange needs (the local experts as shard partials,
+the all-to-all algorithm over the EP&ESP block) and, for ``parallel_schedule="auto"``, the
+Algorithm 1 chooser. The layer asks :meth:`ParmParts.choose` for the call's schedule, applies
+S1's MP-Split / MP-AllGather around the layer itself (:mod:`.s1`) and hands the exchange to
+:meth:`ParmParts.experts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.comm.alltoall import ALLTOALLS
+from moeflow.config import MoEConfig
+from moeflow.dispatch.plan import DispatchPlan
+from moeflow.strategies.parm.algorithm1 import AutoSchedule
+from moeflow.strategies.parm.checks import check_saa, uses_parm
+from moeflow.strategies.parm.plan_agreement import check_plan_agrees
+from moeflow.strategies.parm.ep_esp import ShardPartials, ep_esp_experts, ep_esp_view
+from moeflow.strategies.parm.s1 import mp_gather_tokens, mp_mean_loss, mp_split_tokens
+from moeflow.strategies.parm.s2 import s2_experts
+from moeflow.schedule.pipeline import ScheduledExperts
+from moeflow.topology import Topology
+
+__all__ = ["ParmParts", "mp_gather_tokens", "mp_mean_loss", "mp_split_tokens"]
+
+
+@dataclass(eq=False)
+class ParmParts:
+    topo: Topology
+    partials: ShardPartials        # not a submodule of the layer: it wraps layer.experts
+    algo: object                   # the all-to-all algorithm over the EP&ESP block
+    auto: AutoSchedule | None
+
+    @classmethod
+    def build(cls, layer, cfg: MoEConfig, topo: Topology) -> "ParmParts | None":
+        """None when the layer runs no paused-MP schedule (baseline, or no MP / ESP)."""
+        if cfg.parallel_schedule == "baseline" or not uses_parm(topo):
+            return None
+        auto = AutoSchedule(topo) if cfg.parallel_schedule == "auto" else None
+        return cls(topo, ShardPartials(layer.experts), ALLTOALLS[cfg.a2a](ep_esp_view(topo)),
+                   auto)
+
+    def choose(self, layer, tokens: int, top_k: int, factor: float | None) -> str:
+        """This call's schedule: the config's, or Algorithm 1's (the same on every rank)."""
+        cfg = layer.cfg
+        if self.auto is None:
+            return cfg.parallel_schedule
+        device = next(layer.parameters()).device     # the fits time this device's buffers
+        return self.auto.choose(cfg, tokens, top_k, factor, device)
+
+    def experts(self, cfg: MoEConfig, sched: str, send: torch.Tensor, plan: DispatchPlan,
+                runner: ScheduledExperts) -> torch.Tensor:
+        """The exchange + experts block of S1 or S2 (differentiable), with the layer's codecs,
+        scheduler, chunks and lane on the EP&ESP payloads (S2 with SAA: none of them)."""
+        ep_esp = ScheduledExperts(self.partials, self.algo, runner.codec, runner.backward_codec,
+                                  runner.scheduler, runner.r, runner.lane, runner.timeline,
+                                  runner.nonfinite, recompute=runner.recompute,
+                                  can_recompute=runner.can_recompute)
+        if sched == "s1":
+            return ep_esp_experts(send, plan, ep_esp, self.topo)
+        check_saa(cfg, runner.r)         # the degree may have changed since construction
+        if cfg.parm_check_plan:          # S2 splits one plan over the MP group
+            check_plan_agrees(plan, self.topo)
+        return s2_experts(send, plan, ep_esp, self.topo, saa=cfg.parm_saa)
