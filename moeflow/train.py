@@ -261,7 +261,7 @@ class Trainer:
         if train_cfg.dense_shard == "fsdp":
             # FSDP2 on the dense part (parallel.fsdp), sharded from the start: no rank ever
             # holds the whole dense part (models.fsdp_build)
-            self.model = build_fsdp_gpt(gpt_cfg, topo, self.device)
+            self.model = build_fsdp_gpt(gpt_cfg, topo, self.device, compute_dtype=self.dtype)
         else:      # replicas start equal (broadcast from rank 0 of each replica group)
             self.model = prepare_model(GPT(gpt_cfg, topo).to(self.device), topo)
         self.model.checkpoint_blocks = train_cfg.recompute == "full"
