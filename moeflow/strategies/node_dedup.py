@@ -24,8 +24,8 @@ into r chunks of consecutive tokens and each chunk runs the whole exchange above
 tasks of a schedule, the hops on the communication lane (the task mapping is in
 :mod:`moeflow.strategies.node_dedup_steps`). The backward runs the mirrored tasks in the same
 scheduler's order, its hops on the lane beside other chunks' expert backward
-(:mod:`moeflow.strategies.node_dedup_backward`; under saved-tensor hooks, autograd's mirror of
-the chunks' graphs instead).
+(:mod:`moeflow.strategies.node_dedup_backward`; under saved-tensor hooks too, its tasks' graphs
+then saved as they are; at r = 1 under hooks, autograd's mirror of the chunk's graph).
 
 Trimmed: one count exchange per call (one host synchronisation, as dropless ``direct``):
 every rank all-gathers, per chunk, its choices per expert and its tokens per destination node, from
