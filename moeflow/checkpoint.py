@@ -250,12 +250,43 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: in
         (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
 
 
+_STAGERS: dict[str, object] = {}      # device type -> the process's checkpoint stager
+
+
+def staging_options(device_type: str):
+    """How :func:`async_save` copies the state to host memory: on CUDA into pinned buffers
+    with non-blocking copies (a pageable copy would synchronise the stream for every tensor;
+    the stager waits once, at the end of the staging), elsewhere plain copies. Staging stays
+    synchronous (done when :func:`async_save` returns), so the next optimizer step cannot
+    change a tensor being copied."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    cuda = device_type == "cuda"
+    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                          use_async_staging=False, use_non_blocking_copy=cuda)
+
+
+def checkpoint_stager(device_type: str):
+    """The process's stager for ``device_type`` (created once: on CUDA its pinned host buffers,
+    one copy of this rank's checkpoint state, are reused by every later save)."""
+    if device_type not in _STAGERS:
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        _STAGERS[device_type] = DefaultStager(staging_options(device_type))
+    return _STAGERS[device_type]
+
+
+def _state_device_type(model: nn.Module) -> str:
+    return "cuda" if any(p.is_cuda for p in model.parameters()) else "cpu"
+
+
 def async_save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                process_group=None):
-    """:func:`save` through ``dcp.async_save``: the tensors are copied to host memory (staged)
-    before this returns, the files are written by a background thread; returns its future.
-    ``process_group``: a gloo group of its own, so that the background thread's collectives
-    never interleave with the training's on the default group."""
+    """:func:`save` through ``dcp.async_save``: the tensors are copied to host memory (staged,
+    :func:`staging_options`: pinned and non-blocking on CUDA) before this returns, the files
+    are written by a background thread; returns its future. ``process_group``: a gloo group of
+    its own, so that the background thread's collectives never interleave with the training's
+    on the default group."""
     state = checkpoint_state(model, optimizer, torch.tensor(step))
     state.update(_fssdp_meta(model))
     tuned = tuning_state(model)
@@ -263,7 +294,8 @@ def async_save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, st
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / TUNING_FILE).write_text(json.dumps(tuned, indent=1))
     with _single_process_ok():
-        return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
+        return dcp.async_save(state, checkpoint_id=path, process_group=process_group,
+                              async_stager=checkpoint_stager(_state_device_type(model)))
 
 
 def _model_keys(model: nn.Module) -> set[str] | None:

@@ -218,11 +218,16 @@ class FaultConfig:
     each restarted rank resumes from the latest complete checkpoint.
     async_checkpoint: write checkpoints with ``dcp.async_save`` (published when the write has
     finished on every rank: before the next save starts, and at the end).
+    preempt_check_every: the ranks agree on a preemption signal every K steps (a host
+    all-reduce: on gloo a barrier of the hosts, on an NCCL-only default group a device
+    synchronisation); a signal is acted on at the next multiple of K, so up to K - 1 more
+    steps run before the checkpoint (K = 1: after every step).
     """
 
     keep_checkpoints: int | None = None
     max_restarts: int = 0
     async_checkpoint: bool = False     # dcp.async_save: the write overlaps the next steps
+    preempt_check_every: int = 1       # agree on a preemption signal every K steps
 
     def __post_init__(self) -> None:
         k = self.keep_checkpoints
@@ -233,6 +238,11 @@ class FaultConfig:
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ConfigError(f"--max-restarts: FaultConfig.max_restarts={r!r} is invalid: "
                               "must be an integer >= 0 (0: a failed rank ends the run)")
+        k = self.preempt_check_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"--preempt-check-every: FaultConfig.preempt_check_every={k!r} is "
+                              "invalid: must be an integer >= 1 (steps between the ranks' "
+                              "agreements on a preemption signal; 1: every step)")
 
 
 def fixed_shape_batches(model_cfg: ModelConfig) -> ModelConfig:
@@ -261,7 +271,7 @@ class Trainer:
         if train_cfg.dense_shard == "fsdp":
             # FSDP2 on the dense part (parallel.fsdp), sharded from the start: no rank ever
             # holds the whole dense part (models.fsdp_build)
-            self.model = build_fsdp_gpt(gpt_cfg, topo, self.device)
+            self.model = build_fsdp_gpt(gpt_cfg, topo, self.device, compute_dtype=self.dtype)
         else:      # replicas start equal (broadcast from rank 0 of each replica group)
             self.model = prepare_model(GPT(gpt_cfg, topo).to(self.device), topo)
         self.model.checkpoint_blocks = train_cfg.recompute == "full"
@@ -396,8 +406,11 @@ class Trainer:
 
     def _agreed_signal(self) -> int:
         """The preemption signal if any rank got one before the end of this step: a
-        max-all-reduce of one number per step (bounded by the process group's timeout), so
-        that every rank stops after the same step."""
+        max-all-reduce of one number (bounded by the process group's timeout), so that every
+        rank stops after the same step; only every ``preempt_check_every`` steps (0 between:
+        every rank skips the same steps)."""
+        if self.step % self.ft.preempt_check_every:
+            return 0
         if not self.topo.distributed:
             return self._signal
         return int(host_all_reduce([float(self._signal)], "max")[0])

@@ -13,6 +13,16 @@ ones) and creates the missing ones in sorted order; each creation is bounded by 
 group's timeout. A world of ``n`` ranks has at most ``2^n - n - 1`` sets of two or more ranks,
 so the cache stays bounded by ``max_groups`` (a clear error past it, never a hang: every rank
 reaches the same decision from the same sets).
+
+On CUDA each group is an NCCL communicator, formed eagerly (``ncclCommSplit`` when the process
+group is bound to a device, docs/gpu.md): every creation stops every rank of the world, and each
+communicator pins device memory on each of its members for as long as the process lives (NCCL's
+per-peer channel buffers: roughly ``NCCL_BUFFSIZE`` (4 MiB by default) per protocol buffer, per
+channel, per connected peer; tens to a few hundred MiB per communicator on NVLink nodes, to be
+measured: docs/gpu.md). So a cache on an NCCL-backed parent holds at most
+:data:`CUDA_MAX_GROUPS` communicators (:func:`default_max_groups`), and ``transport="auto"``
+considers the broadcast transport only for few, stable holder sets
+(:func:`moeflow.strategies.fssdp.transport.broadcast_candidate`).
 """
 
 from __future__ import annotations
@@ -22,7 +32,16 @@ from typing import Iterable
 
 import torch.distributed as dist
 
-DEFAULT_MAX_GROUPS = 256
+DEFAULT_MAX_GROUPS = 256       # host (gloo) groups: cheap, bounded by the world's sets
+CUDA_MAX_GROUPS = 16           # NCCL communicators: device memory each (module docstring)
+
+
+def default_max_groups(parent=None) -> int:
+    """The cache's bound for ``parent``'s backend: :data:`CUDA_MAX_GROUPS` when it carries NCCL,
+    else :data:`DEFAULT_MAX_GROUPS`."""
+    from moeflow.devices import group_backend
+
+    return CUDA_MAX_GROUPS if "nccl" in (group_backend(parent) or "") else DEFAULT_MAX_GROUPS
 
 
 class HolderGroupsError(RuntimeError):
@@ -47,7 +66,7 @@ class HolderGroups:
     parent-group ranks). ``timeout``: each creation's bound (the parent group's)."""
 
     def __init__(self, parent, timeout: datetime.timedelta, *,
-                 max_groups: int = DEFAULT_MAX_GROUPS):
+                 max_groups: int | None = None):
         size = dist.get_world_size(parent)
         if size != dist.get_world_size():
             raise HolderGroupsError(
@@ -57,7 +76,7 @@ class HolderGroups:
                 "transport='p2p'")
         self.parent = parent
         self.timeout = timeout
-        self.max_groups = max_groups
+        self.max_groups = default_max_groups(parent) if max_groups is None else max_groups
         self.groups: dict[tuple[int, ...], object] = {}
         self.created = 0                 # groups created so far (tests, stats)
 
@@ -67,10 +86,20 @@ class HolderGroups:
             return rank
         return dist.get_global_rank(self.parent, rank)
 
+    def missing(self, sets: Iterable[Iterable[int]]) -> list[tuple[int, ...]]:
+        """The sets of two or more ranks that have no group yet (sorted keys)."""
+        return sorted({tuple(sorted(s)) for s in sets if len(frozenset(s)) > 1}
+                      - set(self.groups))
+
+    def fits(self, sets: Iterable[Iterable[int]]) -> bool:
+        """Whether :meth:`ensure` of ``sets`` stays within ``max_groups`` (the same answer on
+        every rank: a function of the sets)."""
+        return len(self.groups) + len(self.missing(sets)) <= self.max_groups
+
     def ensure(self, sets: Iterable[Iterable[int]]) -> None:
         """Collective over the world: create the groups of ``sets`` (of two or more ranks) not
         cached yet, in sorted order. Every rank must pass the same sets."""
-        keys = sorted({tuple(sorted(s)) for s in sets if len(frozenset(s)) > 1} - set(self.groups))
+        keys = self.missing(sets)
         if len(self.groups) + len(keys) > self.max_groups:
             raise HolderGroupsError(
                 f"the grouped-broadcast transport needs {len(self.groups) + len(keys)} process "
@@ -91,4 +120,4 @@ class HolderGroups:
                                     "ensure() with it on every rank first") from None
 
 
-__all__ = ["DEFAULT_MAX_GROUPS", "HolderGroups", "HolderGroupsError", "shared_holder_groups"]
+__all__ = ["CUDA_MAX_GROUPS", "DEFAULT_MAX_GROUPS", "HolderGroups", "default_max_groups", "HolderGroupsError", "shared_holder_groups"]

@@ -77,6 +77,10 @@ def register(sub) -> None:
                    help="write checkpoints in the background (torch.distributed.checkpoint."
                         "async_save) while the next steps run; each is published when its "
                         "write has finished on every rank")
+    p.add_argument("--preempt-check-every", type=int, default=1, metavar="K",
+                   help="agree on a preemption signal (SIGTERM / SIGUSR1) every K steps: one "
+                        "host all-reduce per K steps; a signal is acted on at the next multiple "
+                        "of K (default 1: every step)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart every rank up to N times after one fails (torch's elastic "
                         "agent); restarted ranks resume from the latest complete checkpoint, "
@@ -180,7 +184,8 @@ def check_data(args: argparse.Namespace, mcfg: ModelConfig, tcfg: TrainConfig) -
 def fault_config(args: argparse.Namespace) -> FaultConfig:
     return FaultConfig(keep_checkpoints=getattr(args, "keep_checkpoints", None),
                        max_restarts=getattr(args, "max_restarts", 0),
-                       async_checkpoint=getattr(args, "async_checkpoint", False))
+                       async_checkpoint=getattr(args, "async_checkpoint", False),
+                       preempt_check_every=getattr(args, "preempt_check_every", 1))
 
 
 def restart_lines(restarts: list[dict]) -> str:

@@ -36,11 +36,13 @@ from moeflow.topology import Topology
 
 
 def build_fsdp_gpt(cfg: ModelConfig, topo: Topology, device: torch.device | str = "cpu",
-                   dtype: torch.dtype | None = None) -> GPT:
+                   dtype: torch.dtype | None = None,
+                   compute_dtype: torch.dtype | None = None) -> GPT:
     """``GPT(cfg, topo)`` on ``device`` (floating tensors in ``dtype`` if given), replicas
     equal, its dense part sharded by FSDP2 over the data-parallel ranks, without ever holding
     the whole dense part (module docstring). Build the optimizer after it. A world of one has
-    nothing to shard: the plain GPT is returned."""
+    nothing to shard: the plain GPT is returned. ``compute_dtype``: the run's autocast dtype
+    (bf16: FSDP2's mixed-precision policy, :func:`~moeflow.parallel.fsdp.shard_dense`)."""
     if not topo.distributed:
         return GPT(cfg, topo).to(device=device, dtype=dtype)
 
@@ -52,6 +54,6 @@ def build_fsdp_gpt(cfg: ModelConfig, topo: Topology, device: torch.device | str 
     model = GPT(cfg, topo, meta_dense=True)
     model._apply(move)
     prepare_model(model, topo)
-    shard_dense(model, topo)
+    shard_dense(model, topo, param_dtype=compute_dtype)
     init_meta_shards(model, model.initial_value, device, dtype)
     return model

@@ -8,7 +8,23 @@ wrapped module's parameters into ``DTensor`` shards ``Shard(0)`` over a 1-D mesh
 all-gathered before its forward (and again before its backward) and freed after, and the
 gradients are reduce-scattered in backward, averaged over the mesh. Here the mesh is the dense
 data-parallel dimension (:func:`dense_dp_mesh`): ``topo.dense_mesh["dp"]`` where Parm built one,
-else a ``("dp",)`` mesh over the world.
+else a ``("dp",)`` mesh over a process group of its own that spans the world (not the world
+group itself: a 1-D ``init_device_mesh`` over the world returns the default group, so FSDP2's
+all-gathers and reduce-scatters would queue on the NCCL stream of the experts' all-to-alls).
+
+Under bf16 autocast (:func:`shard_dense` with ``param_dtype=torch.bfloat16``) FSDP2 gets a
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (ZeRO's mixed precision,
+Rajbhandari et al., SC 2020, Section 3; FSDP, Zhao et al., Section 4.3): it all-gathers the
+dense weights in bf16 (half the bytes; autocast would cast them to bf16 for the matmuls anyway)
+and reduce-scatters the gradients in fp32; the sharded master weights and AdamW moments stay
+fp32. Each MoE layer's router is its own FSDP2 unit with no cast, so the routing still computes
+from fp32 weights (the router runs with autocast off, docs/gpu.md).
+
+Refused (:func:`check_lane_overlap`): HECATE FSSDP's ``overlap_backward`` / ``overlap_regather``,
+whose spRS / re-gather run on the layer's communication lane during the attention backward,
+while the autograd thread issues FSDP2's reduce-scatters and prefetch all-gathers: two threads
+issuing collectives in an order that can differ per rank (docs/design.md, "One collective
+order per rank").
 
 What is sharded: every block (its attention, layer norms, dense MLP, and in an MoE block the
 router, the BigMac projections and the shared experts) and, at the root, the token and position
@@ -53,6 +69,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from moeflow.errors import ConfigError
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 from moeflow.topology import Topology
 
@@ -81,11 +98,14 @@ def dense_dp_mesh(topo: Topology):
     if topo.dense_mesh is not None:
         return topo.dense_mesh["dp"]
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch.distributed.device_mesh import DeviceMesh
 
     key = (id(dist.group.WORLD), topo.world_size)
     if key not in _MESHES:
-        mesh = init_device_mesh(_device_type(), (topo.world_size,), mesh_dim_names=("dp",))
+        # a group of its own (every rank creates it, in the same order): not WORLD
+        group = dist.new_group(list(range(topo.world_size)))
+        mesh = DeviceMesh.from_group(group, _device_type(), mesh_dim_names=("dp",))
         if _device_type() == "cuda":                 # form the communicator now, not lazily
             dist.all_reduce(torch.zeros(1, device="cuda"), group=mesh.get_group())
         _MESHES[key] = mesh
@@ -121,27 +141,75 @@ def _tp_modules(model: nn.Module) -> list[nn.Module]:
             and m.spec.size > 1]
 
 
-def shard_dense(model: nn.Module, topo: Topology) -> nn.Module:
+#: the HECATE options that put collectives on the lane during the backward (refused with FSDP2)
+LANE_OVERLAP_OPTIONS = ("overlap_backward", "overlap_regather")
+
+
+def check_lane_overlap(model: nn.Module) -> None:
+    """Refuse FSDP2 on a model whose FSSDP layers run spRS / the re-gather on their lane during
+    the backward (module docstring): a ``ConfigError`` naming the layer, the option and the
+    fix. Every rank has the same config, so every rank refuses alike, before any collective."""
+    for name, m in model.named_modules():
+        opts = getattr(getattr(m, "cfg", None), "fssdp", None)
+        for option in LANE_OVERLAP_OPTIONS:
+            if getattr(opts, option, False):
+                raise ConfigError(
+                    f"--dense-shard fsdp: TrainConfig.dense_shard='fsdp' is invalid with "
+                    f"MoEConfig.fssdp.{option}=True (MoE layer {name!r}): HECATE's lane would "
+                    "issue its spRS / re-gather during the attention backward while FSDP2's "
+                    "reduce-scatters and all-gathers run on the autograd thread, in an order "
+                    f"that can differ per rank (a hang on NCCL); set fssdp.{option}=false or "
+                    "use --dense-shard replicate")
+
+
+def mixed_precision(param_dtype: torch.dtype | None):
+    """FSDP2's policy for the run's autocast dtype: bf16 all-gathers and fp32 reduce-scatters
+    under bf16, none (FSDP2's default: the parameters' own dtype) otherwise."""
+    if param_dtype != torch.bfloat16:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _routers(model: nn.Module) -> list[nn.Module]:
+    """The MoE layers' routers (kept in fp32 under a bf16 policy: module docstring)."""
+    return [m.router for m in model.modules()
+            if isinstance(getattr(m, "router", None), nn.Module)
+            and any(True for _ in m.router.parameters())]
+
+
+def shard_dense(model: nn.Module, topo: Topology,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
     """Apply FSDP2 to ``model``'s dense part (module docstring), in place; returns ``model``.
+    ``param_dtype``: the run's autocast dtype (bf16: the mixed-precision policy of the module
+    docstring).
 
     Call after :func:`~moeflow.parallel.replicas.prepare_model` (the replicas are equal, so
     each rank's shard is its slice of the same weights) and before building the optimizer
     (it must step the sharded parameters). A world of one has nothing to shard: the model is
     returned as it is."""
+    check_lane_overlap(model)
     if not topo.distributed:
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from moeflow.parallel.tensor_parallel import TP_ATTR
 
     mesh = dense_dp_mesh(topo)
     place = _placement_fn(model)
     tp = _tp_modules(model)
+    policy = mixed_precision(param_dtype)
+    extra = {} if policy is None else {"mp_policy": policy}
+    if policy is not None:          # the routers stay fp32: a unit of their own, no cast
+        for router in _routers(model):
+            fully_shard(router, mesh=mesh, shard_placement_fn=place,
+                        mp_policy=MixedPrecisionPolicy(), reshard_after_forward=False)
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh, ignored_params=expert_params(block) or None,
-                    shard_placement_fn=place)
+                    shard_placement_fn=place, **extra)
     fully_shard(model, mesh=mesh, ignored_params=expert_params(model) or None,
-                shard_placement_fn=place)
+                shard_placement_fn=place, **extra)
     for m in tp:                  # FSDP2 made new parameters: the MP shards keep their spec
         setattr(m.weight, TP_ATTR, m.spec)
     return model

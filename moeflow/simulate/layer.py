@@ -154,7 +154,7 @@ class LayerSpec:
         if (self.a2a == "node_dedup" and self.recompute == "full"
                 and self.pipeline_degree > 1):
             # under the non-reentrant checkpoint the saved-tensor hooks make node_dedup's
-            # backward autograd's mirror of the chunks' graphs (strategies/node_dedup_backward),
+            # backward autograd's mirror of the chunks' graphs (strategies/node_dedup/backward.py),
             # whose order over r > 1 chunks is autograd's, not a scheduler's
             raise ConfigError(f"LayerSpec.recompute='full' with a2a='node_dedup' and "
                               f"pipeline_degree={self.pipeline_degree} is not modelled (the "

@@ -15,6 +15,10 @@ WORLD, LOCAL = 4, 2
 PARM_LAYOUT = dict(mp_size=2, ep_size=1, esp_size=2, esp_in_node=True)
 PARM = {"s1": dict(parallel_schedule="s1"), "s2_saa": dict(parallel_schedule="s2"),
         "s2_aas": dict(parallel_schedule="s2", parm_saa=False)}
+#: Parm's baseline (Fig. 3a) with ESP peers holding different tokens, (N_MP, N_EP, N_ESP) =
+#: (1, 2, 2): Eq. 1's ESP-AllGather of the input and its row maps (``moeflow train --esp 2``)
+BASELINE_LAYOUT = dict(mp_size=1, ep_size=2, esp_size=2, esp_in_node=True)
+BASELINE = {"parm_baseline_esp": dict(parallel_schedule="baseline")}
 FSSDP = {"fssdp_static": dict(placement="fssdp"),
          "fssdp_skewed": dict(placement="fssdp", fssdp=dict(materialize="manual")),
          # Algorithm 1 (branch t > m from the load window) with re-materialization
@@ -29,6 +33,7 @@ FSSDP_MODES = {"capacity": "hot_expert_capacity", "dropless": "hot_expert_drople
 def cases() -> list[tuple[str, str, str, dict, bool]]:
     """(path, mode, parity case, MoEConfig overrides, Parm layout?) of every checked step."""
     out = [(s, m, c, kw, True) for s, kw in PARM.items() for m, c in MODES.items()]
+    out += [(s, m, c, kw, False) for s, kw in BASELINE.items() for m, c in MODES.items()]
     out += [(f, m, c, kw, False) for f, kw in FSSDP.items() for m, c in FSSDP_MODES.items()]
     # shared experts run on EP's path: padded capacity there, the contract GPUs get by default
     # (on CPU capacity_padding="auto" trims, which reads the kept counts once: test_host_sync)
@@ -41,9 +46,11 @@ def worker() -> dict:
     """``{(path, mode): would-be syncs of the second forward + backward}`` on this rank."""
     parm_topo = Topology.from_env(local_size=LOCAL, **PARM_LAYOUT)
     ep_topo = Topology.from_env(local_size=LOCAL)
+    base_topo = Topology.from_env(local_size=LOCAL, **BASELINE_LAYOUT)
     out = {}
     for path, mode, case, kw, parm in cases():
-        layer = parity.make_layer(case, parm_topo if parm else ep_topo, **kw)
+        topo = parm_topo if parm else base_topo if path in BASELINE else ep_topo
+        layer = parity.make_layer(case, topo, **kw)
         x, _ = parity.make_batch(case, ep_topo.rank // (2 if parm else 1))
         x.requires_grad_()
         for step in range(2):

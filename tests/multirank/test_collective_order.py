@@ -95,7 +95,6 @@ def test_the_early_spag_runs_on_the_lane(events):
     ("ep_r2_optsche", "ep_r2_optsche_checkpoint_reentrant"),
     ("ep_r4_pipelined", "ep_r4_pipelined_checkpoint"),
     ("fssdp_prefetch_rm_r2", "fssdp_prefetch_rm_r2_checkpoint"),
-    ("node_dedup_r2_optsche", "node_dedup_r2_optsche_checkpoint"),
     ("node_dedup_r2_optsche", "node_dedup_r2_optsche_checkpoint_reentrant"),
     ("node_dedup_pad_r2", "node_dedup_pad_r2_checkpoint_reentrant")])
 def test_recomputation_repeats_the_exchange_only(events, plain, ckpt):
@@ -112,6 +111,18 @@ def test_recomputation_repeats_the_exchange_only(events, plain, ckpt):
         assert [e for e in got if e[1] != a2a] == [e for e in ref if e[1] != a2a], rank
         n_ref = sum(e[1] == a2a for e in ref)
         assert n_ref and sum(e[1] == a2a for e in got) * 2 == n_ref * 3, rank
+
+
+@pytest.mark.multirank
+def test_node_dedup_r2_under_a_non_reentrant_checkpoint_keeps_its_scheduled_backward(events):
+    """node_dedup at r >= 2 under saved-tensor hooks keeps its scheduled backward, its tasks'
+    graphs saved as they are (moeflow/strategies/node_dedup/backward.py): the checkpoint has
+    nothing of the layer to recompute, so the collectives are exactly the plain layer's, in
+    the same order on every group."""
+    for rank in range(WORLD):
+        ref = [e[:3] for e in events[rank]["node_dedup_r2_optsche"]]
+        got = [e[:3] for e in events[rank]["node_dedup_r2_optsche_checkpoint"]]
+        assert ref and got == ref, rank
 
 
 @pytest.mark.multirank

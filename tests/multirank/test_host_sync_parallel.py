@@ -1,10 +1,10 @@
 """The hot path's host-sync contract on the parallel paths beside EP (one 4-rank gloo spawn,
 2 nodes x 2): a forward + backward of Parm's S1, S2-SAA and S2-AAS at (N_MP, N_EP, N_ESP) =
-(2, 1, 2), of the shared-expert layers, and of HECATE's FSSDP placement (static, skewed P',
+(2, 1, 2), of Parm's baseline with ESP peers holding different tokens at (1, 2, 2), of the shared-expert layers, and of HECATE's FSSDP placement (static, skewed P',
 Algorithm 1 with re-materialization), counted by :mod:`moeflow.bench.syncs` (this thread and
 the comm lane).
 
-Measured (every rank): Parm S1 / S2-SAA / S2-AAS and shared experts keep EP's contract,
+Measured (every rank): Parm S1 / S2-SAA / S2-AAS, the baseline with ESP, and shared experts keep EP's contract,
 padded capacity 0 syncs and dropless 1 (``Tensor.tolist``: learning the row counts). FSSDP
 makes 1 sync in capacity mode too: see ``FSSDP_SYNCS``.
 """
@@ -36,12 +36,12 @@ def results():
 
 def test_every_case_ran_on_every_rank(results):
     want = {(path, mode) for path, mode, *_ in cases.cases()}
-    assert len(want) == 14
+    assert len(want) == 16
     for rank in range(cases.WORLD):
         assert set(results[rank]) == want, rank
 
 
-@pytest.mark.parametrize("path", list(cases.PARM) + list(cases.SHARED))
+@pytest.mark.parametrize("path", list(cases.PARM) + list(cases.BASELINE) + list(cases.SHARED))
 def test_parm_and_shared_experts_keep_the_ep_contract(results, path):
     for rank in range(cases.WORLD):
         for (p, mode), got in results[rank].items():

@@ -39,12 +39,17 @@ def _close(got, ref, what):
 
 def check_counts(results, variant):
     """Per step: the router runs twice under either checkpoint (once without), and the count
-    matrix is exchanged once in every mode (the recomputation reuses the first forward's)."""
+    matrix is exchanged once in every mode (the recomputation reuses the first forward's).
+    node_dedup at r >= 2 under the non-reentrant checkpoint keeps its scheduled backward, its
+    tasks' graphs saved as they are (moeflow/strategies/node_dedup/backward.py): nothing of
+    the layer is recomputed there, the router runs once."""
     for rank, res in results.items():
         for mode in worker.MODES:
+            kept = variant == "node_dedup_r2" and mode == "nonreentrant"
             for step, rec in enumerate(res[variant, mode]):
                 c = rec["counts"]
-                assert c["router_forwards"] == (1 if mode == "plain" else 2), (rank, mode, step)
+                want = 1 if mode == "plain" or kept else 2
+                assert c["router_forwards"] == want, (rank, mode, step)
                 assert c["count_exchanges"] == 1, (rank, mode, step, c)
 
 

@@ -55,7 +55,7 @@ from torch import nn
 from moeflow.comm.holder_groups import shared_holder_groups
 from moeflow.comm.sparse import (SparseAllGather, SparseReduceScatter, group_timeout,
                                  spag_send_bytes, sprs_send_bytes)
-from moeflow.strategies.fssdp.transport import time_transports
+from moeflow.strategies.fssdp.transport import broadcast_candidate, time_transports
 from moeflow.errors import ConfigError
 from moeflow.experts.activations import build_activation
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
@@ -298,6 +298,7 @@ class FSSDPExperts(nn.Module):
         # replicates an expert (:meth:`_choose_transport`)
         self.transport = None if options.transport == "auto" else options.transport
         self.transport_ms: tuple[float, float] | None = None    # auto's (p2p, broadcast)
+        self.transport_reason: str | None = None   # why auto kept p2p without timing
         self.lane: CommLane | None = None   # the layer's lane (begin), for overlap_backward
         self.sprs_on_lane = 0               # spRS run on the lane so far (overlap_backward)
         self.regather_on_lane = 0           # re-gathers launched early (overlap_regather)
@@ -401,6 +402,11 @@ class FSSDPExperts(nn.Module):
         same ``P'``, so every rank reaches the decision together)."""
         if self.transport is None and any(len(h) > 1 for h in placement.holders):
             self._choose_transport(placement)
+        if (self.options.transport == "auto" and self.transport == "broadcast"
+                and not self.holder_groups.fits(placement.holders)):
+            # a later P' (new manual holders) would pass the cache's bound: p2p from now on,
+            # on every rank alike (the same P', the same cache)
+            self.transport, self.transport_reason = "p2p", "holder sets past max_groups"
         transport = self.transport or "p2p"
         return transport, (self.holder_groups if transport == "broadcast" else None)
 
@@ -413,7 +419,12 @@ class FSSDPExperts(nn.Module):
         """``transport="auto"``: time spAG + spRS over ``placement`` with each transport, on
         this layer's real expert rows (interleaved, after a warm-up; the slowest rank's time
         of each repetition), and keep the faster median. Once per layer, at the first
-        iteration that moves experts."""
+        iteration that moves experts. Only for few, stable holder sets
+        (:func:`~moeflow.strategies.fssdp.transport.broadcast_candidate`): else p2p, untimed."""
+        why = broadcast_candidate(placement, self.options.materialize, self.holder_groups)
+        if why is not None:
+            self.transport, self.transport_reason = "p2p", why
+            return
         p2p, bc = time_transports(self.owners, placement, self._owned_rows(), self.group,
                                   self.holder_groups)
         self.transport_ms = (1e3 * p2p, 1e3 * bc)

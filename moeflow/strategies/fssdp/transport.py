@@ -9,6 +9,13 @@ rounds each running the two transports one after the other (interleaved, so drif
 both alike). A round's time on a rank covers its spAG and the mirror spRS; the ranks' times are
 max-reduced (the slowest rank is what the iteration waits for) in one bounded all-reduce, so
 every rank gets the same numbers and takes the same decision.
+
+On CUDA every holder set the broadcast transport uses is an NCCL communicator (device memory on
+each member, an eager split that stops every rank: :mod:`moeflow.comm.holder_groups`), so
+``auto`` times it only for few, stable holder sets (:func:`broadcast_candidate`): a P' the user
+fixed (``materialize="manual"``) with at most :data:`AUTO_MAX_HOLDER_SETS` replicated sets that
+fit the cache. Algorithm 1's P' changes with the loads, so each new set would cost a
+communicator mid-training: ``auto`` keeps p2p there without timing.
 """
 
 from __future__ import annotations
@@ -21,6 +28,25 @@ import torch.distributed as dist
 
 from moeflow.comm.sparse import SparseAllGather, SparseReduceScatter, group_timeout, wait_work
 from moeflow.strategies.fssdp.placement import Placement
+
+
+AUTO_MAX_HOLDER_SETS = 4       # distinct replicated holder sets auto lets broadcast take
+
+
+def broadcast_candidate(placement: Placement, materialize: str, groups) -> str | None:
+    """Why ``auto`` must keep p2p without timing the broadcast transport over ``placement``
+    (None: time both). ``groups``: the layer's :class:`~moeflow.comm.holder_groups.HolderGroups`.
+    The same answer on every rank (a function of the config and of P')."""
+    sets = {frozenset(h) for h in placement.holders if len(h) > 1}
+    if materialize != "manual":
+        return (f"materialize={materialize!r}: P' follows the loads, so its holder sets (and "
+                "their communicators) would change during training")
+    if len(sets) > AUTO_MAX_HOLDER_SETS:
+        return (f"{len(sets)} distinct holder sets, more than {AUTO_MAX_HOLDER_SETS} (one "
+                "communicator each)")
+    if groups is None or not groups.fits(sets):
+        return "the holder sets do not fit the cache of holder groups (max_groups)"
+    return None
 
 
 def _sync(device: torch.device) -> None:
@@ -66,4 +92,4 @@ def time_transports(owners: Placement, placement: Placement, owned: dict[int, to
     return statistics.median(slowest[:reps]), statistics.median(slowest[reps:])
 
 
-__all__ = ["time_transports"]
+__all__ = ["AUTO_MAX_HOLDER_SETS", "broadcast_candidate", "time_transports"]

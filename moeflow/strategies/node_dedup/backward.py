@@ -33,10 +33,16 @@ stay referenced until its backward (``torch.autograd.grad`` starts from them), a
 the gated sum's backward needs, autograd kept too.
 
 Where saved-tensor hooks are active in forward (``torch.utils.checkpoint`` without
-reentrance, ``save_on_cpu``) the exchange stays differentiable step by step and its backward
-is autograd's mirror of the chunks' graphs (not re-scheduled): the kept per-task graphs would
-otherwise be unpacked, and the region recomputed, inside backward tasks. A reentrant
-checkpoint recomputes with grad enabled and no hooks, so its backward is scheduled.
+reentrance, ``save_on_cpu``), ``r >= 2`` keeps this scheduled backward: the computing tasks
+build their kept graphs under identity hooks (:func:`_plain_saves`), so their tensors stay on
+the device (neither offloaded nor dropped for recomputation: the cost of the exchange's region
+under those hooks) and no backward task unpacks, or recomputes, anything. Autograd's
+step-by-step mirror is not safe there: the lane tasks would build autograd nodes on the lane
+thread, and the backward would issue their collectives in an order set by two threads'
+sequence numbers, which can differ per rank (e.g. with an empty chunk on one rank), against
+docs/design.md's "One collective order per rank". ``r = 1`` (one chunk, its hops in program
+order) keeps the step-by-step mirror under hooks. A reentrant checkpoint recomputes with grad
+enabled and no hooks, so its backward is scheduled.
 """
 
 from __future__ import annotations
@@ -64,13 +70,25 @@ def scheduled_dedup(send: torch.Tensor, build: Callable[[torch.Tensor], DedupSta
     count exchange). Like :func:`moeflow.schedule.pipeline.scheduled_experts`, where
     ``torch.compile`` breaks the graph: the tasks run eagerly."""
     params = [p for p in runner.experts.parameters()]
-    if (torch.is_grad_enabled() and _top_saved_tensors_default_hooks(False) is None
+    if (torch.is_grad_enabled() and schedules_backward(runner.r)
             and (send.requires_grad or any(p.requires_grad for p in params))):
         return _ScheduledDedup.apply(send, build, runner, *params)
-    stage = build(send)             # no grad, or step by step under saved-tensor hooks
+    stage = build(send)             # no grad, or step by step (r = 1 under saved-tensor hooks)
     chunks = run_schedule(stage.forward, runner.r, runner.scheduler, runner.lane,
                           runner.timeline, "forward", send.device)
     return chunks[0] if runner.r == 1 else torch.cat(chunks)
+
+
+def schedules_backward(r: int) -> bool:
+    """Whether the exchange's backward is scheduled (module docstring): always without
+    saved-tensor hooks, and for ``r >= 2`` under them."""
+    return r >= 2 or _top_saved_tensors_default_hooks(False) is None
+
+
+def _plain_saves():
+    """Identity saved-tensor hooks: the graphs built inside save their tensors as they are,
+    whatever hooks (checkpoint, ``save_on_cpu``) the caller has active."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +112,7 @@ class _ScheduledDedup(torch.autograd.Function):
                 if kind == "C1":                    # the chunk's rows of the send buffer
                     arg = send[bounds[i]:bounds[i + 1]]
                 ins = [_leaf(t) for t in _flat(arg)]
-                with torch.enable_grad():
+                with torch.enable_grad(), _plain_saves():
                     out, size = fn(i, ins[0] if len(ins) == 1 else tuple(ins))
                 outs = _flat(out)
                 graphs[(kind, i)] = ([t for t in ins if t.requires_grad], outs)

@@ -4,7 +4,8 @@ counts (GShard section 2.2's capacity slots, laid out as Tutel / ``direct``'s pa
 does, over DeepEP's two hops: :mod:`moeflow.strategies.node_dedup.strategy`).
 
 Every split follows from the ranks' token counts ``T_q`` and capacities ``C_q`` (host
-integers, one host all-gather per call, as padded ``direct`` gathers its ``C_q``):
+integers, one host all-gather per call, as padded ``direct`` gathers its ``C_q``; under
+``MoEConfig.equal_rank_tokens`` once per distinct token count, :func:`padded_counts`):
 
 * inter-node hop: rank q sends ``B_q = min(t_q, E_node * C_q)`` rows to every node (t_q: its
   chunk's tokens); a token with a kept choice on node m takes the next row of m's block, in
@@ -26,11 +27,36 @@ import torch
 
 from moeflow.comm.exchange import gather_host_ints
 from moeflow.devices import to_device_async
+from moeflow.errors import ConfigError
 from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.schedule.executor import Stage
 from moeflow.strategies.node_dedup.steps import (AllToAll, CodedAllToAll, DedupStage, Hop,
                                                  exchange_rows, gated_sum_backward,
                                                  hop_backward, take_in_graph)
+
+
+def padded_counts(plan, group, size: int) -> np.ndarray:
+    """Every rank's ``[T_q, C_q]`` (``(size, 2)`` host integers): one host all-gather per call,
+    or with ``plan.known`` (``MoEConfig.equal_rank_tokens``) one per distinct call key, the
+    first checking the promise in the same gather, as
+    :func:`~moeflow.dispatch.plan.capacity_counts` does for ``C_p`` (a :class:`ConfigError`
+    on every rank alike when the ranks' token counts differ)."""
+    T, cap = plan.num_tokens, plan.capacity
+    known = plan.known
+    if known is None:
+        return gather_host_ints([T, cap], group, size)
+    key = ("node_dedup_padded", known.key)
+    TC = known.table.get(key)
+    if TC is None:
+        got = gather_host_ints([known.tokens, T, cap], group, size)
+        if (got[:, 0] != got[0, 0]).any():
+            raise ConfigError(
+                f"MoEConfig.equal_rank_tokens=True is invalid: the ranks called the layer with "
+                f"different token counts ({got[:, 0].tolist()}), so the node-deduplicated "
+                "exchange cannot skip the gather of their tokens and capacities; set "
+                "equal_rank_tokens=False, or give every rank batches of the same shape")
+        TC = known.table[key] = got[:, 1:]
+    return TC
 
 
 def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
@@ -48,7 +74,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
     g = lambda node, local: node * L + local        # noqa: E731
     TC = plan.gathered_for("padded")     # a checkpoint's recomputation: the first forward's
     if TC is None:
-        TC = gather_host_ints([T, plan.capacity], topo.world_group, P)   # no device read
+        TC = padded_counts(plan, topo.world_group, P)      # host integers: no device read
         plan.gathered = ("padded", TC)
     Tq, Cq = TC[:, 0], TC[:, 1]
     plan.counts = np.repeat(Cq.reshape(-1, 1), E, axis=1)

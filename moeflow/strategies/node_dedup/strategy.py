@@ -24,8 +24,8 @@ into r chunks of consecutive tokens and each chunk runs the whole exchange above
 tasks of a schedule, the hops on the communication lane (the task mapping is in
 :mod:`moeflow.strategies.node_dedup.steps`). The backward runs the mirrored tasks in the same
 scheduler's order, its hops on the lane beside other chunks' expert backward
-(:mod:`moeflow.strategies.node_dedup.backward`; under saved-tensor hooks, autograd's mirror of
-the chunks' graphs instead).
+(:mod:`moeflow.strategies.node_dedup.backward`; under saved-tensor hooks too, its tasks' graphs
+then saved as they are; at r = 1 under hooks, autograd's mirror of the chunk's graph).
 
 Trimmed: one count exchange per call (one host synchronisation, as dropless ``direct``):
 every rank all-gathers, per chunk, its choices per expert and its tokens per destination node, from
@@ -79,7 +79,7 @@ def check_config(cfg, topo) -> None:
     if cfg.placement != "ep":
         refuse("placement", cfg.placement, "it places whole experts; use placement='ep'")
     if cfg.recompute == "moe_act":
-        # its task E keeps the experts' graph (strategies/node_dedup_backward.py): moe_act
+        # its task E keeps the experts' graph (strategies/node_dedup/backward.py): moe_act
         # would save nothing, so it is refused rather than silently ignored
         refuse("recompute", cfg.recompute, "its experts keep their activations; use "
                "recompute='none' (or TrainConfig.recompute='full', which node_dedup replays)")

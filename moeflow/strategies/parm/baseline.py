@@ -26,8 +26,9 @@ layout (:func:`esp_peers_share_tokens`):
   shards, and ESP-Split keeps this rank's rows. Backward: ESP-Split's AllGather of the rows'
   gradients (``E C M N_ESP``; Eq. 1's token-level split would gather ``B L M N_ESP``, but
   that needs the peers' gates on every rank), the EP-AlltoAlls back, and the ESP-AllGather's
-  ReduceScatter (``B L M`` per peer). The gathered row maps are read on the host once per call
-  (to size the input gather and rebuild the buffers; a device synchronisation on GPU).
+  ReduceScatter (``B L M`` per peer). The peers' token counts (which size the input gather)
+  travel as host integers over the group's gloo side; the gathered row maps stay on the device
+  (the rebuild is an index on the device), so capacity mode reads nothing back.
 
 With ``mp_size > 1`` an MP group's tokens go through the experts once per ESP group holding a
 copy of them: ``N_MP / N_ESP`` times where the ESP group lies inside the MP group (once in
@@ -40,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moeflow.comm.exchange import gather_host_ints
 from moeflow.dispatch.plan import DispatchPlan
 from moeflow.dispatch.permute import _maps
 from moeflow.strategies.parm.collectives import EspReduce, _gather, esp_all_gather, esp_split
@@ -68,14 +70,14 @@ def esp_reduce(topo: Topology) -> EspReduce:
 
 def _token_rows(send: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's input rows as dispatched, ``(T, M)`` (a token's row from its first send row;
-    zero for a token with no kept choice; differentiable in ``send``), and the map
-    ``[T, token of send row 0, ...]`` (``T`` for an empty row), int64."""
+    zero for a token with no kept choice; differentiable in ``send``), and the row map
+    ``[token of send row 0, ...]`` (``T`` for an empty row), int64, on the device (built there:
+    no host-to-device copy)."""
     T, S = plan.num_tokens, send.shape[0]
     dev = send.device
     if T == 0 or S == 0:
         tok = torch.full((S,), T, dtype=torch.long, device=dev)
-        return send.new_zeros(T, send.shape[1]) + send.sum() * 0, torch.cat(
-            [torch.tensor([T], device=dev), tok])
+        return send.new_zeros(T, send.shape[1]) + send.sum() * 0, tok
     m = _maps(plan)
     tok = m.token_of_row.long()
     if m.valid_row is not None:
@@ -83,25 +85,41 @@ def _token_rows(send: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, t
     first = torch.full((T + 1,), S, dtype=torch.long, device=dev).scatter_reduce_(
         0, tok, torch.arange(S, device=dev), "amin")[:T]
     padded = torch.cat([send, send.new_zeros(1, send.shape[1])])
-    return padded.index_select(0, first), torch.cat([torch.tensor([T], device=dev), tok])
+    return padded.index_select(0, first), tok
 
 
 def gathered_send_buffers(send: torch.Tensor, plan: DispatchPlan, sizes: list[int],
-                          me: int, group) -> torch.Tensor:
+                          tokens: list[int], me: int, group) -> torch.Tensor:
     """Eq. 1's ESP-AllGather of the input: every peer's send buffer (``sizes[p]`` rows from
-    peer p, in peer order), rebuilt here from the peers' gathered input rows and row maps."""
+    peer p, in peer order), rebuilt here from the peers' gathered input rows and row maps.
+    ``tokens[p]``: peer p's token count (host integers, :func:`peer_tokens`). The row maps stay
+    on the device: nothing is read back (Parm Section IV-A's baseline, no host wait)."""
     rows, meta = _token_rows(send, plan)
-    metas = _gather(meta, [s + 1 for s in sizes], group).cpu()      # row maps (int64)
-    heads = np.cumsum([0] + [s + 1 for s in sizes])
-    tokens = [int(metas[heads[p]]) for p in range(len(sizes))]
+    metas = _gather(meta, sizes, group)                             # row maps (int64)
     inputs = esp_all_gather(rows, tokens, me, group)                # ESP-AllGather (B L M)
-    offs, total = np.cumsum([0] + tokens), sum(tokens)
-    index = torch.cat([torch.where(tok < n, tok + int(offs[p]), torch.full_like(tok, total))
-                       for p, (tok, n) in enumerate(
-                           (metas[heads[p] + 1:heads[p + 1]], tokens[p])
-                           for p in range(len(sizes)))])
+    heads, offs = np.cumsum([0] + list(sizes)), np.cumsum([0] + list(tokens))
+    total = int(sum(tokens))
+    # peer p's row r -> row offs[p] + token of the gathered inputs (total: an empty row)
+    base = torch.repeat_interleave(
+        to_device(offs[:-1], send.device), to_device(sizes, send.device),
+        output_size=int(heads[-1]))
+    n_of = torch.repeat_interleave(to_device(tokens, send.device),
+                                   to_device(sizes, send.device), output_size=int(heads[-1]))
+    index = torch.where(metas < n_of, metas + base, torch.full_like(metas, total))
     padded = torch.cat([inputs, inputs.new_zeros(1, inputs.shape[1])])
-    return padded.index_select(0, to_device(index.numpy(), send.device))
+    return padded.index_select(0, index)
+
+
+def peer_tokens(plan: DispatchPlan, topo: Topology) -> list[int]:
+    """The ESP peers' token counts, host integers, in ESP order: under
+    ``MoEConfig.equal_rank_tokens`` (checked on the first call of each count by the capacity
+    gather, :class:`~moeflow.dispatch.plan.KnownCapacities`) every peer has this rank's count;
+    otherwise one host all-gather over the ESP group (gloo beside NCCL: no device read)."""
+    known = plan.known
+    if known is not None and known.tokens == plan.num_tokens:
+        return [plan.num_tokens] * topo.esp_size
+    got = gather_host_ints([plan.num_tokens], topo.esp_group, topo.esp_size)
+    return [int(t) for t in got[:, 0]]
 
 
 def baseline_experts(send: torch.Tensor, plan: DispatchPlan, runner: ScheduledExperts,
@@ -116,7 +134,8 @@ def baseline_experts(send: torch.Tensor, plan: DispatchPlan, runner: ScheduledEx
     sizes = peers.sum(1).tolist()
     # EP-group count matrix of the gathered buffers: EP rank i sends its ESP group's rows
     counts = np.stack([C[[slot(i, s) for s in range(esp)]].sum(0) for i in range(ep)])
-    gathered = gathered_send_buffers(send, plan, sizes, me_esp, topo.esp_group)
+    gathered = gathered_send_buffers(send, plan, sizes, peer_tokens(plan, topo), me_esp,
+                                     topo.esp_group)
     # expert-major order of the gathered rows: expert e's rows from peer 0, peer 1, ...
     starts = (np.cumsum(sizes) - sizes)[:, None] + np.cumsum(peers, 1) - peers
     perm = block_rows(starts.T.reshape(-1), peers.T.reshape(-1))
