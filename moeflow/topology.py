@@ -52,7 +52,7 @@ class Topology:
     intra_node_group: object = None
     inter_node_group: object = None
     lane_group: object = None         # a second world group: a concurrent lane (Pipe-A2A)
-    # Parm (parallel/parm): tensor (MP) and expert-sharding (ESP) parallelism
+    # Parm (strategies/parm): tensor (MP) and expert-sharding (ESP) parallelism
     mp_size: int = 1
     esp_size: int = 1
     esp_in_node: bool = True          # ESP innermost (Parm IV-A case 2); False: EP innermost

@@ -36,7 +36,7 @@ ALLOWED = {
         "the sparse collectives' verify mode (a pre-condition check that reads back at once)",
     ("devices.py", "torch.tensor(values"):
         "host_all_reduce on an NCCL-only group (a user's): documented; gloo groups stay on CPU",
-    ("placement/transport.py", "torch.tensor(times"):
+    ("strategies/fssdp/transport.py", "torch.tensor(times"):
         "transport='auto': timing once per layer, at setup",
     ("train.py", "torch.as_tensor(m.stat_tensors"):
         "stat_tensors hold device tensors already: as_tensor is a no-op",
