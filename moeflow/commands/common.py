@@ -103,7 +103,7 @@ def run_meta(args: argparse.Namespace | None = None) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "host": platform.node(), "cpus": os.cpu_count(),
             "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "link": link or None, "cpu_per_rank": quota_in_force(declared_quota(args)),
+            "link": link or None, "cpu_per_rank": cpu_per_rank_record(args),
             "commit": commit or None}
 
 
@@ -134,6 +134,12 @@ def declared_quota(args: argparse.Namespace | None, nproc: int | None = None) ->
     if text is None:
         return None
     return parse_cpu_per_rank(text, nproc or getattr(args, "nproc", 1))
+
+
+def cpu_per_rank_record(args: argparse.Namespace | None = None) -> float | None:
+    """The cores per rank in force for a result file (None: the ranks shared the cores): the
+    quota ``moeflow cluster run`` gave this rank, else ``args``' own ``--cpu-per-rank``."""
+    return quota_in_force(declared_quota(args))
 
 
 def quota_from_args(args: argparse.Namespace, nproc: int | None = None) -> CpuQuota:
