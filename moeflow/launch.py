@@ -8,6 +8,10 @@ still travel, over gloo, next to NCCL's device tensors) and returns ``{rank: res
 Every collective is bounded by ``timeout_s``: a rank that dies makes the others fail with an
 error instead of hanging.
 
+``quota``: a :class:`~moeflow.cluster.quota.CpuQuota`; with cores per rank set, every rank
+runs in a CPU cgroup of its own held to that share, with ceil(cores) torch threads (the GPU-like
+mode, docs/benchmarks/cluster.md); the groups are removed when the launch ends, however it ends.
+
 ``max_restarts``: how often torch's elastic agent restarts all ranks after one fails (its own
 ``max_restarts``; a restarted rank sees ``TORCHELASTIC_RESTART_COUNT`` > 0, see
 :func:`restart_count`, and ``moeflow train`` resumes from its latest checkpoint then).
@@ -17,12 +21,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import uuid
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from moeflow.cluster.quota import IN_FORCE_ENV, CpuQuota, RankCgroups, join
 from moeflow.devices import pg_backend
 
 
@@ -64,7 +70,11 @@ def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> None:
 
 
 def _entry(fn: Callable, args: tuple, timeout_s: float, backend: str | None,
-           threads: int) -> Any:
+           threads: int, quota_group: str | None = None,
+           cpu_per_rank: float | None = None) -> Any:
+    if quota_group is not None:          # first: everything this rank computes is held to it
+        join(os.path.join(quota_group, f"r{os.environ['RANK']}"))
+        os.environ[IN_FORCE_ENV] = repr(cpu_per_rank)
     torch.set_num_threads(threads)
     init_from_env(timeout_s, backend)
     # On an exception the process group is left to the process's exit: the launcher's
@@ -82,7 +92,8 @@ def _entry(fn: Callable, args: tuple, timeout_s: float, backend: str | None,
 
 def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
                  backend: str | None = "gloo", threads: int | None = None,
-                 log_dir: str | None = None, max_restarts: int = 0) -> dict[int, Any]:
+                 log_dir: str | None = None, max_restarts: int = 0,
+                 quota: CpuQuota | None = None) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks; return ``{rank: fn's return value}``.
 
     ``fn`` must be importable (a module-level function). A failing rank raises
@@ -100,7 +111,10 @@ def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
         raise ValueError(f"nproc={nproc} is invalid: need at least one rank")
     if max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts} is invalid: need >= 0")
-    if threads is None:
+    quota = quota or CpuQuota()
+    if quota.enabled:
+        threads = quota.threads                  # the thread count follows the quota
+    elif threads is None:
         threads = max(1, (os.cpu_count() or 1) // nproc)
     if max_restarts:
         # The agent's rendezvous store, shared with the ranks by default, outlives a restart,
@@ -116,4 +130,13 @@ def launch_local(fn: Callable, nproc: int, *args, timeout_s: float = 300.0,
                           # preemption signal; torch's default list lacks it)
                           signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                           logs_specs=DefaultLogsSpecs(log_dir=log_dir))
-    return elastic_launch(config, _entry)(fn, args, timeout_s, backend, threads)
+    if not quota.enabled:
+        return elastic_launch(config, _entry)(fn, args, timeout_s, backend, threads)
+    warning = quota.oversubscribed(nproc)
+    if warning:
+        print(f"moeflow: {warning}", file=sys.stderr)
+    # the agent turns SIGTERM/SIGINT/SIGHUP into an exception here, so the groups go on any
+    # end but kill -9 (then the next quota'd launch or `moeflow cluster cleanup` removes them)
+    with RankCgroups(quota, nproc) as groups:
+        return elastic_launch(config, _entry)(fn, args, timeout_s, backend, threads,
+                                              groups.path, quota.cpu_per_rank)

@@ -231,9 +231,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(rows: list[dict], path: str, command: str) -> None:
+def write_json(rows: list[dict], path: str, command: str,
+               cpu_per_rank: float | None = None) -> None:
+    """``cpu_per_rank``: the CPU quota per rank in force (None: shared cores)."""
     with open(path, "w") as f:
-        json.dump({"command": command, "torch": torch.__version__,
+        json.dump({"command": command, "torch": torch.__version__, "cpu_per_rank": cpu_per_rank,
                    "cluster_links_bps": {k: v for k, v in os.environ.items()
                                          if k.startswith("MOEFLOW_CLUSTER_")},
                    "results": rows,

@@ -229,5 +229,8 @@ def format_table(res: dict) -> str:
 
 
 def write_json(res: dict, path: str, command: str) -> None:
+    from moeflow.cluster.quota import in_force     # one process: a quota only from cluster run
+
     with open(path, "w") as f:
-        json.dump({"command": command, "torch": torch.__version__, **res}, f, indent=2)
+        json.dump({"command": command, "torch": torch.__version__, "cpu_per_rank": in_force(),
+                   **res}, f, indent=2)

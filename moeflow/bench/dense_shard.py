@@ -94,6 +94,8 @@ def rank_worker(preset: str, overrides: dict, mode: str, batch_size: int, warmup
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from moeflow.commands.common import add_quota_arg
+
     p.add_argument("--preset", default="medium", help="model preset (default medium)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field of the preset (repeatable)")
@@ -103,7 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launches per mode, the modes interleaved within each (default 2)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per launch")
     p.add_argument("--steps", type=int, default=1, help="timed steps per launch (default 1)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (with --cpu-per-rank: ceil of it)")
+    add_quota_arg(p)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="the --dense-shard modes to launch, interleaved in this order "
                         "(default: replicate fsdp)")
@@ -115,10 +119,11 @@ def _spread(values: list[float]) -> dict:
 
 
 def run(args: argparse.Namespace, command: str = "moeflow bench dense-shard") -> dict:
-    from moeflow.commands.common import parse_overrides
+    from moeflow.commands.common import parse_overrides, quota_from_args
     from moeflow.config import ModelConfig
     from moeflow.launch import launch_local
 
+    quota = quota_from_args(args)
     overrides = parse_overrides(args.overrides, ModelConfig)
     modes = list(getattr(args, "modes", None) or MODES)
     runs = {m: [] for m in modes}
@@ -128,7 +133,7 @@ def run(args: argparse.Namespace, command: str = "moeflow bench dense-shard") ->
             for mode in modes:
                 res = launch_local(rank_worker, args.nproc, args.preset, overrides, mode,
                                    args.batch_size, args.warmup, args.steps, tmp,
-                                   timeout_s=1200, threads=args.threads)
+                                   timeout_s=1200, threads=args.threads, quota=quota)
                 ranks = [res[r] for r in sorted(res)]
                 step = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
                 rec = {"repeat": rep, "step_s": step,
@@ -169,6 +174,7 @@ def run(args: argparse.Namespace, command: str = "moeflow bench dense-shard") ->
                             "set; torch has no CPU allocator statistics); state: bytes of the "
                             "tensors held",
            "torch": torch.__version__, "load_avg_end": os.getloadavg(),
+           "cpu_per_rank": quota.cpu_per_rank,
            "summary": summary, "runs": runs}
     print(json.dumps(summary, indent=1))
     if args.out:

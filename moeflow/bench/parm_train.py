@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from moeflow.cluster.quota import parse_cpu_per_rank
+
 
 def parse_variant(text: str) -> tuple[int, int, str]:
     """``mp2-esp2:baseline`` -> (2, 2, "baseline"); the schedule defaults to baseline."""
@@ -61,7 +63,8 @@ def run_job(args: argparse.Namespace, variant: str, out: Path) -> dict:
              "--set", f"parallel_schedule={schedule}", "--out", str(out), "--no-progress",
              *sum((["--set", s] for s in args.set), [])]
     cmd = [sys.executable, "-m", "moeflow.cli", "cluster", "run", "--nodes", str(args.nodes),
-           "--ranks-per-node", str(args.ranks_per_node), "--inter-bw", args.inter_bw, "--",
+           "--ranks-per-node", str(args.ranks_per_node), "--inter-bw", args.inter_bw,
+           "--cpu-per-rank", args.cpu_per_rank, "--",
            *train]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.job_timeout)
@@ -81,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks per emulated node")
     p.add_argument("--inter-bw", default="1gbit",
                    help="inter-node link rate (tc syntax)")
+    p.add_argument("--cpu-per-rank", default="none", metavar="X",
+                   help="passed to moeflow cluster run: cores per rank (GPU-like mode), auto "
+                        "or none (default: none, shared cores)")
     p.add_argument("--preset", default="tiny", help="moeflow train --preset")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=V",
                    help="model overrides passed to moeflow train")
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace, command: str) -> int:
         summary[v]["ratio_to_first"] = summary[v]["median_step_s"] / ref
     result = {"command": command,
               "world": args.nodes * args.ranks_per_node, "inter_bw": args.inter_bw,
+              "cpu_per_rank": parse_cpu_per_rank(args.cpu_per_rank,
+                                                 args.nodes * args.ranks_per_node),
               "preset": args.preset, "overrides": args.set,
               "global_batch": args.global_batch,
               "steps": args.steps, "warmup": args.warmup, "summary": summary, "jobs": jobs}

@@ -53,6 +53,8 @@ def rank_worker(preset: str, mode: str, batch_size: int, warmup: int, steps: int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from moeflow.commands.common import add_quota_arg
+
     p.add_argument("--preset", default="small", help="model preset (default small)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
@@ -60,7 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launches per mode, the modes interleaved within each (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per launch")
     p.add_argument("--steps", type=int, default=3, help="timed steps per launch")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (with --cpu-per-rank: ceil of it)")
+    add_quota_arg(p)
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -71,7 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from moeflow.commands.common import quota_from_args
     from moeflow.launch import launch_local
+
+    quota = quota_from_args(args)
 
     runs = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
             for mode in MODES:
                 res = launch_local(rank_worker, args.nproc, args.preset, mode, args.batch_size,
                                    args.warmup, args.steps, tmp, timeout_s=600,
-                                   threads=args.threads)
+                                   threads=args.threads, quota=quota)
                 step = [max(r["times"][i] for r in res.values())
                         for i in range(args.steps)]
                 peak = max(r["peak_added_bytes"] for r in res.values())
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     # the CLI's parsed arguments carry its handler: keep the options only
     options = {k: v for k, v in vars(args).items() if not callable(v)}
     out = {"args": options, "torch": torch.__version__, "load_avg_end": os.getloadavg(),
+           "cpu_per_rank": quota.cpu_per_rank,
            "summary": summary, "runs": runs}
     print(json.dumps(summary, indent=1))
     if args.out:

@@ -12,6 +12,10 @@ rendezvous orders nodes by their address, and node addresses sort like node indi
 ``i`` holds global ranks ``i*M .. i*M+M-1``, the numbering :class:`~moeflow.topology.Topology`
 assumes (the tests check it). Lines of every rank are printed as ``[n<node>r<rank>] ...``.
 
+With a :class:`~moeflow.cluster.quota.CpuQuota` (``--cpu-per-rank``) every rank runs in a CPU
+cgroup of its own, held to its share of the cores (:mod:`moeflow.cluster.quota`); the groups are
+removed with the namespaces.
+
 The job's exit status is the first non-zero status of a node (0 when all succeed). When a node
 fails, the others are stopped at once (their ranks would otherwise wait for a collective
 timeout). SIGINT/SIGTERM/SIGHUP stop every node; the namespaces, links and every process inside
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from moeflow.cluster.netns import ClusterError, EmulatedNetwork, kill_namespace_processes
+from moeflow.cluster.quota import CpuQuota, RankCgroups
 from moeflow.cluster.shaping import LinkShape
 
 STORE_PORT = 29400           # free by construction: node 0's namespace is new
@@ -48,6 +53,7 @@ class ClusterSpec:
     intra: LinkShape = field(default_factory=LinkShape)
     mtu: int = 1500
     max_restarts: int = 0         # torchrun's --max-restarts (restarts of the ranks on failure)
+    quota: CpuQuota = field(default_factory=CpuQuota)   # cores per rank (None: shared cores)
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -59,6 +65,8 @@ class ClusterSpec:
                 or self.max_restarts < 0:
             raise ClusterError(f"--max-restarts {self.max_restarts} is invalid: must be an "
                                "integer >= 0 (0: a failed rank ends the job)")
+        if not isinstance(self.quota, CpuQuota):
+            raise ClusterError(f"quota={self.quota!r} is invalid: give a CpuQuota")
         if not 576 <= self.mtu <= 65535:
             raise ClusterError(f"--mtu {self.mtu} is invalid: pick 576..65535 (1500 = Ethernet)")
 
@@ -132,7 +140,15 @@ def run_cluster(spec: ClusterSpec, command: list[str], out: TextIO | None = None
     store = None
     pumps: list[threading.Thread] = []
     net = EmulatedNetwork(spec.nodes, spec.inter, spec.intra, mtu=spec.mtu)
+    groups = RankCgroups(spec.quota, spec.nodes * spec.ranks_per_node) \
+        if spec.quota.enabled else None
     try:
+        if groups is not None:
+            groups.create()           # refuses (ConfigError) before any namespace exists
+            command = groups.wrap(command)
+            warning = spec.quota.oversubscribed(spec.nodes * spec.ranks_per_node)
+            if warning:
+                out.write(f"moeflow cluster: {warning}\n")
         net.create()
         master = net.nodes[0].address
         store = subprocess.Popen(["ip", "netns", "exec", net.nodes[0].netns, sys.executable,
@@ -188,5 +204,7 @@ def run_cluster(spec: ClusterSpec, command: list[str], out: TextIO | None = None
         net.destroy()                     # also kills the store and anything left inside
         if store is not None:
             store.wait()
+        if groups is not None:
+            groups.destroy()              # every rank is gone: the groups are empty
         for s, handler in old.items():
             signal.signal(s, handler)

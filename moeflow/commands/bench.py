@@ -9,7 +9,8 @@ import sys
 from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
 from moeflow.commands import (bench_bigmac, bench_compute, bench_hecate_model, bench_jobs,
                               bench_net, bench_parm)
-from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
+from moeflow.commands.common import (add_device_arg, add_launch_args, cpu_per_rank_record,
+                                     report, run_on_ranks)
 from moeflow.registry import did_you_mean
 
 
@@ -306,7 +307,8 @@ def run_layer(args: argparse.Namespace) -> int:
     if rows is not None:
         print(format_table(rows))
         if args.out:
-            write_json(rows, args.out, "moeflow " + shlex.join(sys.argv[1:]))
+            write_json(rows, args.out, "moeflow " + shlex.join(sys.argv[1:]),
+                       cpu_per_rank_record(args))
             print(f"wrote {args.out}")
     return 0
 

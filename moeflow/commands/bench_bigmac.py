@@ -7,7 +7,8 @@ import argparse
 import shlex
 import sys
 
-from moeflow.commands.common import add_device_arg, add_launch_args, run_on_ranks
+from moeflow.commands.common import (add_device_arg, add_launch_args, cpu_per_rank_record,
+                                     run_on_ranks)
 from moeflow.config import STRUCTURES
 from moeflow.registry import did_you_mean
 
@@ -89,7 +90,8 @@ def run_bigmac(args: argparse.Namespace) -> int:
     if rows is not None:
         print(format_table(rows))
         if args.out:
-            write_json(rows, args.out, "moeflow " + shlex.join(sys.argv[1:]))
+            write_json(rows, args.out, "moeflow " + shlex.join(sys.argv[1:]),
+                       cpu_per_rank_record(args))
             print(f"wrote {args.out}")
     return 0
 

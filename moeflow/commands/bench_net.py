@@ -72,7 +72,7 @@ def run_links(args: argparse.Namespace) -> int:
     if res is not None:
         print(links.format_table(res["fits"]))
         if args.out:
-            save_fits(args.out, res["fits"], {**run_meta(), "layout": res["layout"]})
+            save_fits(args.out, res["fits"], {**run_meta(args), "layout": res["layout"]})
             print(f"wrote {args.out}")
     return 0
 
@@ -95,7 +95,7 @@ def run_a2a(args: argparse.Namespace) -> int:
     if res is not None:
         a2a.add_bounds(res, bws)
         a2a.add_pipe_summary(res, bws, args.links)
-        res.update(run_meta())
+        res.update(run_meta(args))
         print(a2a.format_table(res))
         if args.out:
             a2a.write_json(res, args.out)

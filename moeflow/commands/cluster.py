@@ -6,6 +6,8 @@ import argparse
 
 from moeflow.cluster.launcher import ClusterSpec, run_cluster
 from moeflow.cluster.netns import ClusterError, cleanup_leftovers
+from moeflow.cluster.quota import CpuQuota, cleanup_stale, parse_cpu_per_rank
+from moeflow.errors import ConfigError
 from moeflow.cluster.shaping import LinkShape, parse_latency, parse_rate
 
 
@@ -35,10 +37,17 @@ def register(sub) -> None:
     run.add_argument("--max-restarts", type=int, default=0,
                      help="passed to torchrun: restart every rank up to this many times after "
                           "one fails (moeflow train resumes from its latest checkpoint)")
+    run.add_argument("--cpu-per-rank", default="none", metavar="X",
+                     help="GPU-like mode: hold each rank to X cores (e.g. 0.45) with a CFS quota "
+                          "in a CPU cgroup of its own (10 ms period; torch threads per rank = "
+                          "ceil(X)), so a rank with more work takes longer as on its own device; "
+                          "auto = 0.9 x cores / ranks; none = ranks share the cores (default: "
+                          "none). A quota models a device, not a GPU (docs/benchmarks/cluster.md)")
     run.add_argument("command", nargs=argparse.REMAINDER,
                      help="after --: the command every rank runs, e.g. python train.py")
     run.set_defaults(func=run_run)
-    clean = csub.add_parser("cleanup", help="remove namespaces left by emulated runs that died")
+    clean = csub.add_parser("cleanup", help="remove namespaces and CPU cgroups left by emulated "
+                                            "runs (and --cpu-per-rank launches) that died")
     clean.add_argument("--all", action="store_true",
                        help="also remove those of runs still alive")
     clean.set_defaults(func=run_cleanup)
@@ -57,16 +66,20 @@ def run_run(args: argparse.Namespace) -> int:
         spec = ClusterSpec(args.nodes, args.ranks_per_node,
                            inter=_shape(args.inter_bw, args.inter_latency, "inter"),
                            intra=_shape(args.intra_bw, args.intra_latency, "intra"),
-                           mtu=args.mtu, max_restarts=args.max_restarts)
+                           mtu=args.mtu, max_restarts=args.max_restarts,
+                           quota=CpuQuota(parse_cpu_per_rank(
+                               args.cpu_per_rank, args.nodes * args.ranks_per_node)))
         return run_cluster(spec, command)
-    except ClusterError as err:
+    except (ClusterError, ConfigError) as err:
         raise SystemExit(f"moeflow cluster run: error: {err}")
 
 
 def run_cleanup(args: argparse.Namespace) -> int:
     try:
         removed = cleanup_leftovers(include_live=args.all)
-    except ClusterError as err:
+        groups = cleanup_stale(include_live=args.all)
+    except (ClusterError, OSError) as err:
         raise SystemExit(f"moeflow cluster cleanup: error: {err}")
     print(f"removed {len(removed)} namespace(s)" + "".join(f"\n  {n}" for n in removed))
+    print(f"removed {len(groups)} CPU cgroup(s)" + "".join(f"\n  {g}" for g in groups))
     return 0

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
+from moeflow.cluster.quota import CpuQuota, parse_cpu_per_rank
+from moeflow.cluster.quota import in_force as quota_in_force
 from moeflow.config import ConfigError
 from moeflow.devices import DEVICES, check_device, check_local_ranks, pg_backend
 from moeflow.launch import init_from_env, launch_local, under_torchrun
@@ -83,11 +85,13 @@ def parse_overrides(items: list[str], target: type | None = None) -> dict[str, A
     return out
 
 
-def run_meta() -> dict:
+def run_meta(args: argparse.Namespace | None = None) -> dict:
     """Where and when a benchmark's JSON was made: its command, UTC date, host, CPUs, the load
     average when it was written (the machine is shared: ratios within a run compare, absolute
-    times across runs do not), the emulated cluster's links, and the moeflow commit when run
-    from a git checkout (None otherwise)."""
+    times across runs do not), the emulated cluster's links, the CPU quota per rank in force
+    (``cpu_per_rank``: cores, or None when the ranks shared the cores; from ``moeflow cluster
+    run --cpu-per-rank`` or, given ``args``, the command's own ``--cpu-per-rank``), and the
+    moeflow commit when run from a git checkout (None otherwise)."""
     link = {k[len("MOEFLOW_CLUSTER_"):].lower(): float(v) for k, v in os.environ.items()
             if k.startswith("MOEFLOW_CLUSTER_") and k.endswith(("_BPS", "_S"))}
     try:
@@ -99,7 +103,8 @@ def run_meta() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "host": platform.node(), "cpus": os.cpu_count(),
             "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "link": link or None, "commit": commit or None}
+            "link": link or None, "cpu_per_rank": cpu_per_rank_record(args),
+            "commit": commit or None}
 
 
 def add_launch_args(p: argparse.ArgumentParser, default_nproc: int) -> None:
@@ -109,6 +114,43 @@ def add_launch_args(p: argparse.ArgumentParser, default_nproc: int) -> None:
                         "the world itself")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds after which a stuck collective fails the job")
+    add_quota_arg(p)
+
+
+def add_quota_arg(p: argparse.ArgumentParser) -> None:
+    """``--cpu-per-rank X|auto|none`` for commands that start local ranks."""
+    p.add_argument("--cpu-per-rank", default="none", metavar="X",
+                   help="GPU-like mode: hold each local rank to X cores (e.g. 0.45) with a CFS "
+                        "quota in a CPU cgroup of its own (as root), so a rank with more work "
+                        "takes longer as on its own device; auto = 0.9 x cores / ranks; none = "
+                        "ranks share the cores (default: none). Under torchrun use `moeflow "
+                        "cluster run --cpu-per-rank` instead")
+
+
+def declared_quota(args: argparse.Namespace | None, nproc: int | None = None) -> float | None:
+    """The cores per rank ``args.cpu_per_rank`` asks for (None: none, or no such option),
+    ``auto`` resolved for ``nproc`` ranks (default ``args.nproc``)."""
+    text = getattr(args, "cpu_per_rank", None)
+    if text is None:
+        return None
+    return parse_cpu_per_rank(text, nproc or getattr(args, "nproc", 1))
+
+
+def cpu_per_rank_record(args: argparse.Namespace | None = None) -> float | None:
+    """The cores per rank in force for a result file (None: the ranks shared the cores): the
+    quota ``moeflow cluster run`` gave this rank, else ``args``' own ``--cpu-per-rank``."""
+    return quota_in_force(declared_quota(args))
+
+
+def quota_from_args(args: argparse.Namespace, nproc: int | None = None) -> CpuQuota:
+    """The validated :class:`CpuQuota` of ``--cpu-per-rank`` for ``nproc`` local ranks; refused
+    under torchrun, where the job's launcher sets the quota."""
+    cores = declared_quota(args, nproc)
+    if cores is not None and under_torchrun():
+        raise ConfigError(f"--cpu-per-rank {args.cpu_per_rank} is invalid under torchrun, "
+                          "which started the ranks already: give it to `moeflow cluster run "
+                          "--cpu-per-rank` instead, or leave it out")
+    return CpuQuota(cores)
 
 
 def add_device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
@@ -206,6 +248,7 @@ def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
     """
     device_type = check_device(getattr(args, "device", "cpu"))
     backend = pg_backend(device_type)
+    quota = quota_from_args(args)
     if under_torchrun():
         import os
 
@@ -224,7 +267,7 @@ def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
     try:
         with _quiet_launcher():
             return launch_local(fn, args.nproc, *fn_args, timeout_s=args.timeout,
-                                backend=backend, max_restarts=max_restarts,
+                                backend=backend, max_restarts=max_restarts, quota=quota,
                                 log_dir=None if log_dir is None else str(Path(log_dir) / "logs")
                                 )[0]
     except ChildFailedError as err:
@@ -248,7 +291,7 @@ def report(res: dict | None, args: argparse.Namespace, format_result) -> int:
     if res is not None:
         print(format_result(res))
         if args.out:
-            res.update(run_meta())
+            res.update(run_meta(args))
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=2)
             print(f"wrote {args.out}")
