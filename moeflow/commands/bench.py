@@ -7,8 +7,8 @@ import shlex
 import sys
 
 from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
-from moeflow.commands import (bench_bigmac, bench_compute, bench_hecate_model, bench_jobs,
-                              bench_net, bench_parm)
+from moeflow.commands import bench_compute, bench_net
+from moeflow.commands.bench_papers import BenchChoices, register_paper_benchmarks
 from moeflow.commands.common import (add_device_arg, add_launch_args, cpu_per_rank_record,
                                      report, run_on_ranks)
 from moeflow.registry import did_you_mean
@@ -16,16 +16,13 @@ from moeflow.registry import did_you_mean
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (tables + JSON)")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH", action=BenchChoices)
     layer = bsub.add_parser("layer", help="one MoE layer forward+backward, split by phase")
     add_layer_args(layer)
     layer.set_defaults(func=run_layer)
-    bench_bigmac.register_bench(bsub)
     bench_compute.register_bench(bsub)
-    bench_hecate_model.register_bench(bsub)
-    bench_jobs.register_bench(bsub)
     bench_net.register_bench(bsub)
-    bench_parm.register_bench(bsub)
+    register_paper_benchmarks(bsub)
 
     sched = bsub.add_parser("schedule", help="ScheMoE ablation (codec, Pipe-A2A, OptSche) and "
                                              "the profiler-driven chooser on one MoE layer")
@@ -53,26 +50,8 @@ def register(sub) -> None:
     add_launch_args(sched, default_nproc=1)
     sched.set_defaults(func=run_schedule)
 
-    smile = bsub.add_parser("smile", help="SMILE: bi-level vs flat top-1 routing, layer and "
-                                          "all-to-all time (needs several nodes)")
-    smile.add_argument("--tokens", type=int, nargs="+", default=[256, 4096],
-                       help="tokens per rank; several values = small and large messages")
-    smile.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
-    smile.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
-    smile.add_argument("--experts-per-rank", type=int, default=1,
-                       help="experts held by each rank (num_experts = this x ranks)")
-    smile.add_argument("--capacity-factor", type=float, default=2.0,
-                       help="expert capacity as a multiple of the even share of tokens")
-    smile.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    smile.add_argument("--reps", type=int, default=5, help="timed steps")
-    add_device_arg(smile)
-    smile.add_argument("--out", default=None,
-                       help="write the results as JSON here (default: print only)")
-    add_launch_args(smile, default_nproc=1)
-    smile.set_defaults(func=run_smile)
     register_codecs_bench(bsub)
     register_zfp_arrays_bench(bsub)
-    register_hecate_bench(bsub)
 
 
 def add_layer_args(layer: argparse.ArgumentParser) -> None:
@@ -129,153 +108,6 @@ def add_layer_args(layer: argparse.ArgumentParser) -> None:
                      help="MoEConfig.autotune_budget_s: seconds the tuner may take, or 'none' "
                           "(unbounded) (--compare)")
     add_launch_args(layer, default_nproc=1)
-
-
-def register_hecate_bench(bsub) -> None:
-    """HECATE (Sections 3-4): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
-    p = bsub.add_parser("hecate", help="HECATE: EP, shadowing, FSSDP (Algorithms 1, 2, RM) "
-                                       "under skewed loads: step/a2a time, loads, bytes, memory")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    p.add_argument("--d-model", type=int, default=256, help="model width (d_model)")
-    p.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
-    p.add_argument("--experts-per-rank", type=int, default=2,
-                   help="experts owned by each rank at the start (num_experts = this x ranks)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--zipf", type=float, nargs="+", default=[0.0, 1.0, 1.5],
-                   help="skew exponents s (0 = no skew)")
-    p.add_argument("--t", type=int, default=2, help="Algorithm 1's overlap degree t")
-    p.add_argument("--m", type=int, default=2, help="Algorithm 1's memory capacity m")
-    p.add_argument("--shadow", type=int, default=None,
-                   help="experts FasterMoE-style shadowing replicates everywhere (default: t)")
-    p.add_argument("--reshard-every", type=int, nargs="*", default=[],
-                   help="extra 'hecate reshard/K' variants re-sharding every K timed steps")
-    p.add_argument("--replace-every", type=int, default=5,
-                   help="the 'replace' variant (SmartMoE-style) re-places experts every K "
-                        "timed steps (and once after the warm-up)")
-    p.add_argument("--variants", default=None,
-                   help="comma-separated variant labels to run (default: all), e.g. "
-                        "'ep,shadow,replace,hecate'")
-    p.add_argument("--router-loads", default=None, metavar="PATH:RUN:LAYER",
-                   help="also run with a real router's per-expert loads: entry RUN, MoE layer "
-                        "LAYER of a `python -m moeflow.bench.router_load` JSON")
-    p.add_argument("--drift", type=int, default=0,
-                   help="rotate the experts' popularity every N steps (0: fixed loads)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per variant")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    add_launch_args(p, default_nproc=1)
-    p.set_defaults(func=run_hecate)
-    q = bsub.add_parser("spag", help="HECATE spAG / spRS: the point-to-point and the "
-                                     "grouped-broadcast transports, interleaved")
-    q.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes of one expert")
-    q.add_argument("--experts-per-rank", type=int, default=2, help="experts owned per rank")
-    q.add_argument("--replicas", type=int, nargs="+", default=[1, 3],
-                   help="each expert gets 0..N extra holders (random, seeded)")
-    q.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    q.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
-    q.add_argument("--out", default=None, help="write the results as JSON here")
-    add_launch_args(q, default_nproc=1)
-    q.set_defaults(func=run_spag)
-    o = bsub.add_parser("spag-overlap", help="HECATE's early spAG: how much of it the GPT "
-                                             "block's attention forward hides, per transport")
-    o.add_argument("--d-model", type=int, default=256, help="model width")
-    o.add_argument("--n-heads", type=int, default=4, help="attention heads")
-    o.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    o.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    o.add_argument("--d-expert", type=int, default=512, help="hidden width of each expert")
-    o.add_argument("--experts-per-rank", type=int, default=2, help="experts owned per rank")
-    o.add_argument("--replicas", type=int, default=3,
-                   help="each expert gets 0..N extra holders (random, seeded)")
-    o.add_argument("--transports", nargs="+", default=["p2p", "broadcast"],
-                   choices=["p2p", "broadcast"], help="spAG transports to time")
-    o.add_argument("--backward", action="store_true",
-                   help="instead: forward + backward with the spRS on the critical path vs on "
-                        "the lane under the attention backward (fssdp.overlap_backward); the "
-                        "first --transports entry")
-    o.add_argument("--regather", action="store_true",
-                   help="instead: forward + backward of an FSSDP block (HECATE-RM) and the "
-                        "dense block after it, with the re-gathering spAG on the critical path "
-                        "vs on the lane under the next attention backward "
-                        "(fssdp.overlap_regather); the first --transports entry")
-    o.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    o.add_argument("--reps", type=int, default=7, help="timed repetitions per variant")
-    o.add_argument("--out", default=None, help="write the results as JSON here")
-    add_launch_args(o, default_nproc=1)
-    o.set_defaults(func=run_spag_overlap)
-
-
-def run_spag(args: argparse.Namespace) -> int:
-    from moeflow.bench.spag import bench_worker, format_result
-
-    opts = {k: getattr(args, k) for k in ("chunk_bytes", "experts_per_rank", "replicas",
-                                          "warmup", "reps")}
-    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
-
-
-def run_spag_overlap(args: argparse.Namespace) -> int:
-    from moeflow.bench.spag_overlap import (backward_worker, bench_worker, format_result,
-                                            regather_worker)
-
-    for name in ("d_model", "n_heads", "seq_len", "batch", "d_expert", "experts_per_rank",
-                 "reps"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"moeflow bench spag-overlap: --{name.replace('_', '-')} "
-                             f"{getattr(args, name)} must be >= 1")
-    if args.d_model % args.n_heads:
-        raise SystemExit(f"moeflow bench spag-overlap: --d-model {args.d_model} must be a "
-                         f"multiple of --n-heads {args.n_heads}")
-    opts = {k: getattr(args, k) for k in ("d_model", "n_heads", "seq_len", "batch", "d_expert",
-                                          "experts_per_rank", "replicas", "transports",
-                                          "warmup", "reps")}
-    if args.backward and args.regather:
-        raise SystemExit("moeflow bench spag-overlap: --backward and --regather are two "
-                         "different measurements; give one")
-    worker = (backward_worker if args.backward else regather_worker if args.regather
-              else bench_worker)
-    return report(run_on_ranks(worker, args, opts), args, format_result)
-
-
-def run_hecate(args: argparse.Namespace) -> int:
-    from moeflow.bench.hecate import bench_worker, format_result
-
-    for name in ("tokens", "d_model", "d_expert", "experts_per_rank", "top_k", "reps"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"moeflow bench hecate: --{name.replace('_', '-')} "
-                             f"{getattr(args, name)} must be >= 1")
-    for name in ("drift", "t", "m"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"moeflow bench hecate: --{name} {getattr(args, name)} must be "
-                             ">= 0")
-    if any(k < 1 for k in args.reshard_every):
-        raise SystemExit(f"moeflow bench hecate: --reshard-every {args.reshard_every}: every "
-                         "interval must be >= 1 timed steps")
-    if args.replace_every < 1:
-        raise SystemExit(f"moeflow bench hecate: --replace-every {args.replace_every} must be "
-                         ">= 1 timed steps")
-    opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
-                                          "top_k", "zipf", "t", "m", "warmup", "reps",
-                                          "reshard_every", "drift", "replace_every")}
-    if args.variants:
-        from moeflow.bench.hecate import variants
-
-        known = [label for label, _ in variants(args.t, args.m, args.reshard_every)]
-        chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
-        bad = [v for v in chosen if v not in known]
-        if bad or not chosen:
-            raise SystemExit(f"moeflow bench hecate: --variants {args.variants!r} has unknown "
-                             f"labels {bad}; choose from {', '.join(known)}")
-        opts["variants"] = chosen
-    opts["shadow"] = args.t if args.shadow is None else args.shadow
-    if args.router_loads:
-        from moeflow.bench.hecate import read_router_loads
-
-        try:
-            opts["router_loads"], opts["router_loads_source"] = read_router_loads(
-                args.router_loads)
-        except (OSError, ValueError, KeyError, IndexError) as err:
-            raise SystemExit(f"moeflow bench hecate: --router-loads {args.router_loads!r}: "
-                             f"{err} (give PATH:RUN:LAYER of a moeflow.bench.router_load JSON)")
-    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
 def run_layer(args: argparse.Namespace) -> int:
@@ -385,18 +217,6 @@ def run_schedule(args: argparse.Namespace) -> int:
     return report(run_on_ranks(bench_worker, args, opts), args, format_result)
 
 
-def run_smile(args: argparse.Namespace) -> int:
-    from moeflow.bench.smile import bench_worker, format_result
-    from moeflow.config import ConfigError
-    from moeflow.launch import under_torchrun
-
-    if not under_torchrun():
-        raise ConfigError("moeflow bench smile needs several nodes: run it under "
-                          "`moeflow cluster run --nodes N --ranks-per-node M -- python -m "
-                          "moeflow.cli bench smile`, or torchrun on several nodes")
-    opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_expert", "experts_per_rank",
-                                          "capacity_factor", "warmup", "reps", "device")}
-    return report(run_on_ranks(bench_worker, args, opts), args, format_result)
 def register_codecs_bench(bsub) -> None:
     p = bsub.add_parser("codecs", help="codec throughput vs copy bandwidth, bits/value, error")
     p.add_argument("--codecs", default=None,

@@ -55,7 +55,7 @@ def register(sub) -> None:
                            "skew, planned on bench hecate's own router at S instead")
     skew.add_argument("--router-trace", default=None, metavar="FILE[:RUN[:LAYER]]",
                       help="skewed loads: plan a routing sample drawn from a trained router's "
-                           "tokens per expert, the JSON of `python -m moeflow.bench.router_load "
+                           "tokens per expert, the JSON of `python -m benchmarks.training.router_load "
                            "--out` (run RUN, MoE layer LAYER, after training; default 0:0)")
     g.add_argument("--routing-seed", type=int, default=0,
                    help="seed of the --zipf / --router-trace routing sample (default 0)")

@@ -349,7 +349,7 @@ def memory_worker() -> dict:
     """``moeflow bench hecate``'s memory probe: the materialized experts' bytes held between
     forward and backward, without and with re-materialization (HECATE-RM), and the gradients
     (the probe must not change them)."""
-    from moeflow.bench.hecate_memory import MaterializedProbe
+    from benchmarks.hecate.hecate_memory import MaterializedProbe
 
     topo = Topology.from_env(local_size=LOCAL)
     out = {}

@@ -1,4 +1,4 @@
-"""Importable by spawned ranks: ``moeflow.bench.parm_collectives`` on two layouts of 4 ranks
+"""Importable by spawned ranks: ``benchmarks.parm.parm_collectives`` on two layouts of 4 ranks
 (2 nodes x 2), tiny sizes, synthetic fits beside fits measured here."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from moeflow.measure.linkmodel import AlphaBeta
-from moeflow.bench.parm import crossing
-from moeflow.bench.parm_collectives import measure_baseline_fits, messages, time_case
+from benchmarks.parm.parm import crossing
+from benchmarks.parm.parm_collectives import measure_baseline_fits, messages, time_case
 from moeflow.strategies.parm.fits import measure_parm_fits
 from moeflow.topology import Topology
 

@@ -3,7 +3,7 @@ spag-overlap`` (and ``--backward``, ``--regather``) workers on tiny sizes (struc
 
 from __future__ import annotations
 
-from moeflow.bench import spag, spag_overlap
+from benchmarks.hecate import spag, spag_overlap
 
 SPAG = dict(chunk_bytes=4096, experts_per_rank=2, replicas=[3], warmup=0, reps=2)
 OVERLAP = dict(d_model=16, n_heads=2, seq_len=8, batch=1, d_expert=16, experts_per_rank=2,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.bench import group_limited
+from benchmarks.deepseek_v3 import group_limited
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 

@@ -1,12 +1,12 @@
 """``moeflow bench parm --collectives``: the sizes of every schedule's forward collectives
 (Eq. 1 / 11 / 14), and on 4 gloo ranks that each piece is timed alone with a positive time and
-a prediction from the fits (``moeflow.bench.parm_collectives``)."""
+a prediction from the fits (``benchmarks.parm.parm_collectives``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from moeflow.bench.parm_collectives import CHAINS, grid_elements, messages
+from benchmarks.parm.parm_collectives import CHAINS, grid_elements, messages
 from moeflow.dispatch.capacity import capacity
 from moeflow.launch import launch_local
 from moeflow.topology import Topology

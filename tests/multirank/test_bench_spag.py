@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from moeflow.bench import spag, spag_overlap
+from benchmarks.hecate import spag, spag_overlap
 from moeflow.launch import launch_local
 from tests.helpers import spag_bench_worker as sw
 

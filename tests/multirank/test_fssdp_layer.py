@@ -312,7 +312,7 @@ def test_composes_with_codecs_algorithms_schedulers_bigmac_smile(composed, label
 
 @pytest.mark.multirank
 def test_bench_memory_probe_sees_rematerialization_free_the_held_experts(launched):
-    """moeflow bench hecate's probe (moeflow/bench/hecate_memory.py) on 4 ranks: without RM
+    """moeflow bench hecate's probe (benchmarks/hecate/hecate_memory.py) on 4 ranks: without RM
     the held experts stay between forward and backward, with RM their storage is 0 there and
     refilled by the backward; the gradients are the same."""
     for rank, got in _part(launched, "memory").items():

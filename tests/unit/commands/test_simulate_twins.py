@@ -70,7 +70,7 @@ def test_bench_parm_mismatch_names_the_field(tmp_path, flags, field):
 
 def test_bench_parm_routing_is_per_mp_group():
     """The ranks of an MP group gate one batch (bench parm's input of group rank // N_MP)."""
-    from moeflow.bench.parm import case_routing
+    from benchmarks.parm.parm import case_routing
 
     r = case_routing(16, 32, 4, 2, 1.2, world=4, mp=2)
     assert r[0].equal(r[1]) and r[2].equal(r[3]) and not r[0].equal(r[2])
@@ -102,7 +102,7 @@ HECATE = ["simulate", "layer", "--nproc", "2", "--profile", "parm-testbed-b", "-
 
 
 def test_bench_hecate_rows_are_the_fssdp_variants_twins(tmp_path):
-    from moeflow.bench.hecate import case_routing
+    from benchmarks.hecate.hecate import case_routing
 
     out = tmp_path / "sim.json"
     assert main([*HECATE, "--zipf", "1.0", "--measured", str(_hecate_file(tmp_path)),

@@ -1,0 +1,1 @@
+"""Tests of the paper benchmarks under benchmarks/ (outside the moeflow package)."""

@@ -1,0 +1,78 @@
+"""``moeflow bench parm``'s grid and summary (the timing itself runs under the cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.parm.parm import format_result, layouts, parse_layout, summarize
+from moeflow.cli import main
+from benchmarks.parm import commands as bench_parm
+
+
+def test_layouts_fit_the_world():
+    assert layouts(4, 2) == [(1, 2, 2), (2, 2, 1), (2, 1, 2)]
+    assert layouts(8, 4) == [(1, 4, 2), (2, 4, 1), (2, 2, 2)]
+    assert layouts(4, 1) == []                  # no MP or ESP group fits a node of one
+
+
+def test_parse_layout():
+    assert parse_layout("4x2x1") == (4, 2, 1, True)
+    assert parse_layout("4x2x2:esp-in-node") == (4, 2, 2, True)
+    assert parse_layout("1x2x4:ep-in-node") == (1, 2, 4, False)
+    for bad in ("4x2", "4x0x1", "4x2x1:in-node", "a,b,c", "4x2x1x1"):
+        with pytest.raises(ValueError, match=f"layout '{bad}': expected MPxEPxESP"):
+            parse_layout(bad)
+
+
+def test_layouts_flag_is_checked_before_any_rank(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("ranks were started")
+    monkeypatch.setattr(bench_parm, "run_on_ranks", refuse)
+    with pytest.raises(SystemExit, match="--layouts: layout '4x2'"):
+        main(["bench", "parm", "--nproc", "8", "--layouts", "4x4x1,4x2"])
+    with pytest.raises(SystemExit, match="--layouts and --compare deepspeed"):
+        main(["bench", "parm", "--nproc", "8", "--layouts", "4x4x1", "--compare", "deepspeed"])
+
+
+def _row(mp, esp, times, choice):
+    return {"n_mp": mp, "n_ep": 2, "n_esp": esp, "tokens_per_rank": 8, "capacity_factor": 1.2,
+            "step_ms": dict(zip(["baseline", "s1", "s2", "s2-aas", "auto"], times)),
+            "auto_choice": choice, "predicted_comm_ms": {"s1": 1.0, "s2": 2.0}}
+
+
+def test_summary_counts():
+    rows = [_row(2, 1, [10, 5, 4, 6, 4], "s2"),        # S2 faster by 25 %: right
+            _row(2, 1, [10, 5, 5.2, 6, 5], "s2"),      # within 10 %: not counted
+            _row(1, 2, [10, 12, 8, 8, 12], "s1")]      # S1 loses to the baseline; wrong pick
+    s = summarize(rows)
+    assert s["cases"] == 3
+    assert (s["s1_beats_baseline"], s["s2_beats_baseline"], s["s1_or_s2_beats_baseline"]) \
+        == (2, 3, 3)
+    assert (s["algorithm1_cases_differing_by_10pct"], s["algorithm1_picked_faster"]) == (2, 1)
+    assert s["mean_speedup_over_baseline"]["N_MP=2,N_ESP=1"]["s2"] == pytest.approx(
+        (10 / 4 + 10 / 5.2) / 2)
+    assert s["saa_speedup_over_aas_mean"] == pytest.approx((6 / 4 + 6 / 5.2 + 8 / 8) / 3)
+    text = format_result({"topology": "T", "rows": rows, "summary": s})
+    assert "Algorithm 1 picked the faster in 1/2" in text
+    rows[2]["esp_in_node"] = False                     # an EP-in-node row is marked "e"
+    assert "1,2,2e" in format_result({"topology": "T", "rows": rows, "summary": s})
+
+
+def test_accuracy_per_fit_set_and_n_mp():
+    """Both fit sets' choices are scored; N_MP = 1 (S1 = S2 by the equations) apart."""
+    rows = [_row(2, 1, [10, 5, 4, 6, 4], "s2"),        # S2 faster by 25 %
+            _row(1, 2, [10, 12, 8, 8, 12], "s1"),      # N_MP = 1, S2 faster by 50 %
+            _row(2, 2, [10, 5, 5.2, 6, 5], "s1")]      # within 10 %: not counted
+    for r, (grid, default) in zip(rows, [("s2", "s1"), ("s1", "s1"), ("s1", "s2")]):
+        r["algorithm1"] = {"grid": {"choice": grid}, "default": {"choice": default}}
+    acc = summarize(rows)["algorithm1_accuracy"]
+    assert acc["grid"] == {"all": [1, 2], "n_mp=1": [0, 1], "n_mp>1": [1, 1]}
+    assert acc["default"] == {"all": [0, 2], "n_mp=1": [0, 1], "n_mp>1": [0, 1]}
+    assert not any(k.startswith("comm_chain:") for k in acc)     # no --collectives rows
+    text = format_result({"topology": "T", "rows": rows, "summary": summarize(rows)})
+    assert "with the grid fits: picked the faster in 1/2, 1/1 (N_MP>1), 0/1 (N_MP=1)" in text
+    # with --collectives: also scored against the S1 / S2 forward comm chains alone
+    rows[0]["collectives"] = {"s1": {"chain_ms": 3.0}, "s2": {"chain_ms": 2.0}}   # S2 faster
+    rows[2]["collectives"] = {"s1": {"chain_ms": 2.0}, "s2": {"chain_ms": 2.1}}   # within 10 %
+    acc = summarize(rows)["algorithm1_accuracy"]
+    assert acc["comm_chain:grid"]["all"] == [1, 1] and acc["comm_chain:default"]["all"] == [0, 1]
