@@ -23,6 +23,11 @@ pruned to the newest K; ranks restarted by torch's elastic agent resume from the
 complete checkpoint by themselves; SIGTERM / SIGUSR1 make every rank stop after the same step
 with a checkpoint there (exit status ``PREEMPTED_EXIT``).
 
+Reproducible runs (``TrainConfig.deterministic``, ``--deterministic``; docs/training.md): the
+auto-tuned layers start with fixed choices (``TrainConfig.tuned_from``'s recorded ones, the
+checkpoint's, or the untuned defaults) and never re-tune, and torch runs its deterministic
+algorithms, so two runs of one command log identical losses.
+
 Gradient accumulation (``TrainConfig.grad_accum``, ``--grad-accum N``): a step runs N
 micro-batches of ``batch_size`` sequences, adds their gradients and synchronises, clips and
 steps once; the router biases (DeepSeek-V3) are updated once per step with the loads of all N.
@@ -475,11 +480,15 @@ class Trainer:
         """At the start of a run (after a resume restored the checkpoint's choices): every
         auto-tuned MoE layer starts with the ``tuned_from`` run folder's choice, else the
         checkpoint's, else (``deterministic``) :func:`untuned_choice`; else it tunes at its
-        first forward.
-        ``deterministic`` also stops re-tuning. Each choice is appended to this run's
-        ``autotune.jsonl`` with its source; returns those records."""
+        first forward. ``deterministic`` also stops re-tuning. Each choice is appended to this
+        run's ``autotune.jsonl`` with its source; returns those records."""
         cfg = self.cfg
         recorded = recorded_choices(cfg.tuned_from) if cfg.tuned_from else {}
+        if cfg.tuned_from and not any(m.auto_fields for m in self.model.moe_layers()):
+            raise ConfigError(f"--tuned-from {cfg.tuned_from}: no MoE layer of this run is "
+                              "auto-tuned (--set fixes a2a, schedule and pipeline_degree, or "
+                              "the placement is not tuned), so there is nothing to restore; "
+                              "drop --tuned-from or leave those fields 'auto'")
         records = []
         for m in self.model.moe_layers():
             if not m.auto_fields:
