@@ -32,7 +32,10 @@ checkpoint's entries with the model's and refuses, naming the entries, a checkpo
 model (missing or extra tensors, other shapes) before reading anything.
 
 The auto-tuned exchange settings of the MoE layers (docs/autotune.md) are kept beside the tensors in
-``autotune.json``, so a resume on the same topology does not re-tune.
+``autotune.json`` (every layer's :class:`~moeflow.autotune.TunedChoice`, measured or fixed by
+``moeflow train --deterministic``), so a resume or restart on the same topology keeps them
+instead of re-tuning: the timing-based choices, the pipelining degree above all, change the
+summation order (docs/autotune.md, "Which choices change numerics").
 
 HECATE FSSDP (``placement="fssdp"``): a rank's owned experts are rows of one slot tensor
 (:class:`~moeflow.strategies.fssdp.layer_experts.FSSDPExperts`); each row is split back into its named

@@ -759,6 +759,12 @@ class TrainConfig:
     # the dense (non-expert) part: replicated on every rank, or sharded by FSDP2 over the
     # data-parallel ranks (moeflow.parallel.fsdp); the experts keep their EP / FSSDP layout
     dense_shard: str = "replicate"
+    # reproducible runs (docs/training.md, "Reproducible runs"): no timing-based choice (the
+    # auto-tuned exchange settings are fixed: recorded ones or the untuned defaults, never
+    # re-tuned) and torch's deterministic algorithms
+    deterministic: bool = False
+    # a run folder whose recorded tuner choices (its autotune.jsonl) the MoE layers start with
+    tuned_from: str | None = None
 
     # the moeflow train option of each field: --field-name, except these
     FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
@@ -813,3 +819,7 @@ class TrainConfig:
         self._require(self.dtype in DTYPES, "dtype",
                       f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 "
                       "on cpu)")
+        self._require(isinstance(self.deterministic, bool), "deterministic",
+                      "must be True or False")
+        self._require(self.tuned_from is None or isinstance(self.tuned_from, str), "tuned_from",
+                      "must be a run folder (the --out of a 'moeflow train' run) or unset")

@@ -2,8 +2,11 @@
 
 Runs on every rank (torch.distributed initialised, or a world of one). AdamW with linear
 warm-up and cosine decay, global-norm gradient clipping that counts each expert once, periodic
-validation, metrics as JSON lines, a progress bar on rank 0, and DCP checkpoints that resume
-exactly (the batch of step s depends only on (seed, s, data-parallel rank)).
+validation, metrics as JSON lines (the loss with the global gradient norm before clipping, as
+torchtitan and Megatron-core log it), a progress bar on rank 0, and DCP checkpoints that resume
+exactly (the batch of step s depends only on (seed, s, data-parallel rank)). The auto-tuner
+prints one line per tuning; its detail and a record per tuning go to the run folder
+(``autotune.log``, ``autotune.jsonl``: :mod:`moeflow.autotune.runlog`).
 
 Parm (``--mp`` / ``--esp``, docs/parm.md): the GPT's dense layers are tensor parallel over MP
 groups of consecutive ranks, which share one batch (drawn for the data-parallel rank
@@ -19,6 +22,11 @@ Failures (docs/training.md, "Failures"): checkpoints are published atomically
 pruned to the newest K; ranks restarted by torch's elastic agent resume from the latest
 complete checkpoint by themselves; SIGTERM / SIGUSR1 make every rank stop after the same step
 with a checkpoint there (exit status ``PREEMPTED_EXIT``).
+
+Reproducible runs (``TrainConfig.deterministic``, ``--deterministic``; docs/training.md): the
+auto-tuned layers start with fixed choices (``TrainConfig.tuned_from``'s recorded ones, the
+checkpoint's, or the untuned defaults) and never re-tune, and torch runs its deterministic
+algorithms, so two runs of one command log identical losses.
 
 Gradient accumulation (``TrainConfig.grad_accum``, ``--grad-accum N``): a step runs N
 micro-batches of ``batch_size`` sequences, adds their gradients and synchronises, clips and
@@ -43,6 +51,7 @@ import datetime
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import threading
@@ -53,6 +62,9 @@ import torch
 import torch.distributed as dist
 
 from moeflow import checkpoint
+from moeflow.autotune import TunedChoice, append_record, layout, log_to_run_folder, \
+    placeholder, recorded_choices
+from moeflow.autotune import log as autotune_log
 from moeflow.strategies.fssdp.metrics import fssdp_metrics
 from moeflow.strategies.fssdp.replace import maybe_replace
 from moeflow.strategies.fssdp.reshard import maybe_reshard
@@ -209,6 +221,40 @@ def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
                           f"(field: (saved, now)) {diff}; resume with the same model options")
 
 
+def check_deterministic(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+    """``--deterministic`` refuses what chooses by timing and cannot be fixed from a record:
+    Parm's ``parallel_schedule="auto"`` (Algorithm 1 on measured fits)."""
+    if not train_cfg.deterministic:
+        return
+    auto = [i for i in model_cfg.moe_layer_ids()
+            if model_cfg.moe_config(i).parallel_schedule == "auto"]
+    if auto:
+        raise ConfigError(f"--deterministic: MoEConfig.parallel_schedule='auto' (MoE blocks "
+                          f"{auto}) picks Parm's schedule from timings measured on the "
+                          "machine; fix it with --set parallel_schedule=s1 (or s2, baseline)")
+
+
+def use_deterministic_algorithms(seed: int) -> None:
+    """``--deterministic``'s torch settings: deterministic kernels (an op without one raises),
+    no cuDNN benchmarking, cuBLAS's fixed workspace (torch's documented requirement for
+    deterministic cuBLAS on CUDA >= 10.2) and the Python RNG seeded. Process-wide."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    random.seed(seed)
+
+
+def untuned_choice(layer) -> TunedChoice:
+    """The fixed settings ``--deterministic`` gives an auto-tuned layer without a recorded
+    choice: the tuner's placeholder (a2a ``direct``, schedule ``sequential``,
+    pipeline_degree 1, codec ``none``), not measured."""
+    cfg = placeholder(layer.requested_cfg)
+    return TunedChoice(cfg.a2a, cfg.schedule, cfg.pipeline_degree, None, None,
+                       layout(layer.topo), codec=cfg.codec,
+                       lossy_error_budget=layer.requested_cfg.effective_lossy_error_budget)
+
+
 @dataclasses.dataclass
 class FaultConfig:
     """How ``moeflow train`` survives failures (docs/training.md, "Failures").
@@ -265,6 +311,9 @@ class Trainer:
         self.out = Path(out_dir)
         self.progress = progress and topo.rank == 0
         self.corpus = Corpus.load(data)
+        check_deterministic(model_cfg, train_cfg)
+        if train_cfg.deterministic:
+            use_deterministic_algorithms(train_cfg.seed + topo.dp_rank)
         self.device = resolve_device(train_cfg.device, "TrainConfig.device")
         self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
         gpt_cfg = fixed_shape_batches(build_config(model_cfg, train_cfg))
@@ -281,6 +330,7 @@ class Trainer:
         self.elapsed_before = 0.0     # training seconds before start_step (from the checkpoint)
         self.start_time = time.perf_counter()    # of the training clock (elapsed_s)
         self.history: list[dict] = []
+        self.grad_norm = torch.zeros(())   # the last step's global gradient norm before clipping
         self._signal = 0              # the preemption signal received (0: none)
         self._pending = None          # (future, staged folder, step, elapsed) of an async save
         # async saves run their collectives on a gloo group of their own (from a thread)
@@ -439,6 +489,55 @@ class Trainer:
         if progress.exists():
             self.elapsed_before = json.loads(progress.read_text())["elapsed_s"]
 
+    def fix_tuned_choices(self) -> list[dict]:
+        """At the start of a run (after a resume restored the checkpoint's choices): every
+        auto-tuned MoE layer starts with the ``tuned_from`` run folder's choice, else the
+        checkpoint's, else (``deterministic``) :func:`untuned_choice`; else it tunes at its
+        first forward. ``deterministic`` also stops re-tuning. Each choice is appended to this
+        run's ``autotune.jsonl`` with its source; returns those records."""
+        cfg = self.cfg
+        recorded = recorded_choices(cfg.tuned_from) if cfg.tuned_from else {}
+        if cfg.tuned_from and not any(m.auto_fields for m in self.model.moe_layers()):
+            raise ConfigError(f"--tuned-from {cfg.tuned_from}: no MoE layer of this run is "
+                              "auto-tuned (--set fixes a2a, schedule and pipeline_degree, or "
+                              "the placement is not tuned), so there is nothing to restore; "
+                              "drop --tuned-from or leave those fields 'auto'")
+        records = []
+        for m in self.model.moe_layers():
+            if not m.auto_fields:
+                continue
+            lid = m.requested_cfg.layer_id
+            if cfg.tuned_from:
+                if lid not in recorded:
+                    raise ConfigError(f"--tuned-from {cfg.tuned_from}: no choice recorded for "
+                                      f"the MoE layer with layer_id {lid} (recorded: "
+                                      f"{sorted(recorded)}); give a run of the same model")
+                choice, source = recorded[lid], f"--tuned-from {cfg.tuned_from}"
+                if choice.topology != layout(m.topo):
+                    raise ConfigError(f"--tuned-from {cfg.tuned_from}: layer_id {lid} was tuned "
+                                      f"on {choice.topology}, this run is "
+                                      f"{layout(m.topo)}; give a run on the same layout "
+                                      "(ranks, nodes, --ep-size)")
+            elif m.tuned is not None:
+                choice, source = m.tuned, "checkpoint"
+            elif cfg.deterministic:
+                choice, source = untuned_choice(m), "fixed defaults"
+            else:
+                continue
+            m.set_tuned(choice)
+            if cfg.deterministic:
+                m.retune_check_every = None          # no timing-based choice later either
+            rec = {"layer_id": lid, "source": source, **choice.settings(),
+                   "codec": choice.codec}
+            records.append(rec)
+            if self.topo.rank == 0:
+                self.out.mkdir(parents=True, exist_ok=True)
+                append_record(self.out, lid, choice, source)
+                autotune_log.info(f"autotune layer_id {lid}: {source}: codec={choice.codec} "
+                                  f"a2a={choice.a2a} schedule={choice.schedule} "
+                                  f"r={choice.pipeline_degree}, not tuned")
+        return records
+
     # ---- the loop -------------------------------------------------------------------------
     def _evaluate(self) -> float:
         return evaluate(self.model, self.corpus, self.cfg, self.topo, self.device, self.dtype)
@@ -454,7 +553,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         stats = accumulate_gradients(self.model, micro, self.device, self.dtype)
         sync_gradients(self.model, topo)           # once per optimizer step
-        clip_gradients(self.model, topo, cfg.grad_clip)
+        # the global norm before clipping (every rank's, each expert once), logged with the loss
+        self.grad_norm = clip_gradients(self.model, topo, cfg.grad_clip)
         self.opt.step()
         update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
@@ -477,7 +577,10 @@ class Trainer:
             (self.out / PREEMPTED_FILE).unlink()         # of an earlier, resumed invocation
         old_handlers = self._install_handlers()
         try:
-            return self._loop(resume, restart)
+            with log_to_run_folder(self.out, topo.rank == 0):  # the tuner's detail + records
+                if cfg.deterministic or cfg.tuned_from or resume:
+                    self.fix_tuned_choices()
+                return self._loop(resume, restart)
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
@@ -511,7 +614,7 @@ class Trainer:
                 loss, aux_mean, balance = _world_mean(sums / steps_last, topo)
                 now = time.perf_counter()
                 rec = {"step": self.step, "loss": loss, "aux_loss": aux_mean,
-                       "balance_loss": balance,
+                       "balance_loss": balance, "grad_norm": float(self.grad_norm),
                        "lr": lr_at(self.step - 1, cfg),
                        "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
                        "elapsed_s": now - start_time}
@@ -520,7 +623,8 @@ class Trainer:
                     rec["val_loss"] = self._evaluate()
                 self._log(rec)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", aux=f"{aux_mean:.4f}",
+                    bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{rec['grad_norm']:.3f}",
+                                    aux=f"{aux_mean:.4f}",
                                     tok_s=f"{rec['tokens_per_s']:.0f}",
                                     **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec
                                        else {}))

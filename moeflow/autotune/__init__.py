@@ -9,7 +9,9 @@ Modules, each importing only those listed before it (no import circle):
 - :mod:`moeflow.autotune.lossy`: the measured error of each lossy codec
   (``codec="auto:lossy"``);
 - :mod:`moeflow.autotune.tuner`: the tuner itself (:func:`tune`, :func:`pick`, re-tuning,
-  tuning state in checkpoints).
+  tuning state in checkpoints);
+- :mod:`moeflow.autotune.runlog`: where its lines go (one per tuning on stderr, the detail
+  and a record per tuning in the run folder) and reading recorded choices back.
 
 Timings come from the measurement core (:mod:`moeflow.measure.timing`). The names below are
 the package's interface (``from moeflow import autotune; autotune.tune(...)``).
@@ -21,15 +23,18 @@ from moeflow.autotune.settings import _Preserved, apply
 from moeflow.autotune.tuner import AUTO_FIELDS, DEDUP_FIRST_SAVING, DEDUP_MIN_SAVING, \
     DEGREES, KEEP_ALGOS, MEASURE_TOP, RETUNE_CHECK_EVERY, RETUNE_RATIO, SCHEDULES, \
     SIMPLER_MARGIN, TunedChoice, \
-    auto_fields, candidate_algorithms, dedup_inputs, dedup_place, layout, log, log_to_stderr, \
+    auto_fields, candidate_algorithms, dedup_inputs, dedup_place, layout, log, \
     needs_retune, overlap_trials, pick, placeholder, restore_tuning, retune_agreed, \
     screen_order, tune, tuning_state
+from moeflow.autotune.runlog import DETAIL_FILE, RECORD_FILE, append_record, \
+    log_to_run_folder, log_to_stderr, recorded_choices
 
-__all__ = ["AUTO_FIELDS", "DEDUP_FIRST_SAVING", "DEDUP_MIN_SAVING", "DEGREES", "ErrorProbe",
-           "KEEP_ALGOS",
-           "MEASURE_TOP", "RETUNE_CHECK_EVERY", "RETUNE_RATIO", "SCHEDULES", "SIMPLER_MARGIN",
-           "TuneClock", "TunedChoice", "apply", "auto_fields", "candidate_algorithms",
-           "codec_errors", "dedup_inputs", "dedup_place", "gentlest_first", "layout", "log",
-           "log_to_stderr", "lossy_candidates", "needs_retune", "overlap_trials", "pick",
-           "placeholder", "restore_tuning", "retune_agreed", "screen_order", "tune",
-           "tuning_state"]
+__all__ = ["AUTO_FIELDS", "DEDUP_FIRST_SAVING", "DEDUP_MIN_SAVING", "DEGREES",
+           "DETAIL_FILE", "ErrorProbe", "KEEP_ALGOS", "MEASURE_TOP", "RECORD_FILE",
+           "RETUNE_CHECK_EVERY", "RETUNE_RATIO", "SCHEDULES", "SIMPLER_MARGIN",
+           "TuneClock", "TunedChoice", "append_record", "apply", "auto_fields",
+           "candidate_algorithms", "codec_errors", "dedup_inputs", "dedup_place",
+           "gentlest_first", "layout", "log", "log_to_run_folder", "log_to_stderr",
+           "lossy_candidates", "needs_retune", "overlap_trials", "pick", "placeholder",
+           "recorded_choices", "restore_tuning", "retune_agreed", "screen_order",
+           "tune", "tuning_state"]

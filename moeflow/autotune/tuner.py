@@ -55,8 +55,11 @@ they re-tune together (EP groups may see different rows: deciding alone could le
 waiting in the tuner's collectives).
 
 Without a time budget the cost is bounded by construction: ``(algorithms + lossy codecs) x
-(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps;
-each stage logs a line (logger ``moeflow.autotune``, rank 0) with its elapsed time.
+(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps.
+
+Output (logger ``moeflow.autotune``, rank 0): each stage logs a detail line with its elapsed
+time at DEBUG, and each tuning one INFO line (layer, token count, the choice, the tuning's
+time) carrying the choice for the run folder's record (:mod:`moeflow.autotune.runlog`).
 """
 
 from __future__ import annotations
@@ -148,12 +151,14 @@ def placeholder(cfg: MoEConfig) -> MoEConfig:
 
 def retune_agreed(layer) -> bool:
     """Whether to re-tune now, decided by every rank together: each
-    ``layer.retune_check_every``-th training forward, one host all-reduce (max) of each rank's
-    :func:`needs_retune` flag over the world. The rows are those of the rank's own EP group, so
-    two EP groups can see different rows; agreeing first means no rank enters the (collective)
-    tuning alone, and between checks there is no extra message."""
+    ``layer.retune_check_every``-th training forward (None: never), one host all-reduce (max)
+    of each rank's :func:`needs_retune` flag over the world. The rows are those of the rank's
+    own EP group, so two EP groups can see different rows; agreeing first means no rank enters
+    the (collective) tuning alone, and between checks there is no extra message."""
     from moeflow.measure.timing import slowest
 
+    if layer.retune_check_every is None:     # never (moeflow train --deterministic)
+        return False
     layer._forwards += 1
     if layer._forwards % max(1, layer.retune_check_every):
         return False
@@ -228,19 +233,20 @@ def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock
     return statistics.median(times[1:])
 
 
-def log_to_stderr() -> None:
-    """Show the tuner's progress lines on stderr (``moeflow train`` does this on rank 0)."""
-    if not any(getattr(h, "moeflow_autotune", False) for h in log.handlers):
-        handler = logging.StreamHandler()
-        handler.moeflow_autotune = True
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-    log.setLevel(logging.INFO)
-
-
 def _say(topo, msg: str) -> None:
+    """A screening detail line (DEBUG: the run folder's ``autotune.log`` under ``moeflow
+    train``, :mod:`moeflow.autotune.runlog`), rank 0 only."""
     if topo.rank == 0:
-        log.info(msg)
+        log.debug(msg)
+
+
+def _announce(topo, choice: TunedChoice, layer_id: int | None, tokens: int, msg: str) -> None:
+    """The one line per tuning (INFO, rank 0): what was chosen and how long it took. The log
+    record carries the choice, the layer id and the batch's token count, for the run folder's
+    ``autotune.jsonl`` (:mod:`moeflow.autotune.runlog`)."""
+    if topo.rank == 0:
+        log.info(msg, extra={"tuned": {"layer_id": layer_id, "tokens": tokens,
+                                       "source": "measured", "choice": choice.as_dict()}})
 
 
 def _entry(e: tuple) -> str:
@@ -397,7 +403,9 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
         choice = TunedChoice(fixed.a2a, fixed.schedule, fixed.pipeline_degree, None, None,
                              layout(topo), codec="none",
                              codec_error=0.0 if budget is not None else None, **common)
-        _say(topo, f"{label}: one expert-parallel rank, nothing to tune: {choice.settings()}")
+        _announce(topo, choice, requested.layer_id, x.shape[0],
+                  f"{label}, {x.shape[0]} tokens: one expert-parallel rank, nothing to tune: "
+                  f"{choice.settings()}")
         return choice
     algos = candidate_algorithms(requested, topo)
     schedules = list(SCHEDULES) if requested.schedule == AUTO else [requested.schedule]
@@ -545,9 +553,11 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
     lossy = "" if err is None else f" (error {err:.2e}, budget {budget:g})"
     cut = (f"; time budget {requested.autotune_budget_s:g} s cut: {'; '.join(clock.cut)}"
            if clock.cut else "")
-    _say(topo, f"{label}: chose codec={choice.codec}{lossy} a2a={choice.a2a} "
-               f"schedule={choice.schedule} r={choice.pipeline_degree}: predicted {p}, "
-               f"measured {choice.measured_ms:.1f} ms; tuning took {choice.tune_s:.1f} s{cut}")
+    _announce(topo, choice, requested.layer_id, x.shape[0],
+              f"{label}, {x.shape[0]} tokens: chose codec={choice.codec}{lossy} "
+              f"a2a={choice.a2a} schedule={choice.schedule} r={choice.pipeline_degree} "
+              f"({choice.measured_ms:.1f} ms measured, {p} predicted, {len(measured)} "
+              f"candidates) in {choice.tune_s:.1f} s{cut}")
     return choice
 
 

@@ -21,8 +21,10 @@ from moeflow.commands.common import (add_device_arg, add_launch_args, parse_over
 from moeflow.config import DTYPES, ConfigError, ModelConfig, PRESETS, TrainConfig, model_preset
 from moeflow.data import Corpus, skipped_note
 from moeflow.launch import under_torchrun
+from moeflow.autotune import recorded_choices
 from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, build_config,
-                           check_same_model, latest_checkpoint, train_worker)
+                           check_deterministic, check_same_model, latest_checkpoint,
+                           train_worker)
 
 
 # help of each TrainConfig option (a field missing here gets a pointer to TrainConfig)
@@ -86,8 +88,20 @@ def register(sub) -> None:
                         "agent); restarted ranks resume from the latest complete checkpoint, "
                         "redoing at most the steps since it (under torchrun: use torchrun's "
                         "--max-restarts)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="reproducible run: the auto-tuned exchange settings are fixed (those "
+                        "of --tuned-from or the checkpoint when resuming, else a2a=direct, "
+                        "schedule=sequential, pipeline_degree=1) and never re-tuned, and torch "
+                        "runs its deterministic algorithms; two runs of one command log "
+                        "identical losses (docs/training.md, 'Reproducible runs'; default: "
+                        "off, the settings are measured)")
+    p.add_argument("--tuned-from", dest="tuned_from", default=None, metavar="RUN_DIR",
+                   help="start the MoE layers with the tuner choices recorded in RUN_DIR's "
+                        "autotune.jsonl (an earlier run on the same layout) instead of "
+                        "tuning (default: none)")
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("collective_timeout_s", "device", "dtype", "esp_in_node"):
+        if f.name in ("collective_timeout_s", "device", "dtype", "esp_in_node",
+                      "deterministic", "tuned_from"):
             continue
         p.add_argument(TrainConfig.flag(f.name), dest=f.name, default=f.default,
                        type=int if f.default is None else type(f.default),
@@ -127,6 +141,7 @@ def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int,
     """The expert-parallel (and Parm MP / ESP) layout the ranks will build, checked before
     they start. ``local``: ranks per node (default: all on one node)."""
     build_config(mcfg, tcfg)                 # what --recompute composes with
+    check_deterministic(mcfg, tcfg)
     if tcfg.mp_size > 1 or tcfg.esp_size > 1:
         check_parm_sizes(mcfg, tcfg, world, local or world)
     esp = tcfg.esp_size if world % tcfg.esp_size == 0 else 1
@@ -220,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
     if world >= 1:
         check_layout(mcfg, tcfg, world, local)
     check_data(args, mcfg, tcfg)
+    if tcfg.tuned_from is not None:
+        recorded_choices(tcfg.tuned_from)    # readable records, checked before the ranks start
     first = 0                                    # the step this invocation starts from
     if args.resume:
         if (Path(out) / "config.json").exists():
