@@ -31,7 +31,7 @@ from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts
 from moeflow.schedule.tasks import check_order
-from moeflow.strategies import STRATEGIES, Call, ExpertStrategy
+from moeflow.strategies import Call, ExpertStrategy, strategy_for
 from moeflow.topology import Topology
 
 
@@ -75,7 +75,7 @@ class MoELayer(nn.Module):
         # training forwards between the collective checks of whether to re-tune
         self.retune_check_every = autotune.RETUNE_CHECK_EVERY
         self._forwards = 0
-        strategy = STRATEGIES[cfg.placement]     # moeflow/strategies/, by MoEConfig.placement
+        strategy = strategy_for(cfg, topo)       # moeflow/strategies/, by MoEConfig.placement
         if self.auto_fields and (not strategy.tunable or cfg.parallel_schedule != "baseline"):
             raise ConfigError(
                 f"MoEConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in self.auto_fields)}"

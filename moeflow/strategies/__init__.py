@@ -15,4 +15,14 @@ from moeflow.strategies.node_dedup.strategy import NodeDedup
 from moeflow.strategies.parm.strategy import Parm
 
 __all__ = ["STRATEGIES", "Call", "CheckpointEntries", "ExpertStrategy", "ExpertParallel",
-           "FSSDP", "NodeDedup", "Parm", "register_strategy"]
+           "FSSDP", "NodeDedup", "Parm", "register_strategy", "strategy_for"]
+
+
+def strategy_for(cfg, topo) -> type[ExpertStrategy]:
+    """The strategy class ``MoEConfig.placement`` names in the registry. One name is completed
+    by the topology: ``"ep"`` on Parm's layouts (model parallelism or ESP shards, Parm
+    Section III) is Parm's baseline schedule (Fig. 3a), which is expert parallelism on that
+    layout; ``placement="parm"`` names it directly."""
+    if cfg.placement == "ep" and (topo.mp_size > 1 or topo.esp_size > 1):
+        return Parm
+    return STRATEGIES[cfg.placement]

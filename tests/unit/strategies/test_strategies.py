@@ -83,7 +83,7 @@ def test_bad_names_are_refused():
     with pytest.raises(ConfigError, match=r"placement='fsdp'.*did you mean 'fssdp'"):
         mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, placement="fsdp")
     with pytest.raises(ConfigError, match=r"a2a='node_dedup'.*placement='node_dedup'"):
-        mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, placement="node_dedup")
+        mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, a2a="node_dedup")
     with pytest.raises(ConfigError, match=r"FSSDP options need placement='fssdp'"):
         mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, fssdp={"window": 3})
     with pytest.raises(ConfigError, match=r"placement='node_dedup' is invalid on 1 node"):
@@ -91,12 +91,14 @@ def test_bad_names_are_refused():
                                  placement="node_dedup"))
 
 
-def test_parm_topology_needs_placement_parm():
-    """Parm's layouts are named, not inferred: 'ep' on an ESP topology is refused."""
-    topo = Topology.single()
-    esp = Topology(**{**topo.__dict__, "esp_size": 2}) if hasattr(topo, "__dict__") else None
-    if esp is None:
-        pytest.skip("no topology to fake")
-    with pytest.raises(ConfigError, match=r"placement='ep' is invalid with .*esp_size=2.*"
-                                          r"placement='parm'"):
-        ExpertParallel.check_config(mf.MoEConfig(d_model=8, d_expert=16, num_experts=4), esp)
+
+def test_parm_layouts_run_parm():
+    """'ep' on Parm's layouts (MP or ESP shards) is Parm's baseline: the one placement the
+    topology still completes (moeflow.strategies.strategy_for)."""
+    from moeflow.strategies import strategy_for
+
+    cfg = mf.MoEConfig(d_model=8, d_expert=16, num_experts=4)
+    esp = Topology(rank=0, world_size=4, local_size=4, ep_size=2, esp_size=2)
+    assert strategy_for(cfg, esp) is Parm
+    assert strategy_for(cfg, Topology.single()) is ExpertParallel
+    assert strategy_for(cfg.replace(placement="parm"), Topology.single()) is Parm
