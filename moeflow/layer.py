@@ -1,11 +1,12 @@
-"""MoELayer: route -> strategy (plan, permute, exchange with the experts) -> combine.
+"""MoELayer: route -> dispatch -> experts -> combine, as named stages.
 
 The steps of docs/design.md, "The path of a token through MoELayer"; each part is chosen by
-name in ``MoEConfig`` from its registry (router, codec, all-to-all algorithm), so later parts
-plug in without changing this file. How experts are placed and reached (plain EP with the
-ScheMoE exchange, Parm's schedules, HECATE's FSSDP) is an ``ExpertStrategy``
-(``moeflow/strategies/``, docs/design.md "Strategies: how experts are placed"); BigMac's
-projections and the shared experts wrap it here.
+name in ``MoEConfig`` from its registry (router, codec, all-to-all algorithm, strategy), so
+later parts plug in without changing this file. How experts are placed and reached (plain EP
+with the ScheMoE exchange, Parm's schedules, HECATE's FSSDP, the node-deduplicated exchange)
+is the ``ExpertStrategy`` that ``MoEConfig.placement`` names (``moeflow/strategies/``,
+docs/design.md "Strategies: how experts are placed"); BigMac's projections, the router, the
+gated combine and the shared experts wrap it here.
 """
 
 from __future__ import annotations
