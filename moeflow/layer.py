@@ -77,14 +77,17 @@ class MoELayer(nn.Module):
         self.retune_check_every = autotune.RETUNE_CHECK_EVERY
         self._forwards = 0
         strategy = strategy_for(cfg, topo)       # moeflow/strategies/, by MoEConfig.placement
-        if self.auto_fields and (not strategy.tunable or cfg.parallel_schedule != "baseline"):
+        untunable = [f for f in self.auto_fields if f not in strategy.tunable_fields
+                     or cfg.parallel_schedule != "baseline"]
+        if untunable:
             raise ConfigError(
-                f"MoEConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in self.auto_fields)}"
+                f"MoEConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in untunable)}"
                 " cannot be tuned with "
                 f"placement={cfg.placement!r} and parallel_schedule={cfg.parallel_schedule!r}: "
                 "the tuner times the expert-parallel exchange (FSSDP's load window and Parm's "
-                "EP&ESP exchange are not what it measures); set a2a, schedule, "
-                "pipeline_degree and codec explicitly (e.g. 'direct', 'sequential', 1, 'none')")
+                "EP&ESP exchange are not what it measures; node_dedup runs its own hops, no "
+                "all-to-all algorithm); set them explicitly (e.g. a2a='direct', "
+                "schedule='sequential', pipeline_degree=1, codec='none')")
         cfg = autotune.placeholder(cfg)
         if cfg.num_experts % topo.ep_size:
             raise ConfigError(

@@ -94,7 +94,7 @@ class ExpertStrategy:
     ``checkpoint_entries`` and ``metrics`` for the training log.
 
     Flags (attributes, not hooks): ``trims_padding``, ``supports_trim``, ``counts_inter_node_bytes``,
-    ``recomputes_experts``, ``combines_in_exchange``, ``tunable``, ``refuses_block_recompute(cfg)``. ``OPTIONS``: the options class of
+    ``recomputes_experts``, ``combines_in_exchange``, ``tunable_fields``, ``refuses_block_recompute(cfg)``. ``OPTIONS``: the options class of
     ``MoEConfig.fssdp`` for a strategy that takes options (validated by
     :meth:`check_options`), None otherwise. :meth:`check_config` refuses, with the fix, what
     the strategy does not run with (the layer's construction and the tuner's screen call it).
@@ -116,8 +116,8 @@ class ExpertStrategy:
     recomputes_experts = True
     # the exchange returns the tokens' gated sums (node_dedup): the layer's combine is skipped
     combines_in_exchange = False
-    # the auto-tuner may time its exchange settings (a2a, schedule, pipeline_degree, codec)
-    tunable = True
+    # the MoEConfig fields the auto-tuner may time for this strategy ("auto")
+    tunable_fields = ("a2a", "schedule", "pipeline_degree", "codec")
 
     def __init__(self, layer) -> None:
         self.layer = layer

@@ -216,7 +216,7 @@ def test_node_dedup_matches_reference_4x2(monkeypatch):
 TOPO = dict(rank=0, world_size=4, local_size=2, ep_size=4)
 
 
-@pytest.mark.parametrize("field,value", [("a2a", "auto"), ("recompute", "moe_act")])
+@pytest.mark.parametrize("field,value", [("recompute", "moe_act")])
 def test_node_dedup_refuses_what_it_does_not_run_yet(field, value):
     opts = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, capacity_factor=None,
                 placement="node_dedup")

@@ -40,7 +40,7 @@ class FSSDP(ExpertStrategy):
     OPTIONS = FSSDPOptions
     trims_padding = False
     supports_trim = False
-    tunable = False
+    tunable_fields = ()      # the tuner times the expert-parallel exchange only
     counts_inter_node_bytes = False
 
     @classmethod

@@ -72,11 +72,6 @@ _FIX = "or use placement='ep'"
 
 def check_config(cfg, topo) -> None:
     """Raise ConfigError for what node_dedup does not run with (yet)."""
-    if cfg.a2a == "auto":
-        raise ConfigError(
-            "MoEConfig.a2a='auto' cannot be combined with placement='node_dedup': it runs its "
-            "own two-hop exchange, so there is no all-to-all algorithm to tune; leave a2a "
-            "at 'direct' (schedule and pipeline_degree may be 'auto'), " + _FIX)
     if cfg.recompute == "moe_act":
         # its task E keeps the experts' graph (node_dedup/backward.py): moe_act would save
         # nothing, so it is refused rather than silently ignored
@@ -125,6 +120,8 @@ class NodeDedup(ExpertStrategy):
 
     trims_padding = False
     combines_in_exchange = True
+    # its own two hops: no all-to-all algorithm to choose (a2a is not used)
+    tunable_fields = ("schedule", "pipeline_degree", "codec")
 
     @classmethod
     def check_config(cls, cfg, topo) -> None:

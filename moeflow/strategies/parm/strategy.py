@@ -23,7 +23,7 @@ class Parm(ExpertStrategy):
 
     trims_padding = False
     supports_trim = False
-    tunable = False
+    tunable_fields = ()      # the tuner times the expert-parallel exchange only
     counts_inter_node_bytes = False
 
     def __init__(self, layer) -> None:
