@@ -37,11 +37,11 @@ The auto-tuned exchange settings of the MoE layers (docs/autotune.md) are kept b
 instead of re-tuning: the timing-based choices, the pipelining degree above all, change the
 summation order (docs/autotune.md, "Which choices change numerics").
 
-HECATE FSSDP (``placement="fssdp"``): a rank's owned experts are rows of one slot tensor
-(:class:`~moeflow.strategies.fssdp.layer_experts.FSSDPExperts`); each row is split back into its named
-tensors under the same keys as expert parallelism (``.../experts.w1/expert/5``), written by its
-owner only, so each expert is saved once with its optimizer state, and FSSDP and EP checkpoints
-load into each other on any world size.
+A strategy that stores its experts its own way names its entries
+(``ExpertStrategy.checkpoint_entries``, :mod:`moeflow.strategies.model_hooks`): the tensors
+(aliases, under the keys above), the parameters they cover, every model key they may have, and
+state saved beside them and restored before them (FSSDP: owned slot rows under expert
+parallelism's keys, its shard maps and load windows; HECATE Section 3).
 
 Publishing (:func:`staging_path`, :func:`publish`, :func:`find_latest`): a run's checkpoints
 live under ``RUN/checkpoint/step-N``. Each is written under a temporary name
@@ -70,7 +70,7 @@ from moeflow.errors import ConfigError
 from moeflow.experts.ffn import HIDDEN_DIM, ExpertFFN
 from moeflow.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from moeflow.autotune import restore_tuning, tuning_state
-from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
+from moeflow.strategies import model_hooks
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -109,23 +109,6 @@ def _layouts(model: nn.Module) -> dict[int, tuple]:
             how[id(m.weight)] = ("tp", m.spec, mesh,
                                  m.topo.dense_mesh if m.topo.mp_size > 1 else None)
     return how
-
-
-def _fssdp_rows(model: nn.Module) -> dict[int, list[tuple[str, FSSDPExperts]]]:
-    """``id(slots) -> [(module name, FSSDPExperts)]``: the FSSDP layers whose owned experts
-    are rows of each slot tensor (one per layer, or one for all, Algorithm 2)."""
-    out: dict[int, list] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, FSSDPExperts):
-            out.setdefault(id(m.slots), []).append((name, m))
-    return out
-
-
-def _expand_slots(prefix: str, mname: str, m: FSSDPExperts, t: torch.Tensor, out: dict) -> None:
-    """The owned rows of ``t`` (the slot tensor or its moment), as EP's per-expert keys."""
-    for e, i in m.slot_index.items():
-        for name, view in m._views(t[i:i + 1]).items():
-            out[f"{prefix}/{mname}.{name}/expert/{e}"] = view[0]
 
 
 def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -199,18 +182,13 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in params:
             out[f"buffer/{name}"] = t
-    fssdp = _fssdp_rows(model)
+    own = set()                     # parameters a strategy stores its own way
+    for entries in model_hooks.checkpoint_entries(
+            model, optimizer, None if optimizer is None else lambda p: _state(optimizer, p)):
+        out.update(entries.tensors)
+        own |= entries.params
     for name, p in model.named_parameters():
-        if id(p) in fssdp:          # FSSDP slot rows, under EP's per-expert keys
-            for mname, m in fssdp[id(p)]:
-                _expand_slots("model", mname, m, p.data, out)
-                if optimizer is None:
-                    continue
-                state = _state(optimizer, p)
-                for k in m.shapes:              # EP's keys: one step entry per tensor name
-                    out[f"optim/{mname}.{k}/step"] = state["step"]
-                for k in OPT_KEYS:
-                    _expand_slots(f"optim/{k}", mname, m, state[k], out)
+        if id(p) in own:
             continue
         _expand("model", name, p.data, how.get(id(p)), out)
         if optimizer is None:
@@ -245,7 +223,7 @@ TUNING_FILE = "autotune.json"   # the layers' auto-tuned choices (JSON, by modul
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     state = checkpoint_state(model, optimizer, torch.tensor(step))
-    state.update(_fssdp_meta(model))
+    state.update(_strategy_meta(model))
     with _single_process_ok():
         dcp.save(state, checkpoint_id=path)
     tuned = tuning_state(model)
@@ -291,7 +269,7 @@ def async_save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, st
     its own, so that the background thread's collectives never interleave with the training's
     on the default group."""
     state = checkpoint_state(model, optimizer, torch.tensor(step))
-    state.update(_fssdp_meta(model))
+    state.update(_strategy_meta(model))
     tuned = tuning_state(model)
     if tuned and (not dist.is_initialized() or dist.get_rank() == 0):
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -304,13 +282,12 @@ def async_save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, st
 def _model_keys(model: nn.Module) -> set[str] | None:
     """Every ``model/`` key of the model on any layout (all experts of each layer), or None
     when a layer's number of experts is unknown (experts outside a MoELayer)."""
-    how, keys, fssdp = _layouts(model), set(), _fssdp_rows(model)
-    for mname, m in model.named_modules():      # FSSDP rows are stored under EP's keys
-        if isinstance(m, FSSDPExperts):
-            keys.update(f"model/{mname}.{k}/expert/{e}" for k in m.shapes
-                        for e in range(m.num_experts))
+    how, keys, own = _layouts(model), set(), set()
+    for entries in model_hooks.checkpoint_entries(model, None, None):
+        keys |= entries.keys                    # a strategy's entries, on any layout
+        own |= entries.params
     for name, p in model.named_parameters():
-        if id(p) in fssdp:
+        if id(p) in own:
             continue
         h = how.get(id(p))
         if h is None or h[0] == "tp":
@@ -354,63 +331,33 @@ def _fit_to_checkpoint(path: str, state: dict[str, torch.Tensor],
         "saved from: use the model options of its run (config.json beside it)")
 
 
-def _fssdp_meta(model: nn.Module) -> dict[str, torch.Tensor]:
-    """FSSDP's shard maps (after Algorithm 2's re-shards), load windows and budget-derived
-    memory capacities ``m`` (Algorithm 1), the same on every rank: restoring them makes a resumed run continue exactly."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, FSSDPExperts):
-            out[f"fssdp/{name}/owners"] = torch.tensor(m.owners.owners, dtype=torch.int64)
-            loads = m.window.state_dict()["loads"]
-            win = torch.zeros(m.options.window, m.num_experts, dtype=torch.float64)
-            if loads:
-                win[:len(loads)] = torch.tensor(loads, dtype=torch.float64)
-            out[f"fssdp/{name}/window"] = win
-            out[f"fssdp/{name}/window_n"] = torch.tensor(len(loads))
-            if m.budgeted:          # Algorithm 1's m agreed from the memory budgets (-1: none)
-                cap = -1 if m.memory_capacity is None else m.memory_capacity
-                out[f"fssdp/{name}/memory_capacity"] = torch.tensor(cap, dtype=torch.int64)
+def _strategy_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state the strategies keep beside the tensors (FSSDP: shard maps, load windows)."""
+    out: dict[str, torch.Tensor] = {}
+    for entries in model_hooks.checkpoint_entries(model, None, None):
+        out.update(entries.meta)
     return out
 
 
-def _restore_fssdp(path: str, model: nn.Module, optimizer) -> None:
-    """Load the shard maps and windows saved with FSSDP, and re-shard to those owners when
-    they fit this job (same world size); otherwise the experts load into the current owners."""
-    from moeflow.strategies.fssdp.reshard import apply_owners, fssdp_layers
-
-    meta = _fssdp_meta(model)
-    if not meta:
-        return
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    meta = {k: v for k, v in meta.items() if k in stored}
-    if not meta:
-        return                                   # an EP checkpoint: nothing to restore
-    with _single_process_ok():
-        dcp.load(meta, checkpoint_id=path)
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, FSSDPExperts)}
-    for name, m in layers.items():
-        if f"fssdp/{name}/window" in meta:
-            n = int(meta[f"fssdp/{name}/window_n"])
-            m.window.load_state_dict({"w": m.options.window,
-                                      "loads": meta[f"fssdp/{name}/window"][:n].tolist()})
-        cap = meta.get(f"fssdp/{name}/memory_capacity")
-        if cap is not None and int(cap) >= 0:   # until this job's first count exchange
-            m.memory_capacity = int(cap)
-    owners = [meta.get(f"fssdp/{name}/owners") for name in layers]
-    shared = len({id(m.slots) for m in layers.values()}) == 1 and len(layers) > 1
-    if not shared or any(o is None for o in owners):
-        return
-    new = [o.tolist() for o in owners]
-    world, rows = next(iter(layers.values())).world, fssdp_layers(model)[0].slots.shape[0]
-    flat = [r for o in new for r in o]
-    if max(flat) >= world or any(flat.count(r) != rows for r in range(world)):
-        return                                   # another world size: keep these owners
-    apply_owners(model, optimizer, new)
+def _restore_strategies(path: str, model: nn.Module, optimizer) -> None:
+    """Load what the strategies saved beside the tensors and let each apply it (FSSDP may
+    re-shard to the saved owners) before the tensors are loaded."""
+    stored = None
+    for entries in model_hooks.checkpoint_entries(model, optimizer, None):
+        if not entries.meta:
+            continue
+        if stored is None:
+            stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = {k: v for k, v in entries.meta.items() if k in stored}
+        if meta:
+            with _single_process_ok():
+                dcp.load(meta, checkpoint_id=path)
+        entries.restore(meta)
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Restore model (and optimizer) in place; return the step the checkpoint was taken at."""
-    _restore_fssdp(path, model, optimizer)
+    _restore_strategies(path, model, optimizer)
     step = torch.tensor(0)
     state = checkpoint_state(model, optimizer, step)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

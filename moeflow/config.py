@@ -251,11 +251,13 @@ class MoEConfig:
     lossy_error_budget: float | None = None
     autotune_budget_s: float | None = DEFAULT_AUTOTUNE_BUDGET_S
 
-    # HECATE FSSDP (Section 3.2, docs/hecate.md): "ep" = static expert parallelism; "fssdp" =
-    # experts fully sharded (one owner each), materialized per iteration by spAG; its options
-    # (a dict or moeflow.strategies.fssdp.options.FSSDPOptions) are checked there.
+    # The strategy, by its registry name (moeflow/strategies/, docs/design.md "Strategies"):
+    # "ep" = static expert parallelism; "parm" = Parm's MP / ESP layouts and schedules;
+    # "fssdp" = HECATE's experts fully sharded (one owner each), materialized per iteration
+    # by spAG; "node_dedup" = the node-deduplicated exchange. The options of a strategy that
+    # takes some (FSSDP's: a dict or its OPTIONS class) are checked by that class.
     placement: str = "ep"
-    fssdp: dict | FSSDPOptions | None = None
+    fssdp: dict | None = None
     # Capacity mode's empty slots (moeflow/dispatch/plan.py): "pad" sends and
     # computes all E*C rows (fixed shapes, no host synchronisation: Tutel's way); "trim" only
     # each expert's kept rows (same function, fewer bytes and FLOPs, one host sync per call);
@@ -275,19 +277,19 @@ class MoEConfig:
     recompute: str = "none"
 
     def __post_init__(self) -> None:
-        from moeflow.strategies.fssdp.options import PLACEMENTS, FSSDPOptions
-
         o = "MoEConfig"
         _require(isinstance(self.equal_rank_tokens, bool), o, "equal_rank_tokens",
                  self.equal_rank_tokens, "must be True (every rank calls the layer with the "
                  "same token count, e.g. fixed-shape batches) or False")
-        _require(self.placement in PLACEMENTS, o, "placement", self.placement,
-                 "choose 'ep' (static expert parallelism) or 'fssdp' (HECATE's fully sharded "
-                 "sparse data parallelism)")
-        _require(self.placement == "fssdp" or self.fssdp is None, o, "fssdp", self.fssdp,
-                 "FSSDP options need placement='fssdp'; set it or drop the options")
-        if self.placement == "fssdp":
-            self.fssdp = FSSDPOptions.coerce(self.fssdp)
+        # the strategy by registry name; its options class validates MoEConfig.fssdp
+        strategies = registry("strategy")
+        _require(self.a2a != "node_dedup", o, "a2a", self.a2a,
+                 "the node-deduplicated exchange is a strategy: set placement='node_dedup' "
+                 "(and a2a to a row exchange, e.g. 'direct')")
+        _require(self.placement in strategies, o, "placement", self.placement,
+                 f"choose one of {', '.join(sorted(strategies))} (docs/design.md, "
+                 f"\"Strategies\"){did_you_mean(self.placement, strategies)}")
+        self.fssdp = strategies[self.placement].check_options(self)
         # auto-tuning: a2a / schedule / pipeline_degree may be "auto", resolved
         # collectively by the layer's first forward (moeflow/autotune/tuner.py)
         if self.pipeline_degree != AUTO:
@@ -301,11 +303,13 @@ class MoEConfig:
         _require(self.capacity_padding in CAPACITY_PADDINGS, o, "capacity_padding",
                  self.capacity_padding, "choose 'auto' (trim on CPU, pad elsewhere), 'pad' "
                  "(send all E*C capacity rows) or 'trim' (send only the kept rows)")
-        _require(self.capacity_padding != "trim" or (self.placement == "ep" and
-                                                     self.parallel_schedule == "baseline"),
+        _require(self.capacity_padding != "trim" or (
+                     strategies[self.placement].supports_trim
+                     and self.parallel_schedule == "baseline"),
                  o, "capacity_padding", self.capacity_padding,
-                 "'trim' works with placement='ep' and parallel_schedule='baseline' only "
-                 "(FSSDP and Parm build their own capacity layouts); use 'auto' or 'pad'")
+                 "'trim' works with a placement that sends only kept rows ('ep', "
+                 "'node_dedup') and parallel_schedule='baseline' only (FSSDP and Parm build "
+                 "their own capacity layouts); use 'auto' or 'pad'")
         _require(self.parallel_schedule in PARM_SCHEDULES, o, "parallel_schedule",
                  self.parallel_schedule, "unknown schedule; use one of "
                  f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1)")

@@ -1,11 +1,12 @@
-"""MoELayer: route -> strategy (plan, permute, exchange with the experts) -> combine.
+"""MoELayer: route -> dispatch -> experts -> combine, as named stages.
 
 The steps of docs/design.md, "The path of a token through MoELayer"; each part is chosen by
-name in ``MoEConfig`` from its registry (router, codec, all-to-all algorithm), so later parts
-plug in without changing this file. How experts are placed and reached (plain EP with the
-ScheMoE exchange, Parm's schedules, HECATE's FSSDP) is an ``ExpertStrategy``
-(``moeflow/strategies/``, docs/design.md "Strategies: how experts are placed"); BigMac's
-projections and the shared experts wrap it here.
+name in ``MoEConfig`` from its registry (router, codec, all-to-all algorithm, strategy), so
+later parts plug in without changing this file. How experts are placed and reached (plain EP
+with the ScheMoE exchange, Parm's schedules, HECATE's FSSDP, the node-deduplicated exchange)
+is the ``ExpertStrategy`` that ``MoEConfig.placement`` names (``moeflow/strategies/``,
+docs/design.md "Strategies: how experts are placed"); BigMac's projections, the router, the
+gated combine and the shared experts wrap it here.
 """
 
 from __future__ import annotations
@@ -18,16 +19,12 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.devices import check_not_capturing
-from moeflow.dispatch import capacity
+from moeflow.dispatch import capacity, combine
 from moeflow.dispatch.plan import KnownCapacities
-from moeflow.experts.ffn import EXPERTS
 from moeflow.experts.shared import SharedExperts
-from moeflow.experts.structure import build_projections, comm_width, expert_hidden
-from moeflow.strategies.parm import schedules as parm
-from moeflow.strategies.parm.checks import check_parm_layer
-from moeflow.strategies.parm.baseline import esp_reduce
+from moeflow.experts.structure import build_projections
+from moeflow.layer_call import LayerCall
 from moeflow.schedule.phases import NULL_TIMER, PhaseTimer
-from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 from moeflow.routing import ROUTERS
 from moeflow.routing.aux_grad import attach_aux_loss
 from moeflow import autotune, plan_record
@@ -35,7 +32,7 @@ from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.executor import CommLane, Timeline
 from moeflow.schedule.pipeline import ScheduledExperts
 from moeflow.schedule.tasks import check_order
-from moeflow.strategies import ExpertStrategy, select as select_strategy
+from moeflow.strategies import Call, ExpertStrategy, strategy_for
 from moeflow.topology import Topology
 
 
@@ -79,14 +76,18 @@ class MoELayer(nn.Module):
         # training forwards between the collective checks of whether to re-tune
         self.retune_check_every = autotune.RETUNE_CHECK_EVERY
         self._forwards = 0
-        if self.auto_fields and (cfg.placement == "fssdp" or cfg.parallel_schedule != "baseline"):
+        strategy = strategy_for(cfg, topo)       # moeflow/strategies/, by MoEConfig.placement
+        untunable = [f for f in self.auto_fields if f not in strategy.tunable_fields
+                     or cfg.parallel_schedule != "baseline"]
+        if untunable:
             raise ConfigError(
-                f"MoEConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in self.auto_fields)}"
+                f"MoEConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in untunable)}"
                 " cannot be tuned with "
                 f"placement={cfg.placement!r} and parallel_schedule={cfg.parallel_schedule!r}: "
                 "the tuner times the expert-parallel exchange (FSSDP's load window and Parm's "
-                "EP&ESP exchange are not what it measures); set a2a, schedule, "
-                "pipeline_degree and codec explicitly (e.g. 'direct', 'sequential', 1, 'none')")
+                "EP&ESP exchange are not what it measures; node_dedup runs its own hops, no "
+                "all-to-all algorithm); set them explicitly (e.g. a2a='direct', "
+                "schedule='sequential', pipeline_degree=1, codec='none')")
         cfg = autotune.placeholder(cfg)
         if cfg.num_experts % topo.ep_size:
             raise ConfigError(
@@ -96,33 +97,15 @@ class MoELayer(nn.Module):
                 "ep_size")
         self.cfg, self.topo = cfg, topo
         self.num_local = cfg.num_experts // topo.ep_size
-        check_parm_layer(cfg, topo, expert_hidden(cfg))
+        strategy.check_config(self.requested_cfg, topo)   # "auto" fields as requested
         ROUTERS[cfg.router].check_topology(cfg, topo)
         self.router = ROUTERS[cfg.router](cfg)
         self.dcca = build_projections(cfg)      # BigMac's W_d / W_u; None for other structures
-        # Parm ESP: this rank's shard of each local expert; the ESP-AllReduce sums the shards
-        reduce = esp_reduce(topo) if topo.esp_size > 1 else None
-        if cfg.placement == "fssdp":     # HECATE FSSDP (Section 3): owner-only expert storage
-            _check_fssdp(cfg, topo)
-            self.experts = FSSDPExperts(comm_width(cfg), expert_hidden(cfg), cfg.num_experts,
-                                        cfg.activation, cfg.seed, cfg.layer_id,
-                                        cfg.expert_bias, cfg.fssdp, rank=topo.rank,
-                                        world=topo.world_size, local_size=topo.local_size,
-                                        group=topo.world_group,
-                                        activation_options=cfg.activation_options,
-                                        lane_group=topo.lane_group)
-        else:
-            self.experts = EXPERTS[cfg.expert_module](
-                comm_width(cfg), expert_hidden(cfg), topo.ep_rank * self.num_local, self.num_local,
-                cfg.activation, cfg.seed, cfg.layer_id, bias=cfg.expert_bias,
-                shard=(topo.esp_rank, topo.esp_size), reduce=reduce,
-                activation_options=cfg.activation_options)
+        self.algo = ALLTOALLS[cfg.a2a](topo)
+        self.strategy: ExpertStrategy = strategy(self)
+        self.experts = self.strategy.build_experts()
         # shared experts (DeepSeek-V3, Qwen2-MoE): replicated, on this rank's tokens, as task S
         self.shared = SharedExperts(cfg) if cfg.num_shared_experts else None
-        self.algo = ALLTOALLS[cfg.a2a](topo)
-        self.parm = parm.ParmParts.build(self, cfg, topo)  # S1 / S2 / auto; None otherwise
-        # how experts are placed and reached (moeflow/strategies/): EP, Parm or FSSDP
-        self.strategy: ExpertStrategy = select_strategy(self)
         self.codec = CODECS[cfg.codec]()
         self.backward_codec = self.codec if cfg.codec_backward else CODECS["none"]()
         self.scheduler = SCHEDULERS[cfg.schedule]()
@@ -214,16 +197,16 @@ class MoELayer(nn.Module):
         inside a checkpoint's recomputation (which gathers the recorded ``P'`` itself)."""
         if plan_record.recomputing():
             return
-        self.strategy.prefetch(self.lane)
+        self.strategy.overlap(self.lane)
 
-    def regather_on_grad(self, t: torch.Tensor) -> None:
+    def regather_on_grad(self, grad_of: torch.Tensor) -> None:
         """HECATE FSSDP with ``fssdp.overlap_regather`` (HECATE-RM, Section 3.2): when the
-        backward computes ``t``'s gradient, start this layer's re-gathering spAG (of its last
+        backward computes ``grad_of``'s gradient, start this layer's re-gathering spAG (of its last
         forward's freed experts) on the communication lane, so that it overlaps the backward
         between there and this layer's (the GPT passes the next block's attention output, and
         the loss for its last MoE layer). Call it after this layer's forward, once; a no-op for
         other placements, without the option, or when nothing was freed."""
-        self.strategy.regather_on_grad(t, self.lane)
+        self.strategy.overlap(self.lane, grad=grad_of)
 
     def _note_rows(self, plan, training: bool = False) -> None:
         """The tuner's row count: training forwards only (evaluation batches of another size
@@ -246,97 +229,102 @@ class MoELayer(nn.Module):
         where = plan_record.region()
         record = plan_record.take(where, self)
         if record is None:
-            return self._forward(x, top_k, capacity_factor, where, None)
-        saved = (self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler)
-        self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler = record.settings
-        try:
-            return self._forward(x, top_k, capacity_factor, where, record)
-        finally:
-            self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler = saved
-
-    def _forward(self, x: torch.Tensor, top_k, capacity_factor, where,
-                 record: plan_record.PlanRecord | None) -> torch.Tensor:
-        """One call; ``record``: the first forward's decisions when this is a checkpoint's
-        recomputation (HECATE Section 3.2 / Megatron-core's MoE recompute: nothing that the
-        first forward planned is planned again), None otherwise."""
-        if record is None:
             k, factor = self._begin_call(x, top_k, capacity_factor,
                                          training=torch.is_grad_enabled() or where is not None)
-        else:
-            k, factor = record.k, record.factor
-        cfg, t, s, shape = self.cfg, self.timer or NULL_TIMER, self.strategy, x.shape
-        route_k = {} if k == cfg.top_k else {"top_k": k}
-        h, call = s.prepare(x.reshape(-1, cfg.d_model), k, factor,
-                            None if record is None else record.call)
-        tokens = h                        # the shared experts' input (this rank's tokens)
-        # pipeline_degree may exceed a rank's rows: its chunks are then partly empty. Nothing
-        # that depends on this rank's data raises after this point (its peers would wait).
-        experts = s.experts() if record is None else s.replay_experts(record.strategy)
-        if record is not None and self.router.replays_choices:
-            route_k["chosen"] = record.experts     # the gates recomputed at these choices
-        # routers compute in float32 at least: outside autocast, which would run their matmul
-        # (and, on CPU, their softmax) in bf16 and take routing decisions at bf16 precision
-        with t.phase("route", h), torch.autocast(h.device.type, enabled=False):
-            routing = self.router(t.mark(h, "route"), **route_k)   # reads x (pre-descend)
-        if self.dcca is not None:                          # BigMac: descend before dispatch
-            with t.phase("project", h):
-                h = self.dcca.down(t.mark(h, "project"))
-        cap = None if factor is None else capacity(h.shape[0], k, cfg.num_experts, factor)
-        with t.phase("permute", h):
-            if record is None:
-                plan = s.plan(routing.experts, cap, h.device, call)
-                if cfg.equal_rank_tokens and cap is not None:   # C_p gathered once per key
-                    plan.known = KnownCapacities(self._known_capacities,
-                                                 (call.rows, k, factor), call.rows)
-            else:                          # the first forward's plan, its counts exchanged
-                plan = s.replay_plan(record.plan, record.strategy)
-            send = s.permute(t.mark(h, "permute"), plan, routing.weights)
-        if record is not None:             # backward's counts land in the reported ones
-            nonfinite, inter_bytes = record.nonfinite, record.inter_bytes
-        else:
-            nonfinite = (None if self.codec.represents_nonfinite
-                         and self.backward_codec.represents_nonfinite
-                         else h.new_zeros((), dtype=torch.long))
-            # host counter (no device sync): forward's exchanges add here, backward's in place
-            inter_bytes = (torch.zeros((), dtype=torch.long) if s.counts_inter_node_bytes
-                           else None)
-        runner = ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
-                                  self.scheduler, cfg.pipeline_degree, self.lane,
-                                  self.timeline or t.timeline, nonfinite, self.shared,
-                                  inter_bytes,
-                                  recompute=cfg.recompute == "moe_act",
-                                  # under a checkpoint even FSSDP's experts can rerun in
-                                  # backward: their held copy stays bound to the call
-                                  can_recompute=s.recomputes_experts or where is not None)
-        if record is None and where is not None and where[0] == "forward":
-            # before the exchange: it sets plan.counts, which the recomputation reuses
-            plan_record.save(where, self, plan_record.PlanRecord(
-                routing.experts.detach(), plan, call, k, factor,
-                (self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler),
-                nonfinite, inter_bytes, s.record_state()))
-        back, shared_y = s.exchange(t.mark(send, None), plan, runner, tokens, call)
+            rows = x.numel() // self.cfg.d_model
+            return self._forward(x, LayerCall.fresh(rows, k, factor, where))
+        saved = self.exchange_settings()
+        self._use_settings(record.settings)          # the tuner's choice of that forward
+        try:
+            return self._forward(x, LayerCall.replayed(record, where))
+        finally:
+            self._use_settings(saved)
+
+    def exchange_settings(self) -> tuple:
+        """(cfg, algo, codec, backward_codec, scheduler): what the tuner may replace."""
+        return self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler
+
+    def _use_settings(self, settings: tuple) -> None:
+        self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler = settings
+
+    def _forward(self, x: torch.Tensor, this: LayerCall) -> torch.Tensor:
+        """One call as named stages: route, dispatch, experts (the strategy's exchange),
+        combine. ``this``: the call's decisions, fresh or (a checkpoint's recomputation, HECATE
+        Section 3.2 / Megatron-core's MoE recompute) the first forward's, so that nothing the
+        first forward planned is planned again. Nothing that depends on this rank's data
+        raises after ``begin`` (its peers would wait); pipeline_degree may exceed a rank's
+        rows: its chunks are then partly empty."""
+        call, strategy = this.call, self.strategy
+        tokens, experts = strategy.begin(x.reshape(-1, self.cfg.d_model), call)
+        routing = self._stage("route", tokens, lambda h: self._route(h, this))
+        hidden = self._project("down", tokens)         # BigMac: descend before dispatch
+        cap = (None if call.factor is None
+               else capacity(hidden.shape[0], call.k, self.cfg.num_experts, call.factor))
+        send = self._stage("permute", hidden, lambda h: strategy.dispatch(
+            h, routing.weights, routing.experts, cap, call))
+        runner = self._runner(experts, this, hidden)
+        this.keep(self, routing, runner)
+        back, shared_y = strategy.exchange(self._timer.mark(send, None), runner, tokens, call)
         if self.shared is not None and shared_y is None:   # not overlapped by the strategy
             shared_y = self.shared(tokens)
-        back = s.end(back, checkpointed=where is not None)
-        if record is None:
-            self._note_rows(plan, training=where is not None)
-        with t.phase("combine", h):
-            y = s.combine(t.mark(back, "combine"), plan, routing.weights)
-        if self.dcca is not None:                          # BigMac: ascend after combine
-            with t.phase("project", y):
-                y = self.dcca.up(t.mark(y, "project"))
-        if shared_y is not None:                           # DeepSeek-V3 Eq. 12: + sum FFN^(s)
+        if not this.replay:
+            self._note_rows(call.plan, training=call.checkpointed)
+        y = self._stage("combine", back, lambda b: b if strategy.combines_in_exchange
+                        else combine(b, call.plan, routing.weights))
+        y = self._project("up", y)                     # BigMac: ascend after combine
+        if shared_y is not None:                       # DeepSeek-V3 Eq. 12: + sum FFN^(s)
             y = y + shared_y.to(y.dtype)
-        y, aux_loss = s.finish(y, routing.aux_loss, call)
-        if record is None:                 # a recomputation leaves the forward's results
+        y, aux_loss = strategy.finish(y, routing.aux_loss, call)
+        if not this.replay:                # a recomputation leaves the forward's results
             self.aux_loss = aux_loss
-            self._record_stats(routing, plan, nonfinite, inter_bytes)
-        y = t.mark(y, None).reshape(shape)
+            self._record_stats(routing, call.plan, runner.nonfinite, runner.inter_node_bytes)
+        y = self._timer.mark(y, None).reshape(x.shape)
         if self.attach_aux_loss:        # the aux loss rides on y's backward
             y = attach_aux_loss(y, aux_loss, self.aux_loss_backward_scale)
-            if record is None:
+            if not this.replay:
                 self.aux_loss = self.aux_loss.detach()
         return y
+
+    @property
+    def _timer(self):
+        return self.timer or NULL_TIMER
+
+    def _stage(self, name: str, x: torch.Tensor, run):
+        """``run(x)`` timed as the stage ``name`` (forward: its span; backward: from the
+        gradient reaching ``x`` on, :class:`~moeflow.schedule.phases.PhaseTimer`)."""
+        with self._timer.phase(name, x):
+            return run(self._timer.mark(x, name))
+
+    def _route(self, tokens: torch.Tensor, this: LayerCall):
+        # routers compute in float32 at least: outside autocast, which would run their matmul
+        # (and, on CPU, their softmax) in bf16 and take routing decisions at bf16 precision
+        with torch.autocast(tokens.device.type, enabled=False):
+            return self.router(tokens, **this.route_options(self))   # reads x (pre-descend)
+
+    def _project(self, direction: str, x: torch.Tensor) -> torch.Tensor:
+        """BigMac's down / up projection (``experts/structure.py``); the identity without."""
+        if self.dcca is None:
+            return x
+        return self._stage("project", x, getattr(self.dcca, direction))
+
+    def _runner(self, experts, this: LayerCall, like: torch.Tensor) -> ScheduledExperts:
+        """The scheduled exchange with the experts for this call (ScheMoE Section 3.2)."""
+        nonfinite, inter_bytes = this.counters(self, like)
+        return ScheduledExperts(experts, self.algo, self.codec, self.backward_codec,
+                                self.scheduler, self.cfg.pipeline_degree, self.lane,
+                                self.timeline or self._timer.timeline, nonfinite, self.shared,
+                                inter_bytes, recompute=self.cfg.recompute == "moe_act",
+                                # under a checkpoint even FSSDP's experts can rerun in
+                                # backward: their held copy stays bound to the call
+                                can_recompute=(self.strategy.recomputes_experts
+                                               or this.where is not None))
+
+    def share_known_capacity(self, call: Call, cap: int | None) -> None:
+        """``MoEConfig.equal_rank_tokens``: every rank's C_p, gathered once per call key
+        (dispatch/plan.py), on a fresh plan in capacity mode."""
+        if self.cfg.equal_rank_tokens and cap is not None:
+            call.plan.known = KnownCapacities(self._known_capacities,
+                                              (call.rows, call.k, call.factor), call.rows)
 
     def _begin_call(self, x: torch.Tensor, top_k, capacity_factor, training: bool = True
                     ) -> tuple[int, float | None]:
@@ -380,20 +368,3 @@ class MoELayer(nn.Module):
         if inter_bytes is not None:     # bytes this rank sent over inter-node links: the
             self._stats["inter_node_bytes"] = inter_bytes    # forward's, + backward's in place
 
-
-def _check_fssdp(cfg: MoEConfig, topo: Topology) -> None:
-    """What FSSDP composes with (docs/hecate.md): it shards experts over the whole world, so
-    expert parallelism must span it, and Parm's MP/ESP shards are a different storage."""
-    if topo.ep_size != topo.world_size:
-        raise ConfigError(f"MoEConfig.placement='fssdp' shards experts over all ranks, but the "
-                          f"topology has ep_size={topo.ep_size} of {topo.world_size}: use "
-                          "ep_size=None (all ranks)")
-    if topo.esp_size > 1 or topo.mp_size > 1:
-        raise ConfigError("MoEConfig.placement='fssdp' cannot be combined with Parm's MP/ESP "
-                          f"(mp_size={topo.mp_size}, esp_size={topo.esp_size}): FSSDP keeps "
-                          "whole experts; use mp_size=esp_size=1 or placement='ep'")
-    if cfg.expert_module != "ffn":
-        raise ConfigError(
-            "MoEConfig.placement='fssdp' stores the built-in expert FFN in its slot rows, so "
-            f"expert_module={cfg.expert_module!r} cannot be used with it: use "
-            "expert_module='ffn', or placement='ep'")

@@ -39,17 +39,15 @@ _ATTR = "_moeflow_plan_records"
 
 @dataclass
 class PlanRecord:
-    """One layer call's decisions. ``settings``: (cfg, algo, codec, backward_codec,
-    scheduler) of the call; ``strategy``: what the strategy keeps (FSSDP: ``P'``)."""
+    """One layer call's decisions: ``experts`` the routing choices, ``call`` the strategy's
+    :class:`~moeflow.strategies.base.Call` (top-k, capacity factor, plan with its counts,
+    Parm's schedule, FSSDP's ``P'``), ``settings`` (cfg, algo, codec, backward_codec,
+    scheduler) of the call, and its counters (the backward's counts land in them)."""
     experts: torch.Tensor
-    plan: Any
     call: Any
-    k: int
-    factor: float | None
     settings: tuple
     nonfinite: torch.Tensor | None = None
     inter_bytes: torch.Tensor | None = None
-    strategy: Any = None
     replays: int = field(default=0)      # how many recomputations consumed it
 
 

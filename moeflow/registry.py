@@ -18,7 +18,8 @@ T = TypeVar("T")
 # The package whose import registers each kind's built-in parts.
 PACKAGES = {"router": "moeflow.routing", "codec": "moeflow.comm.codecs",
             "alltoall": "moeflow.comm.alltoall", "scheduler": "moeflow.schedule",
-            "activation": "moeflow.experts.activations", "experts": "moeflow.experts.ffn"}
+            "activation": "moeflow.experts.activations", "experts": "moeflow.experts.ffn",
+            "strategy": "moeflow.strategies"}
 REGISTRIES: dict[str, "Registry"] = {}
 
 

@@ -65,9 +65,7 @@ from moeflow import checkpoint
 from moeflow.autotune import TunedChoice, append_record, layout, log_to_run_folder, \
     placeholder, recorded_choices
 from moeflow.autotune import log as autotune_log
-from moeflow.strategies.fssdp.metrics import fssdp_metrics
-from moeflow.strategies.fssdp.replace import maybe_replace
-from moeflow.strategies.fssdp.reshard import maybe_reshard
+from moeflow.strategies import model_hooks
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.data import Corpus
 from moeflow.devices import autocast, host_all_reduce, resolve_device, resolve_dtype
@@ -148,13 +146,10 @@ def build_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
     """The model config the ranks build: ``recompute="moe_act"`` sets
     ``MoEConfig.recompute`` in every MoE block (the run's ``config.json`` keeps the model
     config as given: recomputation changes memory and time, not the function)."""
-    if train_cfg.recompute == "full" and model_cfg.placement == "fssdp" and any(
-            model_cfg.moe_config(i).fssdp.overlap_regather
-            for i in range(model_cfg.n_layers) if model_cfg.is_moe(i)):
-        raise ConfigError("--recompute: TrainConfig.recompute='full' is invalid with "
-                          "MoEConfig.fssdp.overlap_regather=True: the blocks' recomputation "
-                          "gathers the experts itself (HECATE-RM frees nothing to re-gather "
-                          "early); set fssdp.overlap_regather=false or use --recompute none")
+    if train_cfg.recompute == "full":
+        model_hooks.refuse_block_recompute(
+            ((i, model_cfg.moe_config(i)) for i in range(model_cfg.n_layers)
+             if model_cfg.is_moe(i)), "--recompute: TrainConfig.recompute='full'")
     if train_cfg.recompute != "moe_act":
         return model_cfg
     return dataclasses.replace(model_cfg, moe={**(model_cfg.moe or {}), "recompute": "moe_act"})
@@ -558,8 +553,8 @@ class Trainer:
         self.opt.step()
         update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
-        maybe_reshard(self.model, self.opt, self.step)   # HECATE Alg. 2 (fssdp.reshard_every)
-        maybe_replace(self.model, self.opt, self.step)   # SmartMoE-style (fssdp.replace_every)
+        # the strategies' step-end work (FSSDP: re-sharding, re-placement)
+        model_hooks.on_step_end(self.model, self.opt, self.step)
         return stats
 
     def run(self, resume: bool = False, restart: int = 0) -> dict:
@@ -618,7 +613,7 @@ class Trainer:
                        "lr": lr_at(self.step - 1, cfg),
                        "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
                        "elapsed_s": now - start_time}
-                rec.update(fssdp_metrics(self.model))     # HECATE FSSDP (last step's)
+                rec.update(model_hooks.metrics(self.model))   # the strategies' (last step's)
                 if self.step % cfg.eval_every == 0 or done:
                     rec["val_loss"] = self._evaluate()
                 self._log(rec)

@@ -44,6 +44,7 @@ from datetime import timedelta
 
 import torch
 
+from moeflow.bench.layer import exchange_fields
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.topology import Topology
@@ -113,7 +114,7 @@ def bench(opts: dict) -> dict:
     runs = []
     for label, v in variants(topo.num_nodes):
         for algo in algos:
-            layer = MoELayer(base.replace(a2a=algo, **v), topo)
+            layer = MoELayer(base.replace(**exchange_fields(algo), **v), topo)
             name = label if len(algos) == 1 else f"{label} @ {algo}"
             runs.append(dict(name=name, routing=label, algo=algo, v=v, layer=layer, times=[],
                              sent=[]))

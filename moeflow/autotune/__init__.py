@@ -20,20 +20,20 @@ the package's interface (``from moeflow import autotune; autotune.tune(...)``).
 from moeflow.autotune.clock import TuneClock
 from moeflow.autotune.lossy import ErrorProbe, codec_errors, gentlest_first, lossy_candidates
 from moeflow.autotune.settings import _Preserved, apply
-from moeflow.autotune.tuner import AUTO_FIELDS, DEDUP_FIRST_SAVING, DEDUP_MIN_SAVING, \
+from moeflow.autotune.tuner import AUTO_FIELDS, \
     DEGREES, KEEP_ALGOS, MEASURE_TOP, RETUNE_CHECK_EVERY, RETUNE_RATIO, SCHEDULES, \
     SIMPLER_MARGIN, TunedChoice, \
-    auto_fields, candidate_algorithms, dedup_inputs, dedup_place, layout, log, \
+    auto_fields, candidate_algorithms, layout, log, \
     needs_retune, overlap_trials, pick, placeholder, restore_tuning, retune_agreed, \
     screen_order, tune, tuning_state
 from moeflow.autotune.runlog import DETAIL_FILE, RECORD_FILE, append_record, \
     log_to_run_folder, log_to_stderr, recorded_choices
 
-__all__ = ["AUTO_FIELDS", "DEDUP_FIRST_SAVING", "DEDUP_MIN_SAVING", "DEGREES",
+__all__ = ["AUTO_FIELDS", "DEGREES",
            "DETAIL_FILE", "ErrorProbe", "KEEP_ALGOS", "MEASURE_TOP", "RECORD_FILE",
            "RETUNE_CHECK_EVERY", "RETUNE_RATIO", "SCHEDULES", "SIMPLER_MARGIN",
            "TuneClock", "TunedChoice", "append_record", "apply", "auto_fields",
-           "candidate_algorithms", "codec_errors", "dedup_inputs", "dedup_place",
+           "candidate_algorithms", "codec_errors",
            "gentlest_first", "layout", "log", "log_to_run_folder", "log_to_stderr",
            "lossy_candidates", "needs_retune", "overlap_trials", "pick", "placeholder",
            "recorded_choices", "restore_tuning", "retune_agreed", "screen_order",

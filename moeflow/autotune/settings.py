@@ -22,7 +22,7 @@ class _Preserved:
         self.grads = {id(p): p.grad for p in L.parameters()}
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.state = (L.cfg, L.algo, L.strategy, L.scheduler, L.codec, L.backward_codec,
+        self.state = (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec,
                       L.timer, L.timeline, L.aux_loss, dict(L._stats))
         L.timer, L.timeline = None, None
         return self
@@ -34,7 +34,7 @@ class _Preserved:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        (L.cfg, L.algo, L.strategy, L.scheduler, L.codec, L.backward_codec, L.timer,
+        (L.cfg, L.algo, L.scheduler, L.codec, L.backward_codec, L.timer,
          L.timeline, L.aux_loss, stats) = self.state
         L._stats = stats
         return False
@@ -42,16 +42,11 @@ class _Preserved:
 
 def apply(layer, cfg: MoEConfig) -> None:
     """Run ``layer`` with the concrete settings of ``cfg`` (algorithm, scheduler and codecs
-    rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them). Moving
-    to or from ``a2a="node_dedup"`` also replaces the layer's strategy: that algorithm is a
-    dispatch and combine of its own (:mod:`moeflow.strategies.node_dedup.strategy`), not only an
-    exchange."""
+    rebuilt only when they change; the codecs as ``MoELayer.__init__`` builds them). The
+    layer's strategy stays: the tuner does not change ``placement``."""
     from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.comm.codecs import CODECS
     from moeflow.schedule import SCHEDULERS
-    from moeflow.strategies import select
-
-    swap = cfg.a2a != layer.cfg.a2a and "node_dedup" in (cfg.a2a, layer.cfg.a2a)
 
     if (cfg.codec, cfg.codec_backward) != (layer.cfg.codec, layer.cfg.codec_backward):
         layer.codec = CODECS[cfg.codec]()
@@ -61,5 +56,3 @@ def apply(layer, cfg: MoEConfig) -> None:
     if cfg.schedule != layer.cfg.schedule:
         layer.scheduler = SCHEDULERS[cfg.schedule]()
     layer.cfg = cfg
-    if swap:
-        layer.strategy = select(layer)

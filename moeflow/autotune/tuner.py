@@ -15,12 +15,10 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    the output and of the input gradient, worst rank) and which is not timed when over
    ``lossy_error_budget``; with a time budget, then the overlap trials on the best pair so
    far (OptSche at each r > 1, :func:`screen_order`); then every other usable all-to-all
-   algorithm (``check_topology`` passes), lossless. On several nodes ``node_dedup`` moves
-   ahead where it saves at least ``DEDUP_MIN_SAVING`` of the rows crossing nodes on the
-   tuning batch: first of the other algorithms, or the first entry of all when it saves at
-   least ``DEDUP_FIRST_SAVING`` and the probed link time says the budget holds one candidate
-   (:func:`dedup_place`). The best two
-   (codec, algorithm) pairs are kept.
+   algorithm (``check_topology`` passes), lossless. The best two (codec, algorithm) pairs
+   are kept. The strategy (``MoEConfig.placement``) is not tuned: the tuner times the
+   expert-parallel exchange of ``placement="ep"``; the node-deduplicated exchange is chosen
+   with ``placement="node_dedup"`` (docs/autotune.md).
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
@@ -87,8 +85,6 @@ MEASURE_TOP = 3         # predicted candidates measured before the final choice
 SIMPLER_MARGIN = 0.05   # a simpler candidate within this fraction of the fastest wins (pick)
 RETUNE_RATIO = 2.0      # re-tune when the rows per forward change by more than this factor
 RETUNE_CHECK_EVERY = 50  # training forwards between the collective re-tune checks
-DEDUP_MIN_SAVING = 0.15  # node_dedup early when it saves at least this share of crossing rows
-DEDUP_FIRST_SAVING = 0.45  # ... and first, on a link the budget cannot hold twice, from here
 
 
 @dataclass
@@ -112,16 +108,15 @@ class TunedChoice:
     budget_s: float | None = None     # autotune_budget_s it was tuned with
     budget_cut: list[str] = field(default_factory=list)    # what the time budget cut short
     max_step_ms: float | None = None  # the longest timed step (slowest rank's) while tuning
-    # the early-node_dedup rule's inputs and outcome (several nodes only): saving, link_s,
-    # place ("first" / "early" / None), see dedup_place
-    node_dedup_rule: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TunedChoice":
-        return cls(**d)
+        # "node_dedup_rule": written before node_dedup became a strategy (placement), when
+        # the tuner screened it; informational only, so a resume does not need it
+        return cls(**{k: v for k, v in d.items() if k != "node_dedup_rule"})
 
     def settings(self) -> dict:
         return {"a2a": self.a2a, "schedule": self.schedule,
@@ -174,12 +169,9 @@ def needs_retune(tuned_rows: int | None, rows: int | None) -> bool:
 
 
 def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
-    """Algorithms that can run on ``topo`` (and with Parm's ESP shards, those it supports).
-    ``node_dedup`` (several nodes) when the rest of the config lets it run: its strategy's
-    :func:`~moeflow.strategies.node_dedup.check_config` on the placeholder config."""
+    """Algorithms that can run on ``topo`` (and with Parm's ESP shards, those it supports)."""
     from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.errors import ConfigError
-    from moeflow.strategies.node_dedup.strategy import check_config
 
     if requested.a2a != AUTO:
         return [requested.a2a]
@@ -189,8 +181,6 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
             continue
         try:
             cls.check_topology(topo)
-            if name == "node_dedup":
-                check_config(placeholder(requested).replace(a2a=name), topo)
         except ConfigError:
             continue
         ok.append(name)
@@ -269,39 +259,8 @@ def overlap_trials(schedules: list[str], degrees: list[int]) -> list[tuple[str, 
     return [(s, r) for r in sorted(degrees) if r > 1] if s is not None else []
 
 
-def dedup_place(saving: float, link_s: float | None, budget_s: float | None) -> str | None:
-    """Where the screen tries ``node_dedup`` (several nodes, a candidate): ``"first"``,
-    ``"early"`` (the first of the other algorithms, after the overlap trials) or None (name
-    order among the other algorithms).
-
-    ``saving``: the share of the rows crossing nodes that ``node_dedup`` does not send, from
-    the tuning batch's routing (one row per (token, other node) instead of one per (token,
-    choice on another node): :func:`moeflow.comm.alltoall.phases.crossing_rows`, summed over the
-    ranks). ``link_s``: the seconds per step the per-choice exchange spends on the
-    inter-node link alone (its crossing rows in dispatch and combine, forward and backward, at
-    the probed inter-node bandwidth, the slowest rank's), None when not probed.
-
-    Under ``DEDUP_MIN_SAVING`` the order stays the name order. Else ``node_dedup`` is the
-    first of the other algorithms; and it is the screen's first entry when the saving is at
-    least ``DEDUP_FIRST_SAVING``, a time budget is set and four times ``link_s`` exceeds it:
-    every step is longer than its link time, so the budget cannot hold the first measurement
-    (a warm-up and a step) of two candidates, and the one it measures is then the one that
-    sends far fewer link bytes. Measured on the 2 x 2 cluster at 100 Mbit/s
-    (docs/benchmarks/layer.md): with node-limited top-2 (saving 0.5) ``node_dedup`` ran 1.31-1.60x
-    faster than ``direct``, at plain top-2 (saving 0.21-0.24) it tied at 512 tokens and, tried
-    first at 4096 tokens, ran at 0.89x Tutel where ``direct`` had run at 1.27-1.36x: a saving of
-    0.2 is not enough to measure it in place of ``direct``."""
-    if saving < DEDUP_MIN_SAVING:
-        return None
-    if (saving >= DEDUP_FIRST_SAVING and budget_s is not None and link_s is not None
-            and 4.0 * link_s > budget_s):
-        return "first"
-    return "early"
-
-
 def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
-                 schedules: list[str], degrees: list[int], budgeted: bool,
-                 dedup: str | None = None) -> list[tuple]:
+                 schedules: list[str], degrees: list[int], budgeted: bool) -> list[tuple]:
     """The screen's entries, in order: ``("screen", codec, algorithm)`` at r = 1 sequential,
     or ``("overlap", schedule, r)`` on the best pair screened so far. The first algorithm
     lossless, then the lossy codecs on it (gentlest first), then the other algorithms,
@@ -310,15 +269,7 @@ def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
     (ScheMoE's r and OptSche) is the larger lever where the exchange is a large share of the
     step (measured: docs/benchmarks/layer.md, the auto-tuning table at the final code).
     Unbounded, every pair is screened and the profile predicts the overlapping candidates,
-    so the order is the plain one. ``dedup`` (:func:`dedup_place`) moves ``node_dedup``, when
-    among ``others``: ``"early"`` to the head of the other algorithms, ``"first"`` in place of
-    ``first`` (which then heads the other algorithms)."""
-    if dedup is not None and "node_dedup" in others:
-        rest = [a for a in others if a != "node_dedup"]
-        if dedup == "first":
-            first, others = "node_dedup", [first] + rest
-        else:
-            others = ["node_dedup"] + rest
+    so the order is the plain one."""
     order = [("screen", lossless, first)] + [("screen", c, first) for c in lossy]
     if budgeted:
         order += [("overlap", s, r) for s, r in overlap_trials(schedules, degrees)]
@@ -332,41 +283,6 @@ def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[
     r = min((d for d in degrees if d > 1), default=None)
     order = [s for s in ("optsche", "pipelined") if s in schedules]
     return [((pair[0], pair[1], s, r), None) for s in order] if r is not None else []
-
-
-def dedup_inputs(layer, x: torch.Tensor, budgeted: bool) -> dict:
-    """:func:`dedup_place`'s inputs on the tuning batch (collective over the world): the
-    router on ``x`` (no exchange; its buffers, e.g. DeepSeek-V3's load count, restored), this
-    rank's crossing rows per choice and per node, summed over the ranks for the saving; under
-    a time budget, the inter-node link probed (:func:`moeflow.measure.timing.
-    inter_node_seconds_per_byte`) and the slowest rank's per-choice rows priced at it, 4
-    exchanges per step (dispatch and combine, forward and backward), rows of ``x``'s width
-    and dtype (a BigMac layer's narrower rows are not modelled)."""
-    from moeflow.devices import host_all_reduce
-    from moeflow.comm.alltoall.phases import crossing_rows
-    from moeflow.measure.timing import inter_node_seconds_per_byte
-
-    topo, cfg = layer.topo, layer.cfg
-    h = x.detach().reshape(-1, cfg.d_model)
-    saved = {n: b.clone() for n, b in layer.router.named_buffers()}
-    try:
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            ids = layer.router(h).experts
-    finally:
-        buffers = dict(layer.router.named_buffers())
-        for n, b in saved.items():
-            buffers[n].copy_(b)
-    per_node_experts = cfg.num_experts // topo.num_nodes
-    rk, rn = crossing_rows(ids, per_node_experts, topo.num_nodes, topo.node_rank)
-    total_k, total_n = host_all_reduce([rk, rn], "sum", topo.world_group)
-    saving = 1.0 - total_n / total_k if total_k > 0 else 0.0
-    link_s = None
-    if budgeted:
-        most_k = host_all_reduce([rk], "max", topo.world_group)[0]
-        spb = inter_node_seconds_per_byte(topo, x.device)
-        link_s = 4.0 * most_k * cfg.d_model * x.element_size() * spb
-    return {"saving": saving, "link_s": link_s, "rows_per_choice": int(total_k),
-            "rows_per_node": int(total_n)}
 
 
 def pick(measured: list[dict], margin: float = SIMPLER_MARGIN) -> dict:
@@ -443,18 +359,8 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             lossy = (gentlest_first(lossy_candidates(x.dtype, x.device), x.shape[-1], x.dtype)
                      if budget is not None else [])
             budgeted = requested.autotune_budget_s is not None
-            rule: dict = {}
-            if topo.num_nodes > 1 and "node_dedup" in algos[1:]:
-                # node_dedup early where it saves many link rows (dedup_place)
-                rule = dedup_inputs(layer, x, budgeted)
-                rule["place"] = dedup_place(rule["saving"], rule["link_s"],
-                                            requested.autotune_budget_s)
-                link = "-" if rule["link_s"] is None else f"{rule['link_s']:.2f} s"
-                _say(topo, f"{label}: node_dedup would send {1 - rule['saving']:.2f} of the "
-                           f"crossing rows; link time per step {link}; screened "
-                           f"{rule['place'] or 'in name order'} {elapsed()}")
             order = screen_order(lossless, first, lossy, algos[1:], schedules, degrees,
-                                 budgeted, rule.get("place"))
+                                 budgeted)
             screen: dict[tuple[str, str], float] = {}    # even one pair: the step estimate
             for i, (kind, c, a) in enumerate(order):
                 left = len(order) - i
@@ -547,7 +453,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                          win["measured_ms"], layout(topo), tune_s=time.perf_counter() - t0,
                          candidates=measured, codec=win["codec"], codec_error=err,
                          codec_errors=errors, budget_cut=list(clock.cut),
-                         max_step_ms=1e3 * clock.max_step_s, node_dedup_rule=rule,
+                         max_step_ms=1e3 * clock.max_step_s,
                          **common)
     p = "-" if pred is None else f"{pred:.1f} ms"
     lossy = "" if err is None else f" (error {err:.2e}, budget {budget:g})"

@@ -80,12 +80,23 @@ def cases_for(schedules: list[str], r: int, algorithms: tuple[str, ...] = ("dire
 
 
 
+# exchanges benchmarked beside the all-to-all algorithms that are strategies of their own
+# (MoEConfig.placement): ``--algorithms direct,node_dedup`` compares them side by side
+EXCHANGE_STRATEGIES = ("node_dedup",)
+
+
+def exchange_fields(name: str) -> dict:
+    """The MoEConfig fields that select exchange ``name``: an all-to-all algorithm (``a2a``)
+    or a strategy with its own exchange (``placement``)."""
+    return {"placement": name} if name in EXCHANGE_STRATEGIES else {"a2a": name}
+
+
 def case_config(case: BenchCase, d_model: int, d_expert: int) -> MoEConfig:
     return MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=case.num_experts,
                      top_k=case.top_k, capacity_factor=case.capacity_factor,
                      activation=case.activation, seed=1, schedule=case.schedule,
-                     pipeline_degree=case.pipeline_degree, a2a=case.a2a, codec=case.codec,
-                     codec_backward=case.codec_backward)
+                     pipeline_degree=case.pipeline_degree, codec=case.codec,
+                     codec_backward=case.codec_backward, **exchange_fields(case.a2a))
 
 
 def with_codec(cases: list[BenchCase], codec: str, backward: bool) -> list[BenchCase]:

@@ -125,12 +125,14 @@ def run_layer(args: argparse.Namespace) -> int:
         if s not in SCHEDULERS:
             raise SystemExit(f"moeflow bench layer: --schedules has {s!r}; choose from "
                              f"{', '.join(sorted(SCHEDULERS))}{did_you_mean(s, SCHEDULERS)}")
+    from moeflow.bench.layer import EXCHANGE_STRATEGIES
     from moeflow.comm.alltoall import ALLTOALLS
     algorithms = tuple(args.algorithms.split(","))
+    known = sorted([*ALLTOALLS, *EXCHANGE_STRATEGIES])
     for a in algorithms:
-        if a not in ALLTOALLS:
+        if a not in known:
             raise SystemExit(f"moeflow bench layer: --algorithms has {a!r}; choose from "
-                             f"{', '.join(sorted(ALLTOALLS))}{did_you_mean(a, ALLTOALLS)}")
+                             f"{', '.join(known)}{did_you_mean(a, known)}")
     cases = cases_for(schedules, args.pipeline_degree, algorithms, args.num_experts)
     if args.codec != "none" or args.codec_backward:
         cases = _codec_cases(args, cases)

@@ -125,10 +125,15 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     """The model and train configs that ``moeflow train ARGS`` runs (validated)."""
     # the exchange settings are measured on the cluster (auto-tuning) unless --set fixes them
     # (not with FSSDP or Parm's S1/S2/auto, whose exchanges the tuner does not time)
+    from moeflow.registry import registry
+
     overrides = parse_overrides(args.overrides, ModelConfig)
-    tunable = (overrides.get("placement", "ep") != "fssdp"
-               and overrides.get("parallel_schedule", "baseline") == "baseline")
-    mcfg = model_preset(args.preset, **{**(TRAIN_AUTO if tunable else {}), **overrides})
+    strategy = registry("strategy").get(overrides.get("placement", "ep"))
+    tunable = (() if strategy is None    # unknown: MoEConfig names the registered ones
+               or overrides.get("parallel_schedule", "baseline") != "baseline"
+               else strategy.tunable_fields)
+    auto = {f: v for f, v in TRAIN_AUTO.items() if f in tunable}
+    mcfg = model_preset(args.preset, **{**auto, **overrides})
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name not in ("collective_timeout_s", "esp_in_node")},
                        collective_timeout_s=args.timeout,

@@ -34,7 +34,7 @@ from moeflow.init import seeded_normal
 from moeflow.layer import MoELayer
 from moeflow.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                               check_divisible, shard_of, tp_shard)
-from moeflow.strategies.fssdp.reshard import fssdp_layers, share_slots
+from moeflow.strategies import model_hooks
 from moeflow.topology import Topology
 
 
@@ -119,7 +119,7 @@ class GPT(nn.Module):
         # activation recomputation (TrainConfig.recompute="full"): every block's forward runs
         # under non-reentrant torch.utils.checkpoint and again in backward
         self.checkpoint_blocks = False
-        share_slots(fssdp_layers(self))          # HECATE Alg. 2: one slot tensor per rank
+        model_hooks.setup_model(self)            # e.g. FSSDP's one slot tensor (HECATE Alg. 2)
         self._init_dense()
 
     def initial_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -166,7 +166,7 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(S, device=idx.device))
         recompute = self.checkpoint_blocks and torch.is_grad_enabled()
         if recompute:
-            self._refuse_overlap_regather()
+            self._refuse_block_recompute()
         prev = None                      # the last block's MoE layer (overlap_regather)
         for block in self.blocks:
             if recompute:
@@ -181,12 +181,8 @@ class GPT(nn.Module):
             prev.regather_on_grad(logits if loss is None else loss)
         return logits, loss
 
-    def _refuse_overlap_regather(self) -> None:
-        for i, m in enumerate(self.moe_layers()):
-            o = getattr(m.cfg, "fssdp", None)
-            if getattr(o, "overlap_regather", False):
-                raise ConfigError(
-                    f"MoEConfig.fssdp.overlap_regather=True (MoE layer {i}) is invalid with "
-                    "activation recomputation (GPT.checkpoint_blocks, --recompute full): the "
-                    "recomputation gathers the experts itself and frees nothing to re-gather; "
-                    "set overlap_regather=False or use --recompute none")
+    def _refuse_block_recompute(self) -> None:
+        model_hooks.refuse_block_recompute(
+            enumerate(m.cfg for m in self.moe_layers()),
+            "activation recomputation (GPT.checkpoint_blocks, --recompute full)",
+            setting_first=True)

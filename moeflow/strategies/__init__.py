@@ -1,26 +1,28 @@
 """Expert placement strategies for ``MoELayer`` (docs/design.md, "Strategies: how experts are
-placed"): the interface in ``base.py`` and one file per placement."""
+placed"): the interface and registry in ``base.py``, one package (or module) per strategy,
+registered under the name ``MoEConfig.placement`` selects, and the model-level calls of the
+model, the trainer and checkpointing in ``model_hooks.py``. Importing this package registers
+the built-in strategies."""
 
 from __future__ import annotations
 
-from moeflow.strategies.base import Call, ExpertStrategy
+from moeflow.strategies.base import (STRATEGIES, Call, CheckpointEntries, ExpertStrategy,
+                                     register_strategy)
+# Importing registers each strategy under its name.
 from moeflow.strategies.expert_parallel import ExpertParallel
 from moeflow.strategies.fssdp.strategy import FSSDP
 from moeflow.strategies.node_dedup.strategy import NodeDedup
 from moeflow.strategies.parm.strategy import Parm
 
-__all__ = ["Call", "ExpertStrategy", "ExpertParallel", "FSSDP", "NodeDedup", "Parm", "select"]
+__all__ = ["STRATEGIES", "Call", "CheckpointEntries", "ExpertStrategy", "ExpertParallel",
+           "FSSDP", "NodeDedup", "Parm", "register_strategy", "strategy_for"]
 
 
-def select(layer) -> ExpertStrategy:
-    """The layer's strategy from its config and topology: FSSDP for ``placement="fssdp"``,
-    Parm where MP, ESP shards or a paused-MP schedule are in use (with MP, even the baseline
-    without ESP: it sends DeepSpeed-MoE's whole capacity buffers), the node-deduplicated
-    exchange for ``a2a="node_dedup"`` (which refuses FSSDP and Parm), plain EP otherwise."""
-    if layer.cfg.a2a == "node_dedup":
-        return NodeDedup(layer)
-    if layer.cfg.placement == "fssdp":
-        return FSSDP(layer)
-    if layer.parm is not None or layer.topo.esp_size > 1 or layer.topo.mp_size > 1:
-        return Parm(layer)
-    return ExpertParallel(layer)
+def strategy_for(cfg, topo) -> type[ExpertStrategy]:
+    """The strategy class ``MoEConfig.placement`` names in the registry. One name is completed
+    by the topology: ``"ep"`` on Parm's layouts (model parallelism or ESP shards, Parm
+    Section III) is Parm's baseline schedule (Fig. 3a), which is expert parallelism on that
+    layout; ``placement="parm"`` names it directly."""
+    if cfg.placement == "ep" and (topo.mp_size > 1 or topo.esp_size > 1):
+        return Parm
+    return STRATEGIES[cfg.placement]

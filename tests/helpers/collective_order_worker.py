@@ -99,15 +99,15 @@ CASES = {
                                       overlap_backward=True)), None),
     # the node-deduplicated exchange (2 nodes x 2), trimmed (its count gather inside the
     # exchange) and padded (its gather of token counts and capacities), plain and checkpointed
-    "node_dedup_r2_optsche": (None, "capacity_k2", dict(a2a="node_dedup", **R2), None),
-    "node_dedup_r2_optsche_checkpoint": (None, "capacity_k2", dict(a2a="node_dedup", **R2),
+    "node_dedup_r2_optsche": (None, "capacity_k2", dict(placement="node_dedup", **R2), None),
+    "node_dedup_r2_optsche_checkpoint": (None, "capacity_k2", dict(placement="node_dedup", **R2),
                                          None),
     "node_dedup_r2_optsche_checkpoint_reentrant": (None, "capacity_k2",
-                                                   dict(a2a="node_dedup", **R2), None),
+                                                   dict(placement="node_dedup", **R2), None),
     "node_dedup_pad_r2": (None, "capacity_k2",
-                          dict(a2a="node_dedup", capacity_padding="pad", **R2), None),
+                          dict(placement="node_dedup", capacity_padding="pad", **R2), None),
     "node_dedup_pad_r2_checkpoint_reentrant": (None, "capacity_k2",
-                                               dict(a2a="node_dedup", capacity_padding="pad",
+                                               dict(placement="node_dedup", capacity_padding="pad",
                                                     **R2), None),
 }
 # the cases whose layer runs under torch.utils.checkpoint: use_reentrant

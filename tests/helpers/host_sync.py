@@ -18,7 +18,8 @@ def layer_cases(topo) -> list[dict]:
     """Every all-to-all algorithm the topology takes x every codec x schedule/r x capacity."""
     from moeflow.comm.alltoall import ALLTOALLS
     from moeflow.comm.codecs import CODECS
-    from moeflow.config import ConfigError
+    from moeflow.config import ConfigError, MoEConfig
+    from moeflow.strategies import NodeDedup
 
     algos = []
     for name in ("direct", "pairwise", "hier1d", "hier2d", "pipe", "bilevel"):
@@ -39,11 +40,11 @@ def layer_cases(topo) -> list[dict]:
                                       pipeline_degree=r, capacity_factor=cf,
                                       capacity_padding="pad"))
     try:            # the node-deduplicated exchange (two nodes or more): every codec and
-        ALLTOALLS["node_dedup"].check_topology(topo)       # schedule, dropless and capacity
+        NodeDedup.check_config(MoEConfig(d_model=8, d_expert=8, num_experts=8), topo)
         for codec in CODECS:
             for schedule, r in (("sequential", 1), ("optsche", 2)):
                 for cf, padding in ((1.25, "pad"), (1.25, "trim"), (None, "auto")):
-                    cases.append(dict(a2a="node_dedup", codec=codec, schedule=schedule,
+                    cases.append(dict(placement="node_dedup", codec=codec, schedule=schedule,
                                       pipeline_degree=r, capacity_factor=cf,
                                       capacity_padding=padding))
     except ConfigError:
@@ -53,11 +54,11 @@ def layer_cases(topo) -> list[dict]:
 
 def sync_budget(case: dict) -> int:
     """Host syncs allowed in one forward + backward: none in padded capacity mode, one
-    dropless (the counts) and, for ``a2a="node_dedup"``, one in trimmed capacity mode (the
+    dropless (the counts) and, for ``placement="node_dedup"``, one in trimmed capacity mode (the
     kept (token, node) pairs size its exchanges)."""
     if case["capacity_factor"] is None:
         return 1
-    return int(case["a2a"] == "node_dedup" and case["capacity_padding"] == "trim")
+    return int(case.get("placement") == "node_dedup" and case["capacity_padding"] == "trim")
 
 
 def hot_path_worker(local_size: int | None) -> dict:

@@ -15,11 +15,10 @@ from tests.helpers import parity
 
 def pipelined_worker(names: list[str], variants: list[dict]) -> dict:
     """Every case under every variant on 2 nodes x 2; under ``"order"`` the computing tasks
-    (kind, chunk) of one forward at r = 2 with OptSche, as the timeline recorded them; under
-    ``"set_tuned"`` the dropless_k2 step of an all-"auto" layer fixed to node_dedup."""
+    (kind, chunk) of one forward at r = 2 with OptSche, as the timeline recorded them."""
     out = parity.variants_worker(names, variants, 2)
     topo = Topology.from_env(local_size=2)
-    layer = parity.make_layer("dropless_k2", topo, a2a="node_dedup", pipeline_degree=2,
+    layer = parity.make_layer("dropless_k2", topo, placement="node_dedup", pipeline_degree=2,
                               schedule="optsche")
     layer.timeline = Timeline()
     x, _ = parity.make_batch("dropless_k2", topo.rank)
@@ -27,8 +26,6 @@ def pipelined_worker(names: list[str], variants: list[dict]) -> dict:
         layer(x)
     out["order"] = [(rec.task.kind, rec.task.chunk) for rec in layer.timeline.records
                     if rec.lane == "compute"]
-    out["set_tuned"] = parity.run_rank("dropless_k2", topo, choose_node_dedup, a2a="auto",
-                                       schedule="auto", pipeline_degree="auto")
     return out
 
 
@@ -55,7 +52,7 @@ def backward_overlap_worker(schedules: list[str]) -> dict:
     topo = Topology.from_env(local_size=2)
     out: dict = {}
     for schedule in schedules:
-        layer = parity.make_layer("dropless_k2", topo, a2a="node_dedup", pipeline_degree=2,
+        layer = parity.make_layer("dropless_k2", topo, placement="node_dedup", pipeline_degree=2,
                                   schedule=schedule)
         forward = layer.experts.forward
         layer.experts.forward = lambda *a, **k: _SlowBackward.apply(forward(*a, **k))
@@ -92,60 +89,15 @@ def frozen_worker(modes: list[str]) -> dict:
     return out
 
 
-def choose_node_dedup(layer, x) -> None:
-    """Fix an ``a2a="auto"`` layer's tuning to node_dedup at r = 2 with OptSche (what a
-    checkpoint restore or the tuner's choice does), without measuring."""
-    from moeflow import autotune
-
-    layer.set_tuned(autotune.TunedChoice("node_dedup", "optsche", 2, None, None,
-                                         autotune.layout(layer.topo)))
-    assert layer.strategy.name == "node_dedup", layer.strategy
-
-
-
-
-def dedup_rule_worker(name: str) -> dict:
-    """On 2 nodes x 2: ``a2a="auto"`` under a 1 ms budget (the tuner makes its first
-    measurement only), the inter-node link probe replaced by a slow one (1 s per byte: the
-    link time exceeds any budget, node_dedup goes first) and by a free one (0 s: the budget
-    holds more, node_dedup goes early), each followed by the parity step; per run the rule
-    (``TunedChoice.node_dedup_rule``), the first measured candidate and the choice, and this
-    rank's crossing rows from its routing (:func:`moeflow.comm.alltoall.phases.crossing_rows`)."""
-    import moeflow.measure.timing as timing
-    from moeflow.comm.alltoall.phases import crossing_rows
-
-    topo = Topology.from_env(local_size=2)
-    out: dict = {}
-    probe = timing.inter_node_seconds_per_byte
-    for link, spb in (("slow", 1.0), ("free", 0.0)):
-        seen: dict = {}
-
-        def tune(layer, x):
-            layer.tune(x)
-            seen.update(rule=layer.tuned.node_dedup_rule, first=layer.tuned.candidates[0],
-                        choice=layer.tuned.settings(), strategy=layer.strategy.name)
-            with torch.no_grad():
-                ids = layer.router(x.reshape(-1, layer.cfg.d_model)).experts
-            seen["rows"] = crossing_rows(ids, layer.cfg.num_experts // topo.num_nodes,
-                                         topo.num_nodes, topo.node_rank)
-
-        timing.inter_node_seconds_per_byte = lambda *a, _s=spb, **k: (probe(*a, **k), _s)[1]
-        try:
-            res = parity.run_rank(name, topo, tune, a2a="auto", autotune_budget_s=1e-3)
-        finally:
-            timing.inter_node_seconds_per_byte = probe
-        out[link] = dict(res, **seen)
-    return out
-
-
 def codec_worker(names: list[str], codecs: list[str], a2as: tuple = ("node_dedup",)) -> dict:
     """Every case with every codec (gradients encoded too) and all-to-all, at r = 2 with
     OptSche, on 2 nodes x 2 (with each result, the step's inter-node bytes:
     ``parity.run_rank``)."""
     topo = Topology.from_env(local_size=2)
-    return {(name, codec, a2a): parity.run_rank(name, topo, a2a=a2a, codec=codec,
-                                                codec_backward=True, pipeline_degree=2,
-                                                schedule="optsche")
+    return {(name, codec, a2a): parity.run_rank(name, topo, codec=codec, codec_backward=True,
+                                                pipeline_degree=2, schedule="optsche",
+                                                **({"placement": a2a} if a2a == "node_dedup"
+                                                   else {"a2a": a2a}))
             for name in names for codec in codecs for a2a in a2as}
 
 
@@ -163,30 +115,17 @@ def relative_errors(got: dict, ref: dict, rank: int, world: int) -> dict[str, fl
             "params": max(params)}
 
 
-def tuner_worker(name: str, what: str) -> dict:
-    """On 2 nodes x 2, ``what="screen"``: ``a2a="auto"`` tuned (unbounded budget: every usable
-    algorithm is screened), then its choice replaced by ``node_dedup`` and the parity step
-    run; ``what="schedule"``: ``a2a="node_dedup"`` with schedule and degree tuned (the
+def tuner_worker(name: str) -> dict:
+    """On 2 nodes x 2: ``placement="node_dedup"`` with schedule and degree tuned (the
     profiler and the chooser on it), then the parity step."""
-    import dataclasses
-
     topo = Topology.from_env(local_size=2)
     seen: dict = {}
-
-    def force(layer, x):
-        layer.tune(x)
-        seen["screened"] = sorted({c["a2a"] for c in layer.tuned.candidates})
-        layer.set_tuned(dataclasses.replace(layer.tuned, a2a="node_dedup"))
-        seen["strategy"] = layer.strategy.name
 
     def tune_schedule(layer, x):
         layer.tune(x)
         seen["choice"] = (layer.cfg.a2a, layer.cfg.schedule, layer.cfg.pipeline_degree,
                           layer.strategy.name)
 
-    if what == "screen":
-        res = parity.run_rank(name, topo, force, a2a="auto", autotune_budget_s=None)
-    else:
-        res = parity.run_rank(name, topo, tune_schedule, a2a="node_dedup", schedule="auto",
-                              pipeline_degree="auto", autotune_budget_s=None)
+    res = parity.run_rank(name, topo, tune_schedule, placement="node_dedup", schedule="auto",
+                          pipeline_degree="auto", autotune_budget_s=None)
     return dict(res, **seen)

@@ -134,10 +134,10 @@ def auto_choices(topo: Topology) -> dict:
     out = {}
     for want, f in fits.items():
         layer = parity.make_layer("capacity_k2", topo, parallel_schedule="auto")
-        layer.parm.auto.fits = f
+        layer.strategy.parts.auto.fits = f
         x, _ = parity.make_batch("capacity_k2", batch_index(topo.rank, topo.mp_size))
         y = layer(x)
-        out[want] = (layer.parm.auto.last.schedule, y.detach())
+        out[want] = (layer.strategy.parts.auto.last.schedule, y.detach())
     return out
 
 

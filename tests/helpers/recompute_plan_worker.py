@@ -49,8 +49,8 @@ VARIANTS = {
                        layout=(2, 1, 2, True)),
     # the node-deduplicated exchange (2 nodes x 2): its counts are gathered inside the
     # exchange and kept on its plan; trimmed at r = 2 (OptSche) and padded at r = 1
-    "node_dedup_r2": dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche"),
-    "node_dedup_pad_r1": dict(a2a="node_dedup", capacity_padding="pad"),
+    "node_dedup_r2": dict(placement="node_dedup", pipeline_degree=2, schedule="optsche"),
+    "node_dedup_pad_r1": dict(placement="node_dedup", capacity_padding="pad"),
 }
 MODES = {"plain": None, "nonreentrant": False, "reentrant": True}
 # the default run; the others: slow

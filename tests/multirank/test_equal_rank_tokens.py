@@ -75,10 +75,10 @@ def _parm_runs(topo) -> dict:
     for equal in (False, True):
         layer = parity.make_layer("capacity_k2", topo, parallel_schedule="auto",
                                   equal_rank_tokens=equal)
-        layer.parm.auto.fits = ParmFits(ag_mp=dear, a2a=cheap, overlap=cheap)     # S2
+        layer.strategy.parts.auto.fits = ParmFits(ag_mp=dear, a2a=cheap, overlap=cheap)     # S2
         with Counter(algorithm1, "host_all_reduce") as r, Counter(plan, "gather_host_ints") as g:
             ys = _forwards(layer, 0, SIZES)      # MP ranks hold the same (replicated) batch
-        out[equal] = (r.calls, g.calls, ys, layer.parm.auto.last.schedule)
+        out[equal] = (r.calls, g.calls, ys, layer.strategy.parts.auto.last.schedule)
     return out
 
 
@@ -87,7 +87,7 @@ def _broken_promise(topo, parm: bool) -> str:
     kw = dict(parallel_schedule="auto") if parm else dict(capacity_padding="pad")
     layer = parity.make_layer("capacity_k2", topo, equal_rank_tokens=True, **kw)
     if parm:
-        layer.parm.auto.fits = ParmFits(*(AlphaBeta(1e-6, 1e-9),) * 3)
+        layer.strategy.parts.auto.fits = ParmFits(*(AlphaBeta(1e-6, 1e-9),) * 3)
     try:
         _forwards(layer, topo.rank, [8 - 2 * topo.rank])      # 8 and 6 tokens
     except Exception as e:                                     # noqa: BLE001 (reported)

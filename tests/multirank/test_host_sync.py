@@ -2,7 +2,7 @@
 process and on 2 gloo ranks as one node and as two nodes:
 
 * host syncs: a forward + backward in capacity mode makes no device-to-host synchronisation;
-  dropless makes exactly one (learning the row counts); ``a2a="node_dedup"`` none padded,
+  dropless makes exactly one (learning the row counts); ``placement="node_dedup"`` none padded,
   one trimmed (``host_sync.sync_budget``). The numpy-based CPU ZFP coders are
   left out (``host_sync.HOST_CODECS``; their CUDA path is in the gpu suite);
 * autocast: under bf16 autocast the output has the dtype a dense FFN gives, whatever the codec,
@@ -62,8 +62,8 @@ def test_hot_path_one_process():
 def test_hot_path_two_ranks(local_size):
     for results in launch_local(host_sync.hot_path_worker, 2, local_size, timeout_s=300).values():
         _check(results)
-        # a2a="node_dedup" runs on two nodes only (every codec, r = 1 and 2, padded / trimmed)
-        assert any(dict(key)["a2a"] == "node_dedup" for key in results) == (local_size == 1)
+        # placement="node_dedup" runs on two nodes only (every codec, r = 1 and 2, padded / trimmed)
+        assert any(dict(key).get("placement") == "node_dedup" for key in results) == (local_size == 1)
 
 
 def test_dropless_sync_is_the_counts():

@@ -58,9 +58,10 @@ def _worker() -> dict:
                 ["node_dedup_r2_int8"] if mode == "dropless" else []):
             extra = {}
             if algo == "node_dedup_r2_int8":        # chunks, OptSche, a codec both ways
-                extra = dict(DEDUP_R2, a2a="node_dedup")
+                extra = dict(DEDUP_R2, placement="node_dedup")
             cfg = mf.MoEConfig(d_model=D_MODEL, d_expert=5, num_experts=E, top_k=K,
-                               **{"a2a": algo, **opts, **extra})
+                               **{**({"placement": "node_dedup"} if algo.startswith("node_dedup")
+                                      else {"a2a": algo}), **opts, **extra})
             layer = mf.MoELayer(cfg, topo).double()
             T = 5 + 2 * topo.rank
             x = seeded_normal((T, D_MODEL), 1.0, "inb", topo.rank,

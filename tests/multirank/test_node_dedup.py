@@ -1,4 +1,4 @@
-"""``a2a="node_dedup"``: the node-deduplicated dispatch and combine equal the one-process
+"""``placement="node_dedup"``: the node-deduplicated dispatch and combine equal the one-process
 float64 reference (outputs, input gradients, router and expert gradients, parameters after an
 SGD step; the reference ``direct`` is tested against in test_layer_parity.py) on 4 gloo ranks
 as 2 emulated nodes x 2 and on 8 ranks as 4 x 2, dropless and with capacity, pipelined
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import moeflow as mf
-from moeflow import autotune
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 from tests.helpers import node_dedup_cases, parity
@@ -29,7 +28,7 @@ NAMES = ["dropless_k2", "dropless_k_eq_E", "hot_expert_dropless", "deepseek_v3_g
 
 @pytest.fixture(scope="module")
 def results_2x2():
-    return launch_local(parity.variants_worker, 4, NAMES, [dict(a2a="node_dedup")], 2,
+    return launch_local(parity.variants_worker, 4, NAMES, [dict(placement="node_dedup")], 2,
                         timeout_s=300)
 
 
@@ -47,14 +46,14 @@ def test_node_dedup_matches_reference_2x2(results_2x2, name):
 PIPE_NAMES = ["dropless_k2", "capacity_k1_tight", "zero_token_rank"]
 # capacity_padding="pad": fixed splits from the ranks' token counts and capacities (no host
 # read); dropless_k2 ignores it
-PIPE_DEFAULT = [dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche"),
-                dict(a2a="node_dedup", pipeline_degree=2, schedule="optsche",
+PIPE_DEFAULT = [dict(placement="node_dedup", pipeline_degree=2, schedule="optsche"),
+                dict(placement="node_dedup", pipeline_degree=2, schedule="optsche",
                      capacity_padding="pad")]
-PIPE_SLOW = [dict(a2a="node_dedup", pipeline_degree=2, schedule="sequential"),
-             dict(a2a="node_dedup", pipeline_degree=3, schedule="pipelined"),
-             dict(a2a="node_dedup", pipeline_degree=3, schedule="optsche"),
-             dict(a2a="node_dedup", capacity_padding="pad"),
-             dict(a2a="node_dedup", pipeline_degree=3, schedule="pipelined",
+PIPE_SLOW = [dict(placement="node_dedup", pipeline_degree=2, schedule="sequential"),
+             dict(placement="node_dedup", pipeline_degree=3, schedule="pipelined"),
+             dict(placement="node_dedup", pipeline_degree=3, schedule="optsche"),
+             dict(placement="node_dedup", capacity_padding="pad"),
+             dict(placement="node_dedup", pipeline_degree=3, schedule="pipelined",
                   capacity_padding="pad")]
 
 
@@ -73,12 +72,8 @@ def test_node_dedup_pipelined_optsche_matches_reference():
                        timeout_s=300)
     _check_pipelined(got, PIPE_DEFAULT)
     want = [(t.kind, t.chunk) for t in SCHEDULERS["optsche"]().order(2)]
-    ref = parity.reference("dropless_k2", 4)
     for rank, res in got.items():   # the computing tasks ran in OptSche's order (Eq. 12)
         assert res["order"] == want, res["order"]
-        # an "auto" layer fixed to node_dedup (the tuner's choice or a restored one) swaps
-        # its strategy and computes the same function
-        parity.assert_rank_matches(res["set_tuned"], ref, rank, 4, "auto set to node_dedup")
 
 
 @pytest.mark.multirank
@@ -203,7 +198,7 @@ TOKENS_8 = (6, 11, 4, 9, 7, 0, 5, 8)    # 8 ranks' tokens (one rank has none)
 
 def _worker_8(names: list[str]) -> dict:
     parity.TOKENS = TOKENS_8
-    return parity.variants_worker(names, [dict(a2a="node_dedup")], 2)
+    return parity.variants_worker(names, [dict(placement="node_dedup")], 2)
 
 
 @pytest.mark.multirank
@@ -221,10 +216,10 @@ def test_node_dedup_matches_reference_4x2(monkeypatch):
 TOPO = dict(rank=0, world_size=4, local_size=2, ep_size=4)
 
 
-@pytest.mark.parametrize("field,value", [("placement", "fssdp"), ("recompute", "moe_act")])
+@pytest.mark.parametrize("field,value", [("recompute", "moe_act")])
 def test_node_dedup_refuses_what_it_does_not_run_yet(field, value):
     opts = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, capacity_factor=None,
-                a2a="node_dedup")
+                placement="node_dedup")
     opts[field] = value
     from moeflow.strategies.node_dedup.strategy import check_config
     with pytest.raises(ConfigError, match=f"MoEConfig.{field}=.*node_dedup.*use"):
@@ -232,77 +227,29 @@ def test_node_dedup_refuses_what_it_does_not_run_yet(field, value):
 
 
 def test_node_dedup_needs_several_nodes():
-    from moeflow.comm.alltoall import ALLTOALLS
-    with pytest.raises(ConfigError, match="needs several nodes"):
-        ALLTOALLS["node_dedup"](mf.Topology(rank=0, world_size=4, local_size=4, ep_size=4))
+    from moeflow.strategies import NodeDedup
+    with pytest.raises(ConfigError, match="placement='node_dedup' is invalid on 1 node.*"
+                                          "needs several nodes"):
+        NodeDedup.check_config(mf.MoEConfig(d_model=8, d_expert=8, num_experts=8),
+                               mf.Topology(rank=0, world_size=4, local_size=4, ep_size=4))
 
 
-def test_auto_screens_node_dedup_where_it_runs():
-    """Screened on several nodes when the config lets its strategy run (padded capacity mode
-    included); not on one node, not with Parm's ESP shards (refused by node_dedup)."""
-    from moeflow.autotune.tuner import candidate_algorithms
-    kw = dict(d_model=8, d_expert=8, num_experts=8, top_k=2, a2a="auto")
-    got = candidate_algorithms(mf.MoEConfig(**kw), mf.Topology(**TOPO))
-    assert "node_dedup" in got and "direct" in got
-    one_node = mf.Topology(rank=0, world_size=4, local_size=4, ep_size=4)
-    assert "node_dedup" not in candidate_algorithms(mf.MoEConfig(**kw), one_node)
-    padded = mf.MoEConfig(**kw, capacity_factor=1.25, capacity_padding="pad")
-    assert "node_dedup" in candidate_algorithms(padded, mf.Topology(**TOPO))
-    esp = mf.Topology(rank=0, world_size=4, local_size=2, ep_size=2, esp_size=2)
-    assert "node_dedup" not in candidate_algorithms(mf.MoEConfig(**kw), esp)
-
-
-@pytest.mark.multirank
-def test_tuner_tries_node_dedup_first_where_the_link_dominates():
-    """The early-node_dedup rule (autotune.dedup_place) on 2 x 2 under a 1 ms budget: the
-    routing's saving is the share of crossing rows node_dedup does not send (summed over the
-    ranks); with a slow link (probe replaced: 1 s per byte) node_dedup is the one candidate the
-    budget measures and the layer runs it; with a free link it goes after the overlap trials,
-    so direct is measured. Every rank decides alike, and both steps equal the reference."""
-    name = "dropless_k_eq_E"       # top-4 of 4 experts: 2 crossing choices, 1 other node
-    got = launch_local(node_dedup_cases.dedup_rule_worker, 4, name, timeout_s=300)
-    ref = parity.reference(name, 4)
-    per_choice = sum(res["slow"]["rows"][0] for res in got.values())
-    per_node = sum(res["slow"]["rows"][1] for res in got.values())
-    assert per_choice == 2 * per_node > 0
-    for rank, res in got.items():
-        slow, free = res["slow"], res["free"]
-        for run in (slow, free):
-            assert run["rule"]["saving"] == pytest.approx(1 - per_node / per_choice)
-            assert run["rule"]["rows_per_choice"] == per_choice
-            assert run["rule"]["saving"] == 0.5 >= autotune.DEDUP_MIN_SAVING, run["rule"]
-        assert slow["rule"]["link_s"] > 1e3 and slow["rule"]["place"] == "first"
-        assert slow["first"]["a2a"] == "node_dedup" and slow["strategy"] == "node_dedup"
-        assert free["rule"]["link_s"] == 0.0 and free["rule"]["place"] == "early"
-        assert free["first"]["a2a"] == "direct", free["first"]
-        for link, run in (("slow", slow), ("free", free)):
-            parity.assert_rank_matches(run, ref, rank, 4, f"tuned, {link} link")
-    assert len({str(res["slow"]["rule"]) for res in got.values()}) == 1
-
-
-@pytest.mark.multirank
-@pytest.mark.slow
-def test_tuner_screens_node_dedup_and_its_choice_works():
-    name = "dropless_k2"
-    got = launch_local(node_dedup_cases.tuner_worker, 4, name, "screen", timeout_s=600)
-    ref = parity.reference(name, 4)
-    for rank, res in got.items():
-        assert "node_dedup" in res["screened"] and "direct" in res["screened"], res["screened"]
-        assert res["strategy"] == "node_dedup"
-        parity.assert_rank_matches(res, ref, rank, 4, "tuned, node_dedup forced")
+def test_a2a_node_dedup_names_the_strategy_field():
+    with pytest.raises(ConfigError, match="a2a='node_dedup'.*placement='node_dedup'"):
+        mf.MoEConfig(d_model=8, d_expert=8, num_experts=8, a2a="node_dedup")
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_tuner_picks_node_dedup_schedule():
-    """``a2a="node_dedup"`` with schedule and degree "auto": the profiler and the chooser run
+    """``placement="node_dedup"`` with schedule and degree "auto": the profiler and the chooser run
     on it (its backward is scheduled and predicted like its forward), every rank
     fixes the same choice, and the step equals the reference."""
     name = "dropless_k2"
-    got = launch_local(node_dedup_cases.tuner_worker, 4, name, "schedule", timeout_s=600)
+    got = launch_local(node_dedup_cases.tuner_worker, 4, name, timeout_s=600)
     ref = parity.reference(name, 4)
     for rank, res in got.items():
         a2a, schedule, r, strategy = res["choice"]
-        assert a2a == strategy == "node_dedup" and r in (1, 2, 4), res["choice"]
+        assert strategy == "node_dedup" and a2a == "direct" and r in (1, 2, 4), res["choice"]
         parity.assert_rank_matches(res, ref, rank, 4, f"node_dedup tuned to {schedule} r={r}")
     assert len({res["choice"] for res in got.values()}) == 1   # every rank alike

@@ -7,6 +7,6 @@ sizes; the layer does not know which one runs.
 from moeflow.comm.alltoall.base import ALLTOALLS, AllToAll, Pending, register_alltoall
 # Importing registers each algorithm under its name.
 from moeflow.comm.alltoall import (  # noqa: F401,E402
-    bilevel, direct, hier1d, hier2d, node_dedup, pairwise, pipe)
+    bilevel, direct, hier1d, hier2d, pairwise, pipe)
 
 __all__ = ["ALLTOALLS", "AllToAll", "Pending", "register_alltoall"]

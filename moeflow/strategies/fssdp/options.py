@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from moeflow.errors import ConfigError
 
-PLACEMENTS = ("ep", "fssdp")
 # How P' is chosen before each iteration: "static" keeps P' = P (FSSDP storage, EP's data
 # flow); "sparse" is HECATE's Algorithm 1 (Section 4.2) on the sliding-window load estimate;
 # "manual" uses the holders set on the layer (FSSDPExperts.set_holders: tests, benchmarks,
@@ -193,4 +192,4 @@ class FSSDPOptions:
         return cls(**value)
 
 
-__all__ = ["FSSDPOptions", "MATERIALIZATIONS", "PLACEMENTS", "TRANSPORTS"]
+__all__ = ["FSSDPOptions", "MATERIALIZATIONS", "TRANSPORTS"]

@@ -1,4 +1,4 @@
-"""Node-deduplicated dispatch and combine (``MoEConfig(a2a="node_dedup")``).
+"""Node-deduplicated dispatch and combine (``MoEConfig(placement="node_dedup")``).
 
 The hierarchical exchange of DeepEP's inter-node kernels and Megatron-core's flex dispatcher
 (and SMILE section 3.2.3's two stages, made token-aware): rank (n, l) = node n, local rank l.
@@ -43,9 +43,8 @@ of device values: :mod:`moeflow.strategies.node_dedup.padded`), every codec (on 
 hops: one encoding per (token, node) in dispatch, per partial sum in combine;
 ``codec_backward`` for the gradients), any ``pipeline_degree`` and scheduler, every router,
 shared experts, BigMac and the other structures, and the auto-tuner (``schedule`` /
-``pipeline_degree`` "auto", and screened by ``a2a="auto"`` on several nodes). Refused with a
-ConfigError at construction: Parm's MP/ESP and FSSDP placements (they place experts
-differently).
+``pipeline_degree`` "auto"). Refused with a ConfigError at construction: Parm's MP/ESP (it
+places experts differently), an EP group smaller than the world, a single node.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ from moeflow.dispatch import DispatchPlan, make_plan
 from moeflow.comm.alltoall.phases import kept_choices, token_nodes
 from moeflow.errors import ConfigError
 from moeflow.schedule.executor import Stage
-from moeflow.strategies.base import ExpertStrategy
+from moeflow.strategies.base import ExpertStrategy, register_strategy
 from moeflow.strategies.node_dedup.backward import scheduled_dedup
 from moeflow.strategies.node_dedup.padded import padded_stage
 from moeflow.strategies.node_dedup.steps import (AllToAll, ChunkLayout, CodedAllToAll,
@@ -68,25 +67,33 @@ from moeflow.strategies.node_dedup.steps import (AllToAll, ChunkLayout, CodedAll
                                                  gated_sum_backward, hop_backward,
                                                  take_in_graph)
 
-_FIX = "or use a2a='direct' / 'bilevel'"
+_FIX = "or use placement='ep'"
 
 
 def check_config(cfg, topo) -> None:
     """Raise ConfigError for what node_dedup does not run with (yet)."""
-    def refuse(field: str, value, fix: str) -> None:
-        raise ConfigError(f"MoEConfig.{field}={value!r} cannot be combined with "
-                          f"a2a='node_dedup' yet: {fix}, {_FIX}")
-    if cfg.placement != "ep":
-        refuse("placement", cfg.placement, "it places whole experts; use placement='ep'")
     if cfg.recompute == "moe_act":
-        # its task E keeps the experts' graph (strategies/node_dedup/backward.py): moe_act
-        # would save nothing, so it is refused rather than silently ignored
-        refuse("recompute", cfg.recompute, "its experts keep their activations; use "
-               "recompute='none' (or TrainConfig.recompute='full', which node_dedup replays)")
+        # its task E keeps the experts' graph (node_dedup/backward.py): moe_act would save
+        # nothing, so it is refused rather than silently ignored
+        raise ConfigError(
+            f"MoEConfig.recompute={cfg.recompute!r} cannot be combined with "
+            "placement='node_dedup' yet: its experts keep their activations; use "
+            "recompute='none' (or TrainConfig.recompute='full', which node_dedup replays), "
+            f"{_FIX}")
     if topo.esp_size > 1 or topo.mp_size > 1:
-        raise ConfigError(f"a2a='node_dedup' cannot be combined with Parm's MP/ESP "
-                          f"(mp_size={topo.mp_size}, esp_size={topo.esp_size}) yet: use "
+        raise ConfigError(f"MoEConfig.placement='node_dedup' cannot be combined with Parm's "
+                          f"MP/ESP (mp_size={topo.mp_size}, esp_size={topo.esp_size}) yet: use "
                           f"mp_size=esp_size=1, {_FIX}")
+    if topo.world_size > 1 and topo.ep_size != topo.world_size:
+        raise ConfigError(
+            f"MoEConfig.placement='node_dedup' is invalid with ep_size={topo.ep_size} on a "
+            f"world of {topo.world_size}: its exchange runs over the whole world; use "
+            f"ep_size=None (all ranks), {_FIX}")
+    if topo.num_nodes < 2:
+        raise ConfigError(
+            f"MoEConfig.placement='node_dedup' is invalid on {topo.num_nodes} node x "
+            f"{topo.local_size} ranks: it needs several nodes; run on several (emulated) nodes "
+            "(torchrun's LOCAL_WORLD_SIZE, or Topology.from_env(local_size=...)), " + _FIX)
 
 
 @dataclass
@@ -105,19 +112,22 @@ class NodeDedupPlan(DispatchPlan):
             else None
 
 
+@register_strategy("node_dedup")
 class NodeDedup(ExpertStrategy):
     """Whole experts on their EP rank (EP = the world), reached through the node-deduplicated
     exchange above; the gate weights travel with the token, so the combine happens inside
     :meth:`exchange` and the layer's combine is the identity."""
 
-    name = "node_dedup"
     trims_padding = False
+    combines_in_exchange = True
+    # its own two hops: no all-to-all algorithm to choose (a2a is not used)
+    tunable_fields = ("schedule", "pipeline_degree", "codec")
 
-    def __init__(self, layer) -> None:
-        super().__init__(layer)
-        check_config(layer.cfg, layer.topo)
+    @classmethod
+    def check_config(cls, cfg, topo) -> None:
+        check_config(cfg, topo)
 
-    def plan(self, expert_ids, cap, device, call) -> NodeDedupPlan:
+    def _plan(self, expert_ids, cap, device, call) -> NodeDedupPlan:
         """Dropless: every choice. Capacity: GShard's slots decide on this rank's tokens, as
         with ``direct``; a dropped choice gets the id E (no node) and travels nowhere."""
         E = self.layer.cfg.num_experts
@@ -139,17 +149,16 @@ class NodeDedup(ExpertStrategy):
         return mode == "pad" or (mode == "auto" and not (
             device.type == "cpu" and not torch.compiler.is_compiling()))
 
-    def permute(self, h: torch.Tensor, plan, weights: torch.Tensor) -> torch.Tensor:
+    def _permute(self, h: torch.Tensor, plan, weights: torch.Tensor) -> torch.Tensor:
         """The token and its k gate weights, one row: they travel together."""
         return torch.cat([h, weights.to(h.dtype)], 1)
 
-    def combine(self, back: torch.Tensor, plan, weights: torch.Tensor) -> torch.Tensor:
-        return back                                     # summed inside exchange
-
-    def exchange(self, send, plan: NodeDedupPlan, runner, tokens, call):
+    def exchange(self, send, runner, tokens, call):
         """The r chunks of consecutive tokens, each through the whole deduplicated exchange,
         as the scheduler's tasks (:mod:`moeflow.strategies.node_dedup.steps`), forward and,
-        scheduled the same way, backward (:mod:`moeflow.strategies.node_dedup.backward`)."""
+        scheduled the same way, backward (:mod:`moeflow.strategies.node_dedup.backward`).
+        Returns the tokens' gated sums (``combines_in_exchange``)."""
+        plan: NodeDedupPlan = call.plan
         if plan.capacity is not None and self._pads(send.device):
             def build(x):
                 return padded_stage(self, x, plan, runner, runner.r)

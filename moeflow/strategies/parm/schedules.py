@@ -36,12 +36,13 @@ class ParmParts:
     auto: AutoSchedule | None
 
     @classmethod
-    def build(cls, layer, cfg: MoEConfig, topo: Topology) -> "ParmParts | None":
-        """None when the layer runs no paused-MP schedule (baseline, or no MP / ESP)."""
+    def build(cls, experts, cfg: MoEConfig, topo: Topology) -> "ParmParts | None":
+        """None when the layer runs no paused-MP schedule (baseline, or no MP / ESP);
+        ``experts``: the layer's ESP-sharded experts."""
         if cfg.parallel_schedule == "baseline" or not uses_parm(topo):
             return None
         auto = AutoSchedule(topo) if cfg.parallel_schedule == "auto" else None
-        return cls(topo, ShardPartials(layer.experts), ALLTOALLS[cfg.a2a](ep_esp_view(topo)),
+        return cls(topo, ShardPartials(experts), ALLTOALLS[cfg.a2a](ep_esp_view(topo)),
                    auto)
 
     def choose(self, layer, tokens: int, top_k: int, factor: float | None) -> str:

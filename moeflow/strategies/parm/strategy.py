@@ -2,47 +2,68 @@
 
 The baseline schedule (Fig. 3a) with ESP shards, S1 (Fig. 3b: MP-Split before the gate,
 EP&ESP-AlltoAll, MP-AllGather after the layer), S2 (Fig. 3c) and the per-call choice between
-them (Algorithm 1, ``parallel_schedule="auto"``). The work is done by
-``moeflow/strategies/parm/``; this file only plugs it into the layer.
+them (Algorithm 1, ``parallel_schedule="auto"``). The strategy builds the ESP-sharded experts
+and, for the paused-MP schedules, its parts (:class:`~.schedules.ParmParts`), which it keeps.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moeflow.strategies.base import Call, ExpertStrategy, register_strategy
 from moeflow.strategies.parm import schedules as parm
-from moeflow.strategies.parm.baseline import baseline_experts, esp_peers_share_tokens
+from moeflow.strategies.parm.baseline import baseline_experts, esp_peers_share_tokens, esp_reduce
+from moeflow.strategies.parm.checks import check_parm_layer
 from moeflow.strategies.parm.plan_agreement import check_plan_agrees
-from moeflow.strategies.base import Call, ExpertStrategy
 
 
+@register_strategy("parm")
 class Parm(ExpertStrategy):
-    """ESP-sharded experts; ``layer.parm`` holds S1 / S2 / auto (None for the baseline)."""
+    """ESP-sharded experts; ``parts`` holds S1 / S2 / auto (None for the baseline)."""
 
-    name = "parm"
     trims_padding = False
+    supports_trim = False
+    tunable_fields = ()      # the tuner times the expert-parallel exchange only
     counts_inter_node_bytes = False
 
-    def prepare(self, h: torch.Tensor, k: int, factor: float | None, call: Call | None = None):
-        layer = self.layer
-        if call is None:                  # a recomputation reuses the first forward's choice
-            sched = (None if layer.parm is None
-                     else layer.parm.choose(layer, h.shape[0], k, factor))
-            call = Call(sched, h.shape[0])
-        sched = call.sched
-        if sched == "s1":                 # Fig. 3b: MP-Split before the gate
-            h = parm.mp_split_tokens(h, layer.topo)
-        return h, call
+    def __init__(self, layer) -> None:
+        super().__init__(layer)
+        self.parts: parm.ParmParts | None = None
 
-    def exchange(self, send, plan, runner, tokens, call):
+    @classmethod
+    def check_config(cls, cfg, topo) -> None:
+        from moeflow.experts.structure import expert_hidden
+
+        check_parm_layer(cfg, topo, expert_hidden(cfg))
+
+    def _expert_reduce(self):
+        # this rank's shard of each local expert; the ESP-AllReduce sums the shards
+        topo = self.layer.topo
+        return esp_reduce(topo) if topo.esp_size > 1 else None
+
+    def build_experts(self):
+        experts = super().build_experts()
+        self.parts = parm.ParmParts.build(experts, self.layer.cfg, self.layer.topo)
+        return experts
+
+    def begin(self, h: torch.Tensor, call: Call):
         layer = self.layer
+        if not call.replay:               # a recomputation reuses the first forward's choice
+            call.sched = (None if self.parts is None
+                          else self.parts.choose(layer, h.shape[0], call.k, call.factor))
+        if call.sched == "s1":            # Fig. 3b: MP-Split before the gate
+            h = parm.mp_split_tokens(h, layer.topo)
+        return h, layer.experts
+
+    def exchange(self, send, runner, tokens, call):
+        layer, plan = self.layer, call.plan
         if call.sched is not None:        # S1 / S2: EP&ESP-AlltoAll (Section III-C)
-            return layer.parm.experts(layer.cfg, call.sched, send, plan, runner), None
+            return self.parts.experts(layer.cfg, call.sched, send, plan, runner), None
         topo = layer.topo
         if esp_peers_share_tokens(topo):  # the baseline, ESP inside MP: DeepSpeed-MoE 0.8.1's
             if layer.cfg.parm_check_plan and topo.mp_size > 1 and topo.esp_size > 1:
                 check_plan_agrees(plan, topo)    # the ESP peers' shards sum the same rows
-            return super().exchange(send, plan, runner, tokens, call)
+            return super().exchange(send, runner, tokens, call)
         # the baseline, ESP peers with other tokens: Eq. 1's ESP-AllGather of the input (Fig.
         # 3a); shared experts run after, not overlapped
         return baseline_experts(send, plan, runner, topo), None
