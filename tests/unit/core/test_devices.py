@@ -110,8 +110,8 @@ def test_run_on_ranks_builds_the_backend_from_device(monkeypatch):
 
     seen = []
     monkeypatch.setattr(common, "launch_local",
-                        lambda fn, n, *a, timeout_s, backend, log_dir=None, max_restarts=0:
-                        seen.append(backend) or {0: "ok"})
+                        lambda fn, n, *a, timeout_s, backend, log_dir=None, max_restarts=0,
+                        quota=None: seen.append(backend) or {0: "ok"})
     monkeypatch.setattr(common, "under_torchrun", lambda: False)
     monkeypatch.setattr(devices, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
