@@ -260,7 +260,11 @@ class RankCgroups:
             raise _refuse(self.quota, f"{where} has no CPU controller (no cpu.cfs_quota_us, "
                                       "no 'cpu' in cgroup.controllers)")
         self.hierarchy, self.version = found
-        cleanup_stale(root=self.hierarchy)
+        try:
+            cleanup_stale(root=self.hierarchy)
+        except OSError as err:             # a group we cannot remove must not block this run
+            print(f"moeflow: a CPU cgroup of a dead launcher could not be removed ({err})",
+                  file=sys.stderr)
         path = os.path.join(self.hierarchy, f"moeflow-{os.getpid()}-{self.run_id}")
         try:
             os.mkdir(path)

@@ -136,3 +136,16 @@ def test_local_quota_refused_under_torchrun(monkeypatch):
     with pytest.raises(ConfigError, match="under torchrun.*moeflow cluster run --cpu-per-rank"):
         quota_from_args(argparse.Namespace(cpu_per_rank="0.5", nproc=2))
     assert not quota_from_args(argparse.Namespace(cpu_per_rank="none", nproc=2)).enabled
+
+
+def test_cluster_run_flag_refused_clearly():
+    from moeflow.commands.cluster import run_run
+
+    args = argparse.Namespace(command=["--", "true"], nodes=2, ranks_per_node=2,
+                              inter_bw="1gbit", inter_latency=None, intra_bw=None,
+                              intra_latency=None, mtu=1500, max_restarts=0, cpu_per_rank="lots")
+    with pytest.raises(SystemExit, match=r"cluster run: error: --cpu-per-rank='lots' is invalid"):
+        run_run(args)
+    args.cpu_per_rank = "0.01"
+    with pytest.raises(SystemExit, match=r"--cpu-per-rank 0.01 is invalid.*minimum"):
+        run_run(args)
