@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeflow.commands import bench, cluster, model_info, simulate, train
+from moeflow.commands import (bench_command, cluster_command, model_info, simulate_command,
+                              train_command)
 from moeflow.commands.common import Parser, RanksFailed
 from moeflow.config import ConfigError
 
@@ -14,7 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="moeflow", description="Mixture-of-Experts training across many devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train, bench, cluster, model_info, simulate):
+    for module in (train_command, bench_command, cluster_command, model_info,
+                   simulate_command):
         module.register(sub)
     return parser
 

@@ -24,7 +24,7 @@ from moeflow.dispatch.plan import KnownCapacities
 from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections
 from moeflow.layer_call import LayerCall
-from moeflow.schedule.phases import NULL_TIMER, PhaseTimer
+from moeflow.schedule.phase_timer import NULL_TIMER, PhaseTimer
 from moeflow.routing import ROUTERS
 from moeflow.routing.aux_grad import attach_aux_loss
 from moeflow import autotune, plan_record
@@ -291,7 +291,7 @@ class MoELayer(nn.Module):
 
     def _stage(self, name: str, x: torch.Tensor, run):
         """``run(x)`` timed as the stage ``name`` (forward: its span; backward: from the
-        gradient reaching ``x`` on, :class:`~moeflow.schedule.phases.PhaseTimer`)."""
+        gradient reaching ``x`` on, :class:`~moeflow.schedule.phase_timer.PhaseTimer`)."""
         with self._timer.phase(name, x):
             return run(self._timer.mark(x, name))
 

@@ -29,7 +29,7 @@ from moeflow.devices import host_all_reduce, resolve_device
 from moeflow.dispatch import capacity
 from moeflow.experts.structure import comm_width
 from moeflow.layer import MoELayer
-from moeflow.schedule.phases import PhaseTimer
+from moeflow.schedule.phase_timer import PhaseTimer
 from moeflow.topology import Topology
 
 PHASES = ("route", "project", "permute", "all_to_all", "experts", "combine")
@@ -95,7 +95,7 @@ def case_routing(case: StructureCase, world: int, tokens: int, d_model: int
     """The ``(tokens, top_k)`` expert ids each rank's router picks in a timed step (the router
     is built from the config alone, reads ``x`` before BigMac's descend, and no step changes
     it): the routing ``moeflow simulate bigmac`` plans, so its bytes are the measured run's."""
-    from moeflow.bench.layer import router_choices
+    from moeflow.bench.layer_bench import router_choices
 
     return router_choices(case_config(case, d_model),
                           [case_input(tokens, d_model, p) for p in range(world)])

@@ -5,7 +5,7 @@ DeepSeek-V3's node-limited routing against plain top-k under moeflow's all-to-al
 
 DeepSeek-V3 (section 2.1.2 / 3.2.2, "node-limited routing") makes the expert groups the nodes
 (``n_group`` = nodes) so that each token reaches at most ``topk_group`` nodes; SMILE's
-bi-level router (``routing/bilevel.py``) gets the same bound from its node router. The bound
+bi-level router (``routing/bilevel_routing.py``) gets the same bound from its node router. The bound
 pays off only with a dispatch that sends a token once per destination node (DeepSeek-V3's
 IB-then-NVLink dispatch, section 3.2.2): ``a2a="node_dedup"``
 (:mod:`moeflow.strategies.node_dedup.strategy`). Run on several nodes (``moeflow cluster run --nodes 2
@@ -44,7 +44,7 @@ from datetime import timedelta
 
 import torch
 
-from moeflow.bench.layer import exchange_fields
+from moeflow.bench.layer_bench import exchange_fields
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.topology import Topology

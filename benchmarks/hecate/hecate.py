@@ -29,7 +29,7 @@ With ``reshard_every = k > 0`` the Algorithm 2 variants also re-shard every ``k`
 (inside the timed step; a Fig. 15b analog needs loads that move: ``drift`` rotates the
 popularity ranks every ``drift`` steps).
 
-Per variant: the step time, the all-to-all time (:class:`~moeflow.schedule.phases.PhaseTimer`'s
+Per variant: the step time, the all-to-all time (:class:`~moeflow.schedule.phase_timer.PhaseTimer`'s
 ``all_to_all`` phase, forward + backward, slowest rank), the measured tokens per rank, the
 spAG / spRS bytes of all ranks for the last ``P'`` next to Eq. 2's all-reduce volume for the
 same placement (``comm.sparse.allreduce_volume``, per group member), and per rank the bytes of
@@ -53,7 +53,7 @@ from moeflow.comm.sparse import allreduce_volume
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.parallel.grad_sync import sync_gradients
-from moeflow.schedule.phases import PhaseTimer
+from moeflow.schedule.phase_timer import PhaseTimer
 from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 from moeflow.strategies.fssdp.replace import rank_loads, replace
 from moeflow.strategies.fssdp.reshard import reshard
@@ -107,7 +107,7 @@ def case_routing(tokens: int, d_model: int, d_expert: int, num_experts: int, top
     skew ``s`` (no drift: the router is built from the config and skewed once, the input is
     the same every step, every variant alike): what ``moeflow simulate layer --measured``
     plans, so its loads and bytes are those of the measured run."""
-    from moeflow.bench.layer import router_choices
+    from moeflow.bench.layer_bench import router_choices
 
     return router_choices(case_config(d_model, d_expert, num_experts, top_k),
                           [case_input(tokens, d_model, p) for p in range(world)],

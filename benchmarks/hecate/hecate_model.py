@@ -15,7 +15,7 @@ trained under EP or FSSDP variants (HECATE Sections 3.2, 4.2 and 5.3-5.4). Share
   rank are reported, not assumed. Dropless routing, so an overloaded rank really computes
   (and stores activations for) its extra tokens, as in HECATE's dynamic batch sizes.
 * **A step** (:func:`train_step`): forward (cross-entropy + the layers' auxiliary loss),
-  backward, ``sync_gradients``, AdamW (``moeflow.train.make_optimizer``), gradients set to
+  backward, ``sync_gradients``, AdamW (``moeflow.trainer.make_optimizer``), gradients set to
   None; the materialized experts still held at the end of the forward are counted
   (:class:`~benchmarks.hecate.hecate_memory.MaterializedProbe`: a HECATE-RM layer's freed ones
   count 0 bytes).
@@ -36,7 +36,7 @@ from moeflow.models.gpt import GPT
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
 from moeflow.topology import Topology
-from moeflow.train import make_optimizer
+from moeflow.trainer import make_optimizer
 
 
 def _bytes(text: str) -> int:

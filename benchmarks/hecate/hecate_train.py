@@ -2,7 +2,7 @@
 FasterMoE-style shadowing, SmartMoE-style re-placement, HECATE and HECATE-RM, interleaved
 (HECATE ``hecate.txt`` Section 5.2, Fig. 9 / 10: end-to-end speed-up over EP).
 
-Every rank builds one :class:`~moeflow.train.Trainer` per mode over the same model config,
+Every rank builds one :class:`~moeflow.trainer.Trainer` per mode over the same model config,
 seed and data (only ``placement`` / ``fssdp`` differ), optionally all restored from one
 ``moeflow train`` checkpoint (``--init-from RUN``: the loads of a trained router, e.g. the
 DeepSeek-V3 router without balancing, as skewed as a real run's; checkpoints load across
@@ -153,7 +153,7 @@ def bench_worker(opts: dict) -> dict:
     from moeflow import checkpoint
     from moeflow.config import TrainConfig, model_preset
     from moeflow.topology import Topology
-    from moeflow.train import Trainer, latest_checkpoint
+    from moeflow.trainer import Trainer, latest_checkpoint
 
     topo = Topology.from_env()
     world = topo.world_size

@@ -75,7 +75,7 @@ def case_routing(tokens: int, d_model: int, num_experts: int, top_k: int,
     :func:`bench_worker` (rank ``p`` gates MP group ``p // mp``'s batch; the router is built
     from the config alone and no step changes it, every variant alike): what ``moeflow
     simulate layer --measured`` plans, so its bytes are those of the measured run."""
-    from moeflow.bench.layer import router_choices
+    from moeflow.bench.layer_bench import router_choices
 
     return router_choices(case_config(d_model, num_experts, top_k, capacity_factor),
                           [case_input(tokens, d_model, p // mp) for p in range(world)])

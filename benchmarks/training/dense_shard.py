@@ -78,7 +78,7 @@ def rank_worker(preset: str, overrides: dict, mode: str, batch_size: int, warmup
                 steps: int, out_dir: str) -> dict:
     from moeflow.config import TrainConfig, model_preset
     from moeflow.topology import Topology
-    from moeflow.train import Trainer
+    from moeflow.trainer import Trainer
 
     mcfg = model_preset(preset, **overrides)
     tcfg = TrainConfig(steps=warmup + steps, batch_size=batch_size, dense_shard=mode,

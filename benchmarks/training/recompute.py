@@ -40,7 +40,7 @@ def rank_worker(preset: str, mode: str, batch_size: int, warmup: int, steps: int
                 out_dir: str) -> dict:
     from moeflow.config import TrainConfig, model_preset
     from moeflow.topology import Topology
-    from moeflow.train import Trainer
+    from moeflow.trainer import Trainer
 
     mcfg = model_preset(preset)
     tcfg = TrainConfig(steps=warmup + steps, batch_size=batch_size, recompute=mode,

@@ -22,7 +22,7 @@ from moeflow.config import ModelConfig
 from moeflow.data import Corpus
 from moeflow.models.gpt import GPT
 from moeflow.routing import Router
-from moeflow.train import latest_checkpoint
+from moeflow.trainer import latest_checkpoint
 
 
 def layer_loads(model: GPT, corpus: Corpus, batches: int, batch_size: int) -> list[list[int]]:

@@ -32,7 +32,7 @@ from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import DEFAULT_AUTOTUNE_BUDGET_S, MoEConfig
 from moeflow.devices import resolve_device, synchronize
 from moeflow.layer import MoELayer
-from moeflow.schedule.phases import PhaseTimer
+from moeflow.schedule.phase_timer import PhaseTimer
 from moeflow.topology import Topology
 
 PHASES = ("route", "permute", "all_to_all", "experts", "combine")

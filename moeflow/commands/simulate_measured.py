@@ -4,7 +4,7 @@ times, and the check that the prediction describes that run.
 ``moeflow train`` writes ``RUN_DIR/config.json`` (the model config as given, the
 ``TrainConfig``, the world size and the ranks per node) and, on rank 0, ``RUN_DIR/metrics.jsonl``:
 one record per log point with ``tokens_per_s`` over the steps since the previous log point
-(:meth:`moeflow.train.Trainer._loop`: the clock restarts after each log point's evaluation, so
+(:meth:`moeflow.trainer.Trainer._loop`: the clock restarts after each log point's evaluation, so
 validation is not in it; a checkpoint written at a log point is, in the next interval's). A
 record's mean step time is ``tokens per step / tokens_per_s`` with ``tokens per step =
 dp_size x batch_size x grad_accum x seq_len`` (the trainer's own count). The first steps carry

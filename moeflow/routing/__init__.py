@@ -2,7 +2,7 @@
 
 from moeflow.routing.base import ROUTERS, Router, Routing, register_router
 # Importing registers each router under its name.
-from moeflow.routing import bilevel, deepseek, topk  # noqa: F401,E402
+from moeflow.routing import bilevel_routing, deepseek, topk  # noqa: F401,E402
 from moeflow.routing.deepseek import update_router_biases  # noqa: E402
 
 __all__ = ["ROUTERS", "Router", "Routing", "register_router", "update_router_biases"]

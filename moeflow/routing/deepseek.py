@@ -12,7 +12,7 @@ Per token t and expert i (``MoEConfig.router="deepseek_v3"``, settings in ``rout
   transformers' ``DeepseekV3TopkRouter``: with a negative bias an eligible expert's biased
   score can be below 0, and it must still win over every ineligible one).
   With one group per node this bounds how many nodes a token's copies reach, the property
-  SMILE's bi-level routing gets from its node router (``routing/bilevel.py``).
+  SMILE's bi-level routing gets from its node router (``routing/bilevel_routing.py``).
 * ``g_i = s_i / sum_{j in top-k} s_j`` when renormalising (``MoEConfig.renormalize``, default
   True here, transformers' ``norm_topk_prob``), times ``routed_scaling_factor``.
 * Auxiliary-loss-free balancing: after each optimizer step,

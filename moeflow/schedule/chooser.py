@@ -19,7 +19,7 @@ import torch
 
 from moeflow.schedule import SCHEDULERS
 from moeflow.schedule.profiler import LinearModel, fit_models
-from moeflow.schedule.simulate import simulate
+from moeflow.schedule.two_lane_model import simulate
 from moeflow.schedule.tasks import Task
 
 

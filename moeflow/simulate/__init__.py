@@ -10,6 +10,6 @@ rank's collectives under MP + EP + ESP), :mod:`.fssdp` HECATE's placement, spAG 
 """
 
 from moeflow.simulate.costs import CostModel, cost_model
-from moeflow.simulate.layer import LayerSpec, lane_orders, simulate_layer
+from moeflow.simulate.layer_model import LayerSpec, lane_orders, simulate_layer
 
 __all__ = ["CostModel", "LayerSpec", "cost_model", "lane_orders", "simulate_layer"]

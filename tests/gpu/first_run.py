@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 480                       # 8 minutes on one GPU, everything included
-PREEMPTED_EXIT = 75                  # moeflow.train.PREEMPTED_EXIT
+PREEMPTED_EXIT = 75                  # moeflow.trainer.PREEMPTED_EXIT
 STATUSES = ("pass", "fail", "skipped")
 
 

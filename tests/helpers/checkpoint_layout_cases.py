@@ -18,7 +18,7 @@ from moeflow.models import GPT
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import prepare_model
 from moeflow.topology import Topology
-from moeflow.train import make_optimizer
+from moeflow.trainer import make_optimizer
 from tests.helpers.gpt_tp_cases import locate
 
 GLOBAL_BATCH = 4

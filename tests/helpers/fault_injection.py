@@ -83,7 +83,7 @@ def kill_before_publish(out_dir: str, kill_at: int, threads: int | None = None) 
     if threads is not None:
         torch.set_num_threads(threads)
     from moeflow.topology import Topology
-    from moeflow.train import Trainer
+    from moeflow.trainer import Trainer
 
     real = Trainer._publish
 
@@ -127,7 +127,7 @@ def install_from_env() -> None:
     import signal
 
     from moeflow.launch import restart_count
-    from moeflow.train import Trainer
+    from moeflow.trainer import Trainer
 
     action, rank, step, *rest = os.environ["MOEFLOW_FAULT"].split(":")
     rank, step = int(rank), int(step)

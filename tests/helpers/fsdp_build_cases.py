@@ -31,7 +31,7 @@ from moeflow.parallel.grad_sync import is_expert_param
 from moeflow.parallel.replicas import prepare_model
 from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
-from moeflow.train import Trainer, make_optimizer
+from moeflow.trainer import Trainer, make_optimizer
 from tests.helpers import fsdp_cases as cases
 from tests.helpers.live_bytes import LiveBytes
 

@@ -32,7 +32,7 @@ from moeflow.parallel.grad_sync import is_expert_param, sync_gradients
 from moeflow.parallel.replicas import prepare_model
 from moeflow.parallel.tensor_parallel import tp_shard
 from moeflow.topology import Topology
-from moeflow.train import make_optimizer
+from moeflow.trainer import make_optimizer
 
 WORLD = 4
 GLOBAL_BATCH = 8

@@ -24,7 +24,7 @@ from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import ReplicaMismatchError, check_replicas, prepare_model
 from moeflow.parallel.tensor_parallel import shard_of, tp_shard
 from moeflow.topology import Topology
-from moeflow.train import make_optimizer
+from moeflow.trainer import make_optimizer
 
 WORLD = 4
 LAYOUTS = {                        # (mp, ep, esp, esp_in_node)
@@ -125,7 +125,7 @@ def trainer_batches(out_dir: str) -> dict:
     its loss (the ranks of an MP group must share both)."""
     import torch.distributed as dist
 
-    from moeflow.train import Trainer
+    from moeflow.trainer import Trainer
 
     topo = topology("mp2_esp2")
     mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,

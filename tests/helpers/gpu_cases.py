@@ -268,7 +268,7 @@ def train_parser_flags() -> set[str]:
     """Option strings of ``moeflow train``'s parser (introspected, not assumed)."""
     import argparse
 
-    from moeflow.commands import train
+    from moeflow.commands import train_command as train
 
     parser = argparse.ArgumentParser()
     train.register(parser.add_subparsers())

@@ -29,7 +29,7 @@ from moeflow.models import GPT
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import check_replicas, prepare_model
 from moeflow.topology import Topology
-from moeflow.train import accumulate_gradients
+from moeflow.trainer import accumulate_gradients
 
 N, B = 3, 2
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
@@ -113,7 +113,7 @@ def trainer_steps(out_dir: str) -> dict:
     aux-loss-free bias update, dropless) with ``grad_accum=3, batch_size=2`` and with
     ``batch_size=6``: the router biases, parameters and metrics records after each."""
     from moeflow.config import TrainConfig
-    from moeflow.train import Trainer
+    from moeflow.trainer import Trainer
 
     mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
                        d_expert=32, capacity_factor=None, aux_loss_coef=0.0,

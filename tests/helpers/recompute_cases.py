@@ -11,7 +11,7 @@ import torch
 
 from moeflow.config import ModelConfig, TrainConfig
 from moeflow.topology import Topology
-from moeflow.train import Trainer
+from moeflow.trainer import Trainer
 
 MCFG = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
                    d_expert=32, pipeline_degree=2, schedule="optsche")

@@ -12,7 +12,7 @@ import torch
 
 from moeflow import checkpoint
 from moeflow.topology import Topology
-from moeflow.train import FaultConfig, Trainer, latest_checkpoint
+from moeflow.trainer import FaultConfig, Trainer, latest_checkpoint
 from tests.helpers import fault_injection
 from tests.helpers.fault_injection import MICRO_MODEL, MICRO_TRAIN
 

@@ -160,7 +160,7 @@ def test_equal_rank_tokens_is_validated():
 
 def test_trainer_declares_fixed_shape_batches():
     from moeflow.config import model_preset
-    from moeflow.train import fixed_shape_batches
+    from moeflow.trainer import fixed_shape_batches
     cfg = model_preset("tiny")
     built = fixed_shape_batches(cfg)
     assert built.moe_config(1).equal_rank_tokens and not cfg.moe_config(1).equal_rank_tokens

@@ -35,7 +35,7 @@ def test_dense_shard_values_are_validated():
 
 
 def test_cli_flag_reaches_the_config():
-    from moeflow.commands import train as train_cmd
+    from moeflow.commands import train_command as train_cmd
 
     parser = argparse.ArgumentParser()
     train_cmd.register(parser.add_subparsers())

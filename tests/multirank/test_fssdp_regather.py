@@ -90,7 +90,7 @@ def test_overlap_regather_is_validated():
 
 def test_refused_under_full_recompute():
     from moeflow.models.gpt import GPT
-    from moeflow.train import build_config
+    from moeflow.trainer import build_config
 
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
                       moe_every=1, num_experts=2, d_expert=12, top_k=1, placement="fssdp",

@@ -10,7 +10,7 @@ import torch
 from moeflow.config import ConfigError, TrainConfig
 from moeflow.data import Corpus
 from moeflow.launch import launch_local
-from moeflow.train import micro_batches
+from moeflow.trainer import micro_batches
 from tests.helpers import grad_accum_cases as cases
 
 
@@ -24,7 +24,7 @@ def test_grad_accum_must_be_an_integer_at_least_one(bad):
 def test_cli_flag_reaches_the_config():
     import argparse
 
-    from moeflow.commands import train as train_cmd
+    from moeflow.commands import train_command as train_cmd
 
     parser = argparse.ArgumentParser()
     train_cmd.register(parser.add_subparsers())

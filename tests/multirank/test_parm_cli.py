@@ -61,7 +61,7 @@ def test_runs_saved_before_a_model_field_existed_resume(tmp_path):
     import dataclasses
 
     from moeflow.config import ConfigError, ModelConfig
-    from moeflow.train import check_same_model
+    from moeflow.trainer import check_same_model
 
     saved = dataclasses.asdict(ModelConfig())
     del saved["parallel_schedule"]

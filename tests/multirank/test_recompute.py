@@ -129,7 +129,7 @@ def test_trainer_recompute_modes_train_the_same_function(tmp_path):
 def test_fssdp_accepts_moe_act_recomputation():
     """FSSDP's backward holds the call's experts anyway (the held copy, or HECATE-RM's second
     spAG), so moe_act is accepted with it, by the layer's config and by ``moeflow train``."""
-    from moeflow.commands.train import check_layout
+    from moeflow.commands.train_command import check_layout
     from moeflow.config import ModelConfig
 
     cfg = mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, placement="fssdp",

@@ -1,4 +1,4 @@
-"""HECATE's FSSDP in the simulator (moeflow/simulate/fssdp.py): on 4 gloo ranks as 2 x 2, the
+"""HECATE's FSSDP in the simulator (moeflow/simulate/fssdp_model.py): on 4 gloo ranks as 2 x 2, the
 real layer's second call (its ``P'`` from Algorithm 1 on the first call's loads) and the
 simulator, given the same router ids, agree exactly on ``P'``, on every task's recorded size
 (all-to-all bytes over the held slots, the experts' rows) and on each rank's spAG / spRS bytes;
@@ -15,7 +15,7 @@ from moeflow.strategies.fssdp.materialize import sparse_materialize
 from moeflow.strategies.fssdp.placement import Placement
 from moeflow.simulate import LayerSpec, lane_orders, simulate_layer
 from moeflow.simulate.costs import KINDS, CostModel
-from moeflow.simulate.fssdp import FSSDPSpec, expert_numel
+from moeflow.simulate.fssdp_model import FSSDPSpec, expert_numel
 from moeflow.simulate.loads import sample_routing, zipf_popularity
 from tests.helpers import fssdp_simulate_worker as w
 

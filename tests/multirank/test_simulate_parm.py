@@ -1,4 +1,4 @@
-"""The simulator's Parm schedules (moeflow/simulate/parm.py) issue, on every rank, exactly the
+"""The simulator's Parm schedules (moeflow/simulate/parm_model.py) issue, on every rank, exactly the
 collectives the library's Parm layer issues: one spawn of 4 gloo ranks (2 nodes x 2) traces one
 forward + backward of the real layer per layout, schedule (baseline, S1, S2 with SAA, S2 with
 AAS) and routing (capacity, dropless), and the simulator, given the ids the routers picked, must
@@ -14,7 +14,7 @@ from moeflow.errors import ConfigError
 from moeflow.launch import launch_local
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.simulate.costs import KINDS, CostModel
-from moeflow.simulate.parm import ParmSpec, simulate_parm
+from moeflow.simulate.parm_model import ParmSpec, simulate_parm
 from tests.helpers import parm_simulate_worker as w
 
 CASES = [(layout, sched, f) for layout in w.LAYOUTS for sched in w.SCHEDULES

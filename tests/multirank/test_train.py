@@ -11,7 +11,7 @@ import torch
 from moeflow.config import ModelConfig, TrainConfig
 from moeflow.launch import launch_local
 from moeflow.topology import Topology
-from moeflow.train import Trainer, lr_at
+from moeflow.trainer import Trainer, lr_at
 
 MICRO = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=1,
                     num_experts=4, d_expert=32, top_k=2)
@@ -75,7 +75,7 @@ def test_two_rank_checkpoint_loads_on_one_rank(trained):
     """Experts are stored by global id, so a 2-rank checkpoint restores a 1-rank model."""
     from moeflow import checkpoint
     from moeflow.models import GPT
-    from moeflow.train import make_optimizer
+    from moeflow.trainer import make_optimizer
 
     tmp_path, out = trained
     model = GPT(MICRO)

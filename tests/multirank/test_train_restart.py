@@ -19,7 +19,7 @@ import pytest
 
 from moeflow import checkpoint
 from moeflow.topology import Topology
-from moeflow.train import FaultConfig, Trainer
+from moeflow.trainer import FaultConfig, Trainer
 from tests.helpers import fault_injection
 from tests.helpers.fault_injection import MICRO_MODEL, MICRO_TRAIN
 

@@ -66,7 +66,7 @@ from moeflow.strategies.fssdp.memory import capacity_from_budget, free_bytes, sl
 from moeflow.strategies.fssdp.options import FSSDPOptions
 from moeflow.strategies.fssdp.placement import Placement
 from moeflow.strategies.fssdp import regather
-from moeflow.strategies.fssdp.timing import LazyInterval
+from moeflow.strategies.fssdp.intervals import LazyInterval
 from moeflow.strategies.fssdp.token_plan import KeptChoices, fssdp_plan
 from moeflow.schedule.streams import Clock, CommLane, Handoff
 from moeflow.schedule.tasks import Task

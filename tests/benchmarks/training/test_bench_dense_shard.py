@@ -9,7 +9,7 @@ from benchmarks.training import dense_shard
 from benchmarks.training.train_steps import status_bytes
 from moeflow.config import ModelConfig, TrainConfig
 from moeflow.models import GPT
-from moeflow.train import make_optimizer
+from moeflow.trainer import make_optimizer
 
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
                   moe_every=2, num_experts=4, d_expert=8, top_k=2)

@@ -139,7 +139,7 @@ def test_local_quota_refused_under_torchrun(monkeypatch):
 
 
 def test_cluster_run_flag_refused_clearly():
-    from moeflow.commands.cluster import run_run
+    from moeflow.commands.cluster_command import run_run
 
     args = argparse.Namespace(command=["--", "true"], nodes=2, ranks_per_node=2,
                               inter_bw="1gbit", inter_latency=None, intra_bw=None,

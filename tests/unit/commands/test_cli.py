@@ -148,7 +148,7 @@ def test_bench_layer_cli_reports_inter_node_bytes(tmp_path, capsys):
 
 def test_train_steps_5_needs_no_other_flag():
     from moeflow.cli import build_parser
-    from moeflow.commands.train import configs_from_args
+    from moeflow.commands.train_command import configs_from_args
 
     _, tcfg = configs_from_args(build_parser().parse_args(["train", "--steps", "5"]))
     assert (tcfg.steps, tcfg.warmup_steps) == (5, 0)
@@ -200,7 +200,7 @@ def test_data_and_resume_are_checked_before_the_ranks_start(tmp_path, capsys):
 
 
 def test_skipped_binary_files_are_counted(tmp_path, capsys, monkeypatch):
-    from moeflow.commands import train as train_cmd
+    from moeflow.commands import train_command as train_cmd
 
     (tmp_path / "a.txt").write_text("hello world " * 500)
     (tmp_path / "b.txt").write_bytes(b"\x00\xff" * 100)

@@ -155,8 +155,8 @@ def _bench_layer_args(**kw) -> argparse.Namespace:
 def test_bench_layer_codec_applies_to_its_own_rows():
     """--codec / --codec-backward without --compare: every config under the codec, its name
     unchanged (simulate layer --codec names its rows the same); refusals name the flag."""
-    from moeflow.bench.layer import case_config, cases_for
-    from moeflow.commands.bench import _codec_cases
+    from moeflow.bench.layer_bench import case_config, cases_for
+    from moeflow.commands.bench_command import _codec_cases
 
     args = _bench_layer_args(codec="int8", codec_backward=True)
     base = cases_for(["sequential"], 2)
@@ -198,7 +198,7 @@ def test_bench_layer_codec_run_is_simulate_codec_twin(tmp_path):
 def test_bench_layer_rows_take_num_experts():
     """--num-experts sets every bench layer row's experts (6 or 12 fit 3 nodes of 2 ranks,
     where the default 8 does not); the default stays 8."""
-    from moeflow.bench.layer import cases_for
+    from moeflow.bench.layer_bench import cases_for
 
     assert {c.num_experts for c in cases_for(["sequential", "optsche"], 2)} == {8}
     cases = cases_for(["sequential", "optsche"], 2, ("direct", "hier2d"), 12)

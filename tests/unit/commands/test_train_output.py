@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from moeflow.cli import build_parser
-from moeflow.commands.train import configs_from_args
+from moeflow.commands.train_command import configs_from_args
 from moeflow.config import ConfigError, TrainConfig, model_preset
-from moeflow.train import check_deterministic
+from moeflow.trainer import check_deterministic
 
 TINY = ["--batch-size", "2", "--eval-batches", "1", "--eval-every", "3", "--warmup-steps",
         "1", "--log-every", "1", "--set", "seq_len=32"]

@@ -17,7 +17,7 @@ from moeflow.cli import main
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.launch import launch_local
 from moeflow.topology import Topology
-from moeflow.train import Trainer
+from moeflow.trainer import Trainer
 
 MICRO = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=1,
                     num_experts=4, d_expert=32, top_k=2)

@@ -1,4 +1,4 @@
-"""Preemption in one process (``moeflow/train.py``, docs/training.md "Failures"): a SIGTERM that
+"""Preemption in one process (``moeflow/trainer.py``, docs/training.md "Failures"): a SIGTERM that
 arrives during a step makes the trainer finish that step, publish its checkpoint, write
 ``preempted.json`` and return; resuming reaches the uninterrupted run's exact result.
 
@@ -15,7 +15,7 @@ import pytest
 
 from moeflow import checkpoint
 from moeflow.topology import Topology
-from moeflow.train import PREEMPTED_FILE, Trainer
+from moeflow.trainer import PREEMPTED_FILE, Trainer
 from tests.helpers.fault_injection import MICRO_MODEL, MICRO_TRAIN
 
 

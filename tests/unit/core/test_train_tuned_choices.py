@@ -1,4 +1,4 @@
-"""The trainer's fixed tuner choices in one process (``moeflow/train.py``, docs/training.md
+"""The trainer's fixed tuner choices in one process (``moeflow/trainer.py``, docs/training.md
 "Reproducible runs"): ``--deterministic`` fixes the untuned defaults and stops re-tuning,
 ``--tuned-from`` restores a run folder's records and refuses records of another layout or
 model, and the gradient norm is logged with the loss."""
@@ -15,7 +15,7 @@ import torch
 from moeflow.autotune import TunedChoice, append_record, layout, retune_agreed
 from moeflow.config import ConfigError
 from moeflow.topology import Topology
-from moeflow.train import Trainer
+from moeflow.trainer import Trainer
 from tests.helpers.fault_injection import MICRO_MODEL, MICRO_TRAIN
 
 AUTO_MODEL = dataclasses.replace(MICRO_MODEL, a2a="auto", schedule="auto",

@@ -102,7 +102,7 @@ def test_bf16_runs_gather_bf16_dense_weights_and_fp32_routers(world_of_one, dtyp
 def test_trainer_passes_the_autocast_dtype_to_fsdp():
     import inspect
 
-    from moeflow import train
+    from moeflow import trainer as train
     src = inspect.getsource(train.Trainer.__init__)
     assert "build_fsdp_gpt(gpt_cfg, topo, self.device, compute_dtype=self.dtype)" in src
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from moeflow import checkpoint
-from moeflow import train as train_mod
+from moeflow import trainer as train_mod
 from moeflow.errors import ConfigError
 from moeflow.topology import Topology
-from moeflow.train import FaultConfig, Trainer
+from moeflow.trainer import FaultConfig, Trainer
 from tests.helpers.fault_injection import MICRO_MODEL, MICRO_TRAIN
 
 
@@ -32,7 +32,7 @@ def test_preempt_check_every_is_validated(bad):
 def test_cli_flag_reaches_the_fault_config():
     import argparse
 
-    from moeflow.commands import train as cmd
+    from moeflow.commands import train_command as cmd
     p = argparse.ArgumentParser()
     cmd.register(p.add_subparsers())
     assert cmd.fault_config(p.parse_args(["train"])).preempt_check_every == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.commands import train as cmd
+from moeflow.commands import train_command as cmd
 from tests.gpu import first_run
 
 REPO = Path(first_run.__file__).resolve().parents[2]

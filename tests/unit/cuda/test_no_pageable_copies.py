@@ -38,7 +38,7 @@ ALLOWED = {
         "host_all_reduce on an NCCL-only group (a user's): documented; gloo groups stay on CPU",
     ("strategies/fssdp/transport.py", "torch.tensor(times"):
         "transport='auto': timing once per layer, at setup",
-    ("train.py", "torch.as_tensor(m.stat_tensors"):
+    ("trainer.py", "torch.as_tensor(m.stat_tensors"):
         "stat_tensors hold device tensors already: as_tensor is a no-op",
 }
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from moeflow.cli import build_parser
-from moeflow.commands.train import configs_from_args
+from moeflow.commands.train_command import configs_from_args
 from moeflow.config import ConfigError, ModelConfig, TrainConfig
 from moeflow.experts.shared import SharedExperts
 from moeflow.models.gpt import GPT
 from moeflow.topology import Topology
-from moeflow.train import Trainer
+from moeflow.trainer import Trainer
 
 MICRO = dict(seq_len=32, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=1,
              num_experts=4, d_expert=32, top_k=2)

@@ -10,7 +10,7 @@ import torch
 import moeflow as mf
 from moeflow.config import ConfigError
 from moeflow.schedule import SCHEDULERS, Scheduler, Task, register_scheduler
-from moeflow.schedule.simulate import best_makespan, simulate, valid_orders
+from moeflow.schedule.two_lane_model import best_makespan, simulate, valid_orders
 from moeflow.schedule.tasks import check_order
 
 

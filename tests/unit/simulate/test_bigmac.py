@@ -1,4 +1,4 @@
-"""BigMac's DCCA structure in the simulator (moeflow/simulate/layer.py; BigMac Eq. 2 and 4):
+"""BigMac's DCCA structure in the simulator (moeflow/simulate/layer_model.py; BigMac Eq. 2 and 4):
 the widths are the library's, the projections sit where MoELayer runs them, the all-to-alls
 carry r times plain EP's bytes and the experts cost what fine-grained ones do. (Its sizes
 against the real layer on 2 ranks: tests/multirank/test_simulate.py.)"""
@@ -15,7 +15,7 @@ from moeflow.experts.structure import comm_width, expert_hidden
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.simulate import LayerSpec, simulate_layer
 from moeflow.simulate.costs import KINDS, CostModel
-from moeflow.simulate.fssdp import FSSDPSpec
+from moeflow.simulate.fssdp_model import FSSDPSpec
 
 GEMM = 1e-9          # seconds per FLOP of every compute kind (alpha 0)
 

@@ -1,4 +1,4 @@
-"""Hierarchical all-to-alls in the step simulator (moeflow.simulate.exchange): their phases carry
+"""Hierarchical all-to-alls in the step simulator (moeflow.simulate.exchange_model): their phases carry
 the rows the library's algorithms send (checked against each algorithm's own count of the rows it
 puts on inter-node links, no ranks started), run on their link class's fit, in order, one
 collective per group, and with a lane per link class the phases of successive all-to-alls
@@ -21,7 +21,7 @@ from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.simulate import CostModel, LayerSpec, simulate_layer
 from moeflow.simulate.costs import KINDS
 from moeflow.comm.alltoall.phases import token_nodes
-from moeflow.simulate.exchange import exchange_steps, node_dedup_chunks
+from moeflow.simulate.exchange_model import exchange_steps, node_dedup_chunks
 from moeflow.simulate.loads import sample_routing, zipf_popularity
 from moeflow.topology import Topology
 

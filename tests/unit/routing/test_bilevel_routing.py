@@ -7,7 +7,7 @@ import torch
 
 import moeflow as mf
 from moeflow.config import ConfigError
-from moeflow.routing.bilevel import additive_balance_loss
+from moeflow.routing.bilevel_routing import additive_balance_loss
 
 BASE = dict(d_model=8, d_expert=8, num_experts=8, top_k=1, router="bilevel", bilevel_nodes=2)
 

@@ -1,6 +1,6 @@
 """``moeflow simulate layer``: predict ``moeflow bench layer``'s table from measured fits.
 
-Takes exactly ``bench layer``'s arguments (:func:`moeflow.commands.bench.add_layer_args`), so
+Takes exactly ``bench layer``'s arguments (:func:`moeflow.commands.bench_command.add_layer_args`), so
 every predicted row has a measured twin, plus the models: ``--links`` / ``--compute`` (the JSON
 of ``moeflow bench links`` / ``bench compute``) or ``--profile NAME`` (a datasheet,
 :mod:`moeflow.measure.profiles`), and the layout ``--nodes x --ranks-per-node`` (default: one
@@ -17,9 +17,9 @@ import json
 
 import torch
 
-from moeflow.bench.layer import case_routing, cases_for
+from moeflow.bench.layer_bench import case_routing, cases_for
 from moeflow.commands import simulate_twins as twins
-from moeflow.commands.bench import add_layer_args
+from moeflow.commands.bench_command import add_layer_args
 from moeflow.commands.simulate_common import add_model_args, add_out_summary, write_rows
 from moeflow.errors import ConfigError
 
@@ -210,7 +210,7 @@ def _check_unused(args: argparse.Namespace, names: list[str], layout: bool = Tru
 
 
 def _parm_spec(args: argparse.Namespace, case, spec, sched: str):
-    from moeflow.simulate.parm import ParmSpec
+    from moeflow.simulate.parm_model import ParmSpec
 
     if spec.pipeline_degree > 1 or spec.codec != "none":
         raise SystemExit(f"moeflow simulate layer: --compare parm:{sched}: the Parm model runs "
@@ -232,7 +232,7 @@ def _parm_spec(args: argparse.Namespace, case, spec, sched: str):
 
 
 def _fssdp_spec(args: argparse.Namespace, mode: str):
-    from moeflow.simulate.fssdp import FSSDPSpec
+    from moeflow.simulate.fssdp_model import FSSDPSpec
 
     try:
         opts = json.loads(args.fssdp)
@@ -256,7 +256,7 @@ def simulate_variant(args: argparse.Namespace, costs, case, spec, variant: str,
     from dataclasses import replace
 
     from moeflow.simulate import simulate_layer
-    from moeflow.simulate.parm import simulate_parm
+    from moeflow.simulate.parm_model import simulate_parm
 
     kind, _, name = variant.partition(":")
     try:
@@ -288,7 +288,7 @@ def _cases(args: argparse.Namespace, schedules: list[str], algorithms: tuple[str
     """bench layer's configs, or with ``--custom-layer`` the one layer its flags describe."""
     from dataclasses import replace
 
-    from moeflow.bench.layer import BenchCase
+    from moeflow.bench.layer_bench import BenchCase
 
     if not args.custom_layer:
         return cases_for(schedules, args.pipeline_degree, algorithms, args.num_experts)
@@ -526,7 +526,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     from moeflow.models.cost import model_cost
     from moeflow.simulate import LayerSpec, cost_model
     from moeflow.simulate.loads import sample_routing, zipf_popularity
-    from moeflow.simulate.train import TrainSpec, simulate_train
+    from moeflow.simulate.train_model import TrainSpec, simulate_train
 
     try:
         mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
@@ -563,7 +563,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     if args.grad_accum < 1:
         raise SystemExit(f"moeflow simulate train: --grad-accum {args.grad_accum} must be >= 1")
     # the MoE layers' recomputation: the block's checkpoint, else MoEConfig.recompute (which
-    # --recompute moe_act sets in every MoE block, moeflow.train.build_config)
+    # --recompute moe_act sets in every MoE block, moeflow.trainer.build_config)
     layer_recompute = ("full" if args.recompute == "full" else "moe_act"
                        if "moe_act" in (args.recompute, moe.recompute) else "none")
     try:
@@ -629,7 +629,7 @@ def _measured_train(args: argparse.Namespace, mcfg, rows: list[dict], own: str, 
     """The measured twin (:mod:`.simulate_measured`): the run is checked against these
     arguments, and the row of the variant that run is (the config's own) gets its step times
     and predicted / measured."""
-    from moeflow.commands.train import ESP_PLACEMENTS
+    from moeflow.commands.train_command import ESP_PLACEMENTS
     from moeflow.commands.simulate_measured import measured_twin
 
     if args.skip_steps < 0:

@@ -22,7 +22,7 @@ from moeflow.config import DTYPES, ConfigError, ModelConfig, PRESETS, TrainConfi
 from moeflow.data import Corpus, skipped_note
 from moeflow.launch import under_torchrun
 from moeflow.autotune import recorded_choices
-from moeflow.train import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, build_config,
+from moeflow.trainer import (PREEMPTED_EXIT, PREEMPTED_FILE, FaultConfig, build_config,
                            check_deterministic, check_same_model, latest_checkpoint,
                            train_worker)
 

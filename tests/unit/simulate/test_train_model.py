@@ -1,4 +1,4 @@
-"""``moeflow simulate train`` (moeflow/simulate/train.py): a whole step of the MoE GPT as the sum
+"""``moeflow simulate train`` (moeflow/simulate/train_model.py): a whole step of the MoE GPT as the sum
 of its dense blocks, every MoE layer's simulated step, the gradient all-reduces and the
 optimizer, from ``moeflow train``'s model arguments."""
 
@@ -13,7 +13,7 @@ from moeflow.errors import ConfigError
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.simulate import LayerSpec, simulate_layer
 from moeflow.simulate.costs import KINDS, CostModel
-from moeflow.simulate.train import OPTIMIZER_BYTES_PER_PARAM, TrainSpec, simulate_train
+from moeflow.simulate.train_model import OPTIMIZER_BYTES_PER_PARAM, TrainSpec, simulate_train
 
 
 def _costs() -> CostModel:
@@ -128,8 +128,8 @@ def _names(res: dict, phase: str, rank: int = 0) -> list[str]:
 
 
 def test_recompute_adds_exactly_the_recomputed_tasks():
-    from moeflow.simulate.fssdp import FSSDPSpec
-    from moeflow.simulate.parm import ParmSpec, simulate_parm
+    from moeflow.simulate.fssdp_model import FSSDPSpec
+    from moeflow.simulate.parm_model import ParmSpec, simulate_parm
 
     c = _costs()
     base = dict(tokens=512, d_model=64, d_expert=128, num_experts=8, top_k=2,
@@ -182,7 +182,7 @@ def test_full_recompute_reruns_the_blocks_forward_not_the_head():
     c = _costs()
     T, M, S, F, H = 512, 64, 128, 256, 4
     g = lambda f: 1e-6 + 1e-11 * f                                     # noqa: E731
-    from moeflow.simulate.train import dense_seconds
+    from moeflow.simulate.train_model import dense_seconds
     parts = dense_seconds(_spec(recompute="full"), c)
     att = 4 * (g(8 * T * M * M) + g(4 * T * S * M)
                + g(4 * T * M * 4 + 2 * T * H * S * 4 + 6 * T * M * 4))
@@ -199,5 +199,5 @@ def test_full_recompute_reruns_the_blocks_forward_not_the_head():
     with pytest.raises(ConfigError, match="TrainSpec.recompute='some'"):
         _spec(recompute="some")
     from moeflow.config import TRAIN_RECOMPUTES
-    from moeflow.simulate.layer import RECOMPUTES
+    from moeflow.simulate.layer_model import RECOMPUTES
     assert sorted(RECOMPUTES) == sorted(TRAIN_RECOMPUTES)     # the simulator's copy of them

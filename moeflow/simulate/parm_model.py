@@ -58,7 +58,7 @@ from moeflow.strategies.parm.s2 import mp_slots
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.simulate import engine
 from moeflow.simulate.costs import CostModel
-from moeflow.simulate.layer import RECOMPUTES
+from moeflow.simulate.layer_model import RECOMPUTES
 from moeflow.simulate.engine import SimTask
 from moeflow.topology import Topology, check_parm_layout
 

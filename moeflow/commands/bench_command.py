@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
+from moeflow.bench.layer_bench import bench_worker, cases_for, format_table, write_json
 from moeflow.commands import bench_compute, bench_net
 from moeflow.commands.bench_papers import BenchChoices, register_paper_benchmarks
 from moeflow.commands.common import (add_device_arg, add_launch_args, cpu_per_rank_record,
@@ -125,7 +125,7 @@ def run_layer(args: argparse.Namespace) -> int:
         if s not in SCHEDULERS:
             raise SystemExit(f"moeflow bench layer: --schedules has {s!r}; choose from "
                              f"{', '.join(sorted(SCHEDULERS))}{did_you_mean(s, SCHEDULERS)}")
-    from moeflow.bench.layer import EXCHANGE_STRATEGIES
+    from moeflow.bench.layer_bench import EXCHANGE_STRATEGIES
     from moeflow.comm.alltoall import ALLTOALLS
     algorithms = tuple(args.algorithms.split(","))
     known = sorted([*ALLTOALLS, *EXCHANGE_STRATEGIES])
@@ -150,7 +150,7 @@ def run_layer(args: argparse.Namespace) -> int:
 def _codec_cases(args: argparse.Namespace, cases: list) -> list:
     """bench layer's rows under ``--codec`` / ``--codec-backward``, every config checked before
     any rank starts (a codec the layer refuses, e.g. with ``node_dedup``, names the row)."""
-    from moeflow.bench.layer import case_config, with_codec
+    from moeflow.bench.layer_bench import case_config, with_codec
     from moeflow.comm.codecs import CODECS
     from moeflow.config import ConfigError
 

@@ -1,7 +1,7 @@
 """Measures how much of the all-to-all a schedule hides on real layer steps: the median
 :func:`moeflow.schedule.overlap.overlap_fraction` over forward + backward steps (ScheMoE
 section 4), as a function (:func:`measure_overlap`, used by ``moeflow bench layer``) and as a
-command (``python -m moeflow.bench.overlap``). Only the ``layer.timeline`` /
+command (``python -m moeflow.bench.overlap_bench``). Only the ``layer.timeline`` /
 ``Timeline.records`` interface is used, which every scheduler version of moeflow has: copied
 with ``moeflow/schedule/overlap.py`` into an older checkout, it measures that engine the same
 way (docs/benchmarks/layer.md does that).

@@ -26,7 +26,7 @@ so their times add):
 
 Gradient accumulation (``grad_accum = N``, ``TrainConfig.grad_accum``): the forward and backward
 of every part above run N times, once per micro-batch of ``tokens``
-(:func:`moeflow.train.accumulate_gradients`; the MoE layers' all-to-alls, Parm's ESP
+(:func:`moeflow.trainer.accumulate_gradients`; the MoE layers' all-to-alls, Parm's ESP
 collectives and FSSDP's spAG / spRS are per forward, so per micro-batch); autograd adds the
 micro-batches' gradients into ``.grad`` (the ``grad_accumulate`` part: 12 bytes per local
 parameter for each micro-batch after the first, an in-place add, as memory traffic: an
@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass
 
 from moeflow.errors import ConfigError
 from moeflow.simulate.costs import CostModel
-from moeflow.simulate.layer import RECOMPUTES
+from moeflow.simulate.layer_model import RECOMPUTES
 
 OPTIMIZER_BYTES_PER_PARAM = 28      # AdamW, fp32: 4 reads + 3 writes of 4 bytes (assumed)
 ACCUMULATE_BYTES_PER_PARAM = 12     # .grad += g, fp32: 2 reads + 1 write of 4 bytes (assumed)
@@ -167,7 +167,7 @@ def sync_seconds(spec: TrainSpec, costs: CostModel) -> dict[str, float]:
 
 def simulate_train(spec: TrainSpec, costs: CostModel, moe: dict[int, dict]) -> dict:
     """The predicted step: ``moe[block]`` is that block's simulated MoE layer (a
-    :func:`~moeflow.simulate.layer.simulate_layer` / ``simulate_parm`` result, simulated with
+    :func:`~moeflow.simulate.layer_model.simulate_layer` / ``simulate_parm`` result, simulated with
     the step's recomputation mode). ``parts_s`` are per step: the micro-batch parts
     (:data:`MICRO_BATCH_PARTS`) ``grad_accum`` times, the gradient sync and the optimizer
     once."""

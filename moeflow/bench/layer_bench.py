@@ -3,14 +3,14 @@
 For each config: warm-up steps, then timed repetitions (ranks aligned by a barrier before each;
 timed with CUDA events on GPUs); a repetition's time is the slowest rank's. Reports medians:
 tokens/s over all ranks and milliseconds per phase (route / permute / all_to_all / experts /
-combine, forward + backward, as charged by :class:`~moeflow.schedule.phases.PhaseTimer`).
+combine, forward + backward, as charged by :class:`~moeflow.schedule.phase_timer.PhaseTimer`).
 
 Two more figures per config, from extra untimed steps so they do not disturb the timing:
 ``host_syncs`` (operations that would make the host wait for a GPU, per forward + backward,
 counted by :mod:`moeflow.bench.syncs`; the budget is 0 in padded capacity mode, 1 with trimmed
 capacity, ``capacity_padding="auto"``'s choice on CPU, and 1 dropless) and, for
 the pipelined schedules (``--schedules``), ``overlap``: the fraction of communication time
-during which a computing task ran (:mod:`moeflow.bench.overlap`).
+during which a computing task ran (:mod:`moeflow.bench.overlap_bench`).
 
 ``inter_bytes``: the payload bytes the busiest rank sent over inter-node links in the last
 step, forward + backward (``layer.stats["inter_node_bytes"]``; 0 on one node). ``--local-size``
@@ -31,8 +31,8 @@ import torch
 
 from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
-from moeflow.schedule.phases import PhaseTimer
-from moeflow.bench.overlap import measure_overlap
+from moeflow.schedule.phase_timer import PhaseTimer
+from moeflow.bench.overlap_bench import measure_overlap
 from moeflow.bench.syncs import step_syncs
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.devices import resolve_device

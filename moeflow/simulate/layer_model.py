@@ -66,10 +66,10 @@ from moeflow.registry import registry
 from moeflow.schedule.chunks import chunk_counts
 from moeflow.schedule.schedulers import SCHEDULERS
 from moeflow.schedule.tasks import Task
-from moeflow.simulate import engine, fssdp as fssdp_model
+from moeflow.simulate import engine, fssdp_model
 from moeflow.simulate.costs import CostModel
 from moeflow.simulate.engine import SimTask
-from moeflow.simulate.exchange import (HIERARCHICAL, a2a_seconds, exchange_steps,
+from moeflow.simulate.exchange_model import (HIERARCHICAL, a2a_seconds, exchange_steps,
                                        node_dedup_chunks)
 
 __all__ = ["LayerSpec", "a2a_seconds", "count_matrix", "simulate_layer", "lane_orders"]
