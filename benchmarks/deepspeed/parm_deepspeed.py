@@ -66,7 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.bench.schedule import step_once
+from moeflow.bench.schedule_bench import step_once
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import MoEConfig
 from moeflow.devices import resolve_device

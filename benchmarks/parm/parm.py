@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.parm.parm_collectives import (
     ab_json, format_case, grid_elements, measure_baseline_fits, messages, time_case)
-from moeflow.bench.schedule import time_variants
+from moeflow.bench.schedule_bench import time_variants
 from moeflow.config import MoEConfig
 from moeflow.devices import resolve_device
 from moeflow.strategies.parm.algorithm1 import algorithm1, use_fits

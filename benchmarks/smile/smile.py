@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.bench.schedule import time_variants
+from moeflow.bench.schedule_bench import time_variants
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.devices import resolve_device
 from moeflow.topology import Topology

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from moeflow.bench.codecs import _device_name, _sync
+from moeflow.bench.codecs_bench import _device_name, _sync
 from moeflow.comm.codecs import zfp
 
 

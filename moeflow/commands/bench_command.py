@@ -206,7 +206,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
-    from moeflow.bench.schedule import bench_worker, format_result
+    from moeflow.bench.schedule_bench import bench_worker, format_result
     from moeflow.comm.codecs import CODECS
     from moeflow.config import ConfigError
 
@@ -298,7 +298,7 @@ def run_zfp_arrays(args: argparse.Namespace) -> int:
     import torch
 
     from moeflow.bench import zfp_arrays as za
-    from moeflow.bench.codecs import write_json as write_json_codecs
+    from moeflow.bench.codecs_bench import write_json as write_json_codecs
     from moeflow.comm.codecs.zfp import maxbits_for
     from moeflow.devices import check_device
 

@@ -9,7 +9,7 @@ What changes against expert parallelism, each from the library's placement code:
   window of the last ``w`` iterations holds this routing), or ``manual`` holders;
 * **the token dispatch** (Section 4.4): capacity over the real experts first (GShard, as the
   layer's :class:`~moeflow.strategies.fssdp.token_plan.KeptChoices`), then every kept choice to one
-  holder by :func:`moeflow.strategies.fssdp.dispatch.dispatch_plan`; the count matrix over held slots
+  holder by :func:`moeflow.strategies.fssdp.topology_dispatch.dispatch_plan`; the count matrix over held slots
   (:func:`~moeflow.strategies.fssdp.token_plan.held_slots`, :func:`~moeflow.strategies.fssdp.token_plan.
   slot_counts`) is what the all-to-alls, chunks and experts of :mod:`.layer` then run on,
   exactly as the layer reuses the EP exchange;
@@ -36,7 +36,7 @@ from moeflow.comm.sparse import spag_send_bytes, sprs_send_bytes
 from moeflow.dispatch.capacity import capacity
 from moeflow.dispatch.plan import expert_counts, make_plan
 from moeflow.errors import ConfigError
-from moeflow.strategies.fssdp.dispatch import dispatch_plan
+from moeflow.strategies.fssdp.topology_dispatch import dispatch_plan
 from moeflow.strategies.fssdp.materialize import sparse_materialize
 from moeflow.strategies.fssdp.placement import Placement
 from moeflow.strategies.fssdp.token_plan import held_slots, slot_counts

@@ -22,7 +22,7 @@ EP_CONTRACT = {"capacity": {}, "dropless": {"Tensor.tolist": 1}}
 #: FSSDP reads every rank's per-expert counts on the host in capacity mode too, once per layer
 #: call: ``moeflow/strategies/fssdp/token_plan.py`` ``KeptChoices`` -> ``comm/exchange.py``
 #: ``gather_device_counts`` -> ``to_host`` (``Tensor.tolist``). HECATE's dispatch rule (Sec.
-#: 4.4, ``strategies/fssdp/dispatch.py``) splits each (source, expert) block over the expert's holders
+#: 4.4, ``strategies/fssdp/topology_dispatch.py``) splits each (source, expert) block over the expert's holders
 #: from those counts, on the host, and the all-to-all's split sizes come from that plan, so the
 #: sync is inherent (docs/hecate.md "Costs to know", docs/gpu.md). It replaces the dropless
 #: sync of EP (one, not two).

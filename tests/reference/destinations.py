@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from moeflow.errors import ConfigError
-from moeflow.strategies.fssdp.dispatch import dispatch_plan
+from moeflow.strategies.fssdp.topology_dispatch import dispatch_plan
 from moeflow.strategies.fssdp.placement import Placement
 
 

@@ -3,7 +3,7 @@
 (:mod:`.layer_experts`), placements and their dispatch (Sections 3.2, 4.4), re-sharding
 (Algorithm 2), re-placement, checkpoint entries and training metrics."""
 
-from moeflow.strategies.fssdp.dispatch import candidates, dispatch_plan, rank_loads
+from moeflow.strategies.fssdp.topology_dispatch import candidates, dispatch_plan, rank_loads
 from moeflow.strategies.fssdp.placement import Placement
 
 __all__ = ["Placement", "candidates", "dispatch_plan", "rank_loads"]

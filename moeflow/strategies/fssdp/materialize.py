@@ -44,7 +44,7 @@ import json
 import numpy as np
 
 from moeflow.errors import ConfigError
-from moeflow.strategies.fssdp.dispatch import dispatch_plan
+from moeflow.strategies.fssdp.topology_dispatch import dispatch_plan
 from moeflow.strategies.fssdp.placement import Placement
 
 WINDOW = 5     # Section 4.2: "HECATE uses w = 5"

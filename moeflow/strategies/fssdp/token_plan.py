@@ -1,7 +1,7 @@
 """The layer's dispatch plan under a materialized placement (HECATE Section 4.4 in the layer).
 
 Under FSSDP an expert may be held by several ranks, so a routing choice (token, expert) goes to
-one *holder* picked by :func:`moeflow.strategies.fssdp.dispatch.dispatch_plan`. To reuse the layer's
+one *holder* picked by :func:`moeflow.strategies.fssdp.topology_dispatch.dispatch_plan`. To reuse the layer's
 whole exchange path (pipelined chunks, codecs, every all-to-all algorithm, the schedulers)
 unchanged, the plan is written over **held slots**: rank ``d`` has ``slots`` slots, slot ``j``
 holding the ``j``-th expert of ``P'.held(d)`` (ascending) and the rest empty. Held slot
@@ -28,7 +28,7 @@ import torch
 from moeflow.comm.exchange import gather_device_counts
 from moeflow.devices import to_device_async
 from moeflow.dispatch.plan import DispatchPlan, expert_counts, make_plan
-from moeflow.strategies.fssdp.dispatch import dispatch_plan
+from moeflow.strategies.fssdp.topology_dispatch import dispatch_plan
 from moeflow.strategies.fssdp.placement import Placement
 
 

@@ -81,7 +81,7 @@ def test_bench_smile_refuses_one_node(capsys):
 
 
 def test_time_variants_reports_a2a_time():
-    from moeflow.bench.schedule import time_variants
+    from moeflow.bench.schedule_bench import time_variants
 
     base = mf.MoEConfig(d_model=16, d_expert=16, num_experts=4, top_k=1)
     rows = time_variants(base, [("a", {}), ("b", dict(schedule="optsche", pipeline_degree=2))],
