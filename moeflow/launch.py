@@ -37,6 +37,21 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def local_quota(cpu_per_rank: str | float | None, nproc: int) -> CpuQuota:
+    """The validated :class:`CpuQuota` of a ``--cpu-per-rank`` value for ``nproc`` ranks
+    started here (a number, ``auto`` or ``none``); refused under torchrun, whose launcher
+    started the ranks (``moeflow cluster run --cpu-per-rank`` sets it there)."""
+    from moeflow.cluster.quota import parse_cpu_per_rank
+    from moeflow.errors import ConfigError
+
+    cores = parse_cpu_per_rank(cpu_per_rank, nproc)
+    if cores is not None and under_torchrun():
+        raise ConfigError(f"--cpu-per-rank {cpu_per_rank} is invalid under torchrun, which "
+                          "started the ranks already: give it to `moeflow cluster run "
+                          "--cpu-per-rank` instead, or leave it out")
+    return CpuQuota(cores)
+
+
 NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 

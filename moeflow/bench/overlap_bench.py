@@ -61,14 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--d-model", type=int, default=256, help="model width")
     p.add_argument("--d-expert", type=int, default=512, help="expert hidden width")
     p.add_argument("--reps", type=int, default=7, help="timed steps (median)")
-    from moeflow.commands.common import add_quota_arg, quota_from_args
-
-    add_quota_arg(p)
+    p.add_argument("--cpu-per-rank", default="none", metavar="X",
+                   help="hold each rank to X cores with a CPU quota (auto, none; as root)")
     a = p.parse_args(argv)
-    from moeflow.launch import launch_local
+    from moeflow.launch import launch_local, local_quota
 
     res = launch_local(_worker, a.nproc, a.schedules.split(","), a.pipeline_degree, a.tokens,
-                       a.d_model, a.d_expert, a.reps, timeout_s=600, quota=quota_from_args(a))
+                       a.d_model, a.d_expert, a.reps, timeout_s=600,
+                       quota=local_quota(a.cpu_per_rank, a.nproc))
     print(json.dumps({"ranks": res}, indent=2))
 
 

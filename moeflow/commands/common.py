@@ -143,14 +143,11 @@ def cpu_per_rank_record(args: argparse.Namespace | None = None) -> float | None:
 
 
 def quota_from_args(args: argparse.Namespace, nproc: int | None = None) -> CpuQuota:
-    """The validated :class:`CpuQuota` of ``--cpu-per-rank`` for ``nproc`` local ranks; refused
-    under torchrun, where the job's launcher sets the quota."""
-    cores = declared_quota(args, nproc)
-    if cores is not None and under_torchrun():
-        raise ConfigError(f"--cpu-per-rank {args.cpu_per_rank} is invalid under torchrun, "
-                          "which started the ranks already: give it to `moeflow cluster run "
-                          "--cpu-per-rank` instead, or leave it out")
-    return CpuQuota(cores)
+    """The validated :class:`CpuQuota` of ``--cpu-per-rank`` for ``nproc`` local ranks
+    (:func:`moeflow.launch.local_quota`)."""
+    from moeflow.launch import local_quota
+
+    return local_quota(getattr(args, "cpu_per_rank", None), nproc or getattr(args, "nproc", 1))
 
 
 def add_device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
