@@ -606,10 +606,13 @@ class Trainer:
             done = self.step == cfg.steps
             signum = 0 if done else self._agreed_signal()   # every rank stops after this step
             if self.step % cfg.log_every == 0 or done or signum:
-                loss, aux_mean, balance = _world_mean(sums / steps_last, topo)
+                # the gradient norm is global already (the same on every rank): its world
+                # mean is itself, read in the same device-to-host copy as the losses
+                loss, aux_mean, balance, grad_norm = _world_mean(torch.cat(
+                    [sums / steps_last, self.grad_norm.reshape(1).to(sums)]), topo)
                 now = time.perf_counter()
                 rec = {"step": self.step, "loss": loss, "aux_loss": aux_mean,
-                       "balance_loss": balance, "grad_norm": float(self.grad_norm),
+                       "balance_loss": balance, "grad_norm": grad_norm,
                        "lr": lr_at(self.step - 1, cfg),
                        "tokens_per_s": tokens_per_step * steps_last / (now - t_last),
                        "elapsed_s": now - start_time}

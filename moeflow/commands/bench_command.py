@@ -247,7 +247,7 @@ def register_codecs_bench(bsub) -> None:
 def run_codecs(args: argparse.Namespace) -> int:
     import torch
 
-    from moeflow.bench import codecs as bc
+    from moeflow.bench import codecs_bench as bc
     from moeflow.comm.codecs import CODECS
     from moeflow.devices import check_device
 
