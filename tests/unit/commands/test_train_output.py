@@ -87,6 +87,7 @@ def test_deterministic_runs_log_identical_losses(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow          # the one-process tests/unit/core/test_train_tuned_choices.py guard it
 def test_tuned_from_starts_with_the_recorded_choices_and_a_resume_keeps_them(tuned_run,
                                                                               tmp_path):
     src, _ = tuned_run
