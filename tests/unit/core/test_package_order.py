@@ -52,3 +52,26 @@ def test_no_circle_between_packages_at_any_level():
         found += [" <-> ".join(c) for c in _cycles(package_graph(pkg, graph))]
     assert not found, ("circles between packages (move the shared piece into a package below "
                        "both, see docs/design.md 'Package order'): " + "; ".join(found))
+
+
+DESIGN = ROOT / "docs" / "design.md"
+
+
+def drawn_order(text: str) -> list[list[str]]:
+    """The rows of docs/design.md's "Package order" drawing, top first."""
+    block = text.split("## Package order", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    return [row.split() for row in block.strip().splitlines()]
+
+
+def test_every_import_goes_down_the_drawn_order():
+    rows = drawn_order(DESIGN.read_text())
+    level = {name: len(rows) - i for i, row in enumerate(rows) for name in row}
+    graph = {k.split(".", 1)[1]: {v.split(".", 1)[1] for v in vs}
+             for k, vs in package_graph("moeflow", _graph()).items()}
+    drawn = [n for row in rows for n in row]
+    assert sorted(drawn) == sorted(set(drawn)) == sorted(graph), (
+        "docs/design.md 'Package order' must name every moeflow package and top-level module "
+        f"once: missing {sorted(set(graph) - set(drawn))}, extra {sorted(set(drawn) - set(graph))}")
+    up = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                if level[b] >= level[a])
+    assert not up, f"imports that do not go down docs/design.md's 'Package order': {up}"
