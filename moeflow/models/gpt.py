@@ -29,7 +29,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ModelConfig
-from moeflow.errors import ConfigError
 from moeflow.init import seeded_normal
 from moeflow.layer import MoELayer
 from moeflow.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
