@@ -120,4 +120,5 @@ class HolderGroups:
                                     "ensure() with it on every rank first") from None
 
 
-__all__ = ["CUDA_MAX_GROUPS", "DEFAULT_MAX_GROUPS", "HolderGroups", "default_max_groups", "HolderGroupsError", "shared_holder_groups"]
+__all__ = ["CUDA_MAX_GROUPS", "DEFAULT_MAX_GROUPS", "HolderGroups", "default_max_groups",
+           "HolderGroupsError", "shared_holder_groups"]

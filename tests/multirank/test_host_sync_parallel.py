@@ -1,12 +1,13 @@
 """The hot path's host-sync contract on the parallel paths beside EP (one 4-rank gloo spawn,
 2 nodes x 2): a forward + backward of Parm's S1, S2-SAA and S2-AAS at (N_MP, N_EP, N_ESP) =
-(2, 1, 2), of Parm's baseline with ESP peers holding different tokens at (1, 2, 2), of the shared-expert layers, and of HECATE's FSSDP placement (static, skewed P',
+(2, 1, 2), of Parm's baseline with ESP peers holding different tokens at (1, 2, 2),
+of the shared-expert layers, and of HECATE's FSSDP placement (static, skewed P',
 Algorithm 1 with re-materialization), counted by :mod:`moeflow.bench.syncs` (this thread and
 the comm lane).
 
-Measured (every rank): Parm S1 / S2-SAA / S2-AAS, the baseline with ESP, and shared experts keep EP's contract,
-padded capacity 0 syncs and dropless 1 (``Tensor.tolist``: learning the row counts). FSSDP
-makes 1 sync in capacity mode too: see ``FSSDP_SYNCS``.
+Measured (every rank): Parm S1 / S2-SAA / S2-AAS, the baseline with ESP, and shared experts
+keep EP's contract, padded capacity 0 syncs and dropless 1 (``Tensor.tolist``: learning the
+row counts). FSSDP makes 1 sync in capacity mode too: see ``FSSDP_SYNCS``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""CPU checks of the first GPU run's script (``tests/gpu/first_run.sh`` -> ``tests/gpu/first_run.py``;
-docs/gpu.md, "First run on one GPU"): its ``moeflow train`` arguments parse with the real CLI
-parser into the intended configs, the report has its table and sections, and (slow) the whole
-train section runs on the CPU: SIGUSR1 preemption (exit 75) and ``--resume``."""
+"""CPU checks of the first GPU run's script (``tests/gpu/first_run.sh`` ->
+``tests/gpu/first_run.py``; docs/gpu.md, "First run on one GPU"): its ``moeflow train``
+arguments parse with the real CLI parser into the intended configs, the report has its table
+and sections, and (slow) the whole train section runs on the CPU: SIGUSR1 preemption (exit
+75) and ``--resume``."""
 
 from __future__ import annotations
 
