@@ -268,7 +268,8 @@ class MoEConfig:
     # capacity mode's gather of every rank's C_p (moeflow/dispatch/plan.py) and Parm auto's
     # all-reduce of Algorithm 1's predictions (moeflow/parallel/parm/algorithm1.py). Each
     # first call checks the promise and raises a ConfigError naming this field if it fails.
-    equal_rank_tokens: bool = False
+    # None: not declared (as False; moeflow train declares it for its fixed-shape batches).
+    equal_rank_tokens: bool | None = None
     # Activation memory of the experts (moeflow/schedule/pipeline.py, "Recomputation"):
     # "none" keeps each expert's hidden activations for backward; "moe_act" keeps only the
     # exchanged tokens (the experts' input rows) and recomputes the experts' activations in
@@ -277,9 +278,10 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
-        _require(isinstance(self.equal_rank_tokens, bool), o, "equal_rank_tokens",
-                 self.equal_rank_tokens, "must be True (every rank calls the layer with the "
-                 "same token count, e.g. fixed-shape batches) or False")
+        _require(self.equal_rank_tokens is None or isinstance(self.equal_rank_tokens, bool), o,
+                 "equal_rank_tokens", self.equal_rank_tokens, "must be True (every rank calls "
+                 "the layer with the same token count, e.g. fixed-shape batches), False, or "
+                 "None (not declared: as False)")
         _require(self.placement in PLACEMENTS, o, "placement", self.placement,
                  "choose 'ep' (static expert parallelism) or 'fssdp' (HECATE's fully sharded "
                  "sparse data parallelism)")
@@ -537,25 +539,36 @@ class MoEConfig:
         return dataclasses.replace(self, **changes)
 
 
+# What a ModelConfig's MoE blocks are unless ``moe`` says otherwise (a MoEConfig has no default
+# size; these are the "tiny" preset's).
+MODEL_MOE_DEFAULTS = {"num_experts": 8, "d_expert": 256}
+# MoEConfig fields the model fills in for every MoE block: its width and weight seed are the
+# model's, its layer_id is the block index (see ModelConfig.moe_config).
+MODEL_OWNED_MOE_FIELDS = ("d_model", "seed", "layer_id")
+
+
 @dataclass
 class ModelConfig:
     """A small GPT whose FFN is an MoE layer every ``moe_every`` blocks (the others are dense).
 
-    The MoE fields mean what they mean in :class:`MoEConfig` (``structure``,
-    ``downscale_factor``, ``capacity_factor="auto"``, ...). Two spellings build the same
-    config:
+    The model's own sizes are fields of this class; everything about its MoE blocks is one
+    :class:`MoEConfig`, ``moe``, the template of every MoE block (as nanoGPT and torchtitan keep
+    a model's parts)::
 
-    * nested, as nanoGPT and torchtitan keep a model's parts: ``GPTConfig(d_model=128, ...,
-      moe=MoEConfig(d_model=128, d_expert=256, num_experts=8, capacity_padding="pad"))``: the
-      ``MoEConfig`` is the template of every MoE block (``layer_id`` is set per block, its
-      ``d_model`` must equal the model's);
-    * flat, as ``moeflow train --set`` writes it: ``ModelConfig(num_experts=8, top_k=2, ...,
-      moe={"capacity_padding": "pad"})``.
+        ModelConfig(d_model=128, n_layers=4, moe=MoEConfig(d_model=128, d_expert=256,
+                                                             num_experts=8, top_k=1))
 
-    The config is stored flat either way (``dataclasses.asdict`` and checkpoints round-trip):
-    a nested ``MoEConfig`` is unpacked into the MoE fields below and ``moe`` keeps only the
-    fields this class does not name, where they differ from ``MoEConfig``'s defaults. A flat
-    field given a non-default value that differs from the nested ``MoEConfig``'s is refused.
+    ``moe`` may also be a dict of MoEConfig fields (``moe={"top_k": 1}``: what ``moeflow train
+    --set moe.top_k=1`` and a run's ``config.json`` give), laid over ``num_experts=8,
+    d_expert=256``; it is stored as a MoEConfig either way.
+
+    Three MoEConfig fields are the model's (:data:`MODEL_OWNED_MOE_FIELDS`): ``moe.d_model`` must
+    equal ``d_model`` (a dict may leave it out); ``moe.seed`` is ``seed`` (left at 0 it takes the
+    model's, any other value must equal it); ``moe.layer_id`` is set per block by
+    :meth:`moe_config`. A MoE field given flat (``ModelConfig(top_k=1)``) is refused with a
+    ConfigError naming ``moe.top_k``. :meth:`replace` changes model and MoE fields at once
+    (``cfg.replace(d_model=64, moe={"top_k": 1})``), keeping the MoE's width and seed the
+    model's.
     """
 
     vocab_size: int = 256
@@ -565,112 +578,79 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 512
     moe_every: int = 1
-    num_experts: int = 8
-    d_expert: int = 256
-    top_k: int = 2
-    capacity_factor: float | None | str = "auto"
-    router: str = "topk"
-    activation: str = "gelu"
-    expert_bias: bool = False
-    structure: str = "vanilla"
-    downscale_factor: float | None = None
-    aux_loss_coef: float = 0.01
-    balance_loss: str = "all_choices"
-    z_loss_coef: float = 0.0
-    bilevel_nodes: int | None = None
-    node_top_k: int = 1
-    local_top_k: int = 1
-    local_loss_coef: float | None = None
-    router_options: dict | None = None
-    codec: str = "none"
-    codec_backward: bool = False
-    a2a: str = "direct"
-    schedule: str = "sequential"
-    pipeline_degree: int = 1
-    # auto-tuning: see MoEConfig.lossy_error_budget / MoEConfig.autotune_budget_s
-    lossy_error_budget: float | None = None
-    autotune_budget_s: float | None = DEFAULT_AUTOTUNE_BUDGET_S
-    # HECATE FSSDP (Section 3.2): see MoEConfig.placement / MoEConfig.fssdp
-    placement: str = "ep"
-    fssdp: dict | None = None
     dropout: float = 0.0
-    seed: int = 0
-    # Parm (Section III): the MoE layers' MP+EP+ESP schedule (MoEConfig.parallel_schedule)
-    parallel_schedule: str = "baseline"
-    # Shared experts (DeepSeek-V3, Qwen2-MoE): MoEConfig.num_shared_experts / shared_expert_hidden /
-    # shared_expert_gate, e.g. `moeflow train --set num_shared_experts=1`
-    num_shared_experts: int = 0
-    shared_expert_hidden: int | None = None
-    shared_expert_gate: bool = False
-    # Every other MoEConfig field (capacity_padding, gate_noise, renormalize, parm_saa,
-    # expert_module, activation_options, ...) as {field: value}, for every MoE block:
-    # `moeflow train --set moe.capacity_padding=pad`
-    # (or a whole MoEConfig: the nested spelling, see the class docstring)
-    moe: "dict | MoEConfig | None" = None
+    seed: int = 0          # every weight's seed: the dense blocks' and (as moe.seed) the MoE's
+    moe: "MoEConfig | dict | None" = None     # None: MoEConfig(**MODEL_MOE_DEFAULTS)
+
+    # the sections `--set SECTION.FIELD=VALUE` reaches (moeflow.commands.common.parse_overrides)
+    NESTED = {"moe": MoEConfig}
+
+    def __new__(cls, *args, **kwargs):
+        check_model_field_names("ModelConfig", kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         o = "ModelConfig"
-        self._check_moe_fields()
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                      "moe_every"):
             _positive_int(o, name, getattr(self, name))
         _require(self.d_model % self.n_heads == 0, o, "n_heads", self.n_heads,
                  f"must divide d_model ({self.d_model})")
         _require(0.0 <= self.dropout < 1.0, o, "dropout", self.dropout, "must be in [0, 1)")
-        self.capacity_factor = _check_structure(o, self.structure, self.capacity_factor,
-                                                self.downscale_factor, self.d_model,
-                                                self.d_expert)
-        # Validates the MoE fields (names, ranges) at construction.
-        if self.num_moe_layers:
-            self.moe_config(self.moe_layer_ids()[0])
+        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                 and self.seed >= 0, o, "seed", self.seed, "must be a non-negative integer")
+        self.moe = self._moe_template(self.moe)
 
-    def _unpack_moe_template(self) -> None:
-        """``moe=MoEConfig(...)``: copy its fields into this flat form (class docstring)."""
-        template, o = self.moe, "ModelConfig"
-        _require(template.d_model == self.d_model, o, "moe.d_model", template.d_model,
-                 f"must equal ModelConfig.d_model={self.d_model} (the MoE blocks take the "
-                 "model's width): build the MoEConfig with the same d_model")
-        defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-        plain = MoEConfig(d_model=template.d_model, d_expert=template.d_expert,
-                          num_experts=template.num_experts)     # defaults, as normalised
-        rest = {}
-        for f in dataclasses.fields(MoEConfig):
-            if f.name in ("layer_id", "d_model"):
-                continue
-            value = getattr(template, f.name)
-            mine = getattr(self, f.name, None)
-            if f.name in defaults and mine != defaults[f.name] and mine != value:
-                raise config_error(o, f.name, mine,
-                                   f"contradicts moe.{f.name}={value!r}: set it in one "
-                                   "place, the MoEConfig (nested) or here (flat)")
-            if f.default is not dataclasses.MISSING and value == getattr(plain, f.name):
-                continue                                # MoEConfig's default: nothing to say
-            if f.name in defaults:
-                setattr(self, f.name, value)
-            else:
-                rest[f.name] = value
-        self.moe = rest or None
-
-    def _check_moe_fields(self) -> None:
-        if isinstance(self.moe, MoEConfig):
-            self._unpack_moe_template()
-        if self.moe is None:
-            return
-        _require(isinstance(self.moe, dict), "ModelConfig", "moe", self.moe,
+    def _moe_template(self, moe) -> MoEConfig:
+        """``moe`` as the MoEConfig of every MoE block, its model-owned fields checked."""
+        o = "ModelConfig"
+        if moe is None:
+            moe = {}
+        if isinstance(moe, dict):
+            check_moe_field_names(moe)
+            moe = MoEConfig(**{"d_model": self.d_model, "seed": self.seed,
+                               **MODEL_MOE_DEFAULTS, **moe})
+        _require(isinstance(moe, MoEConfig), o, "moe", moe,
                  "must be a MoEConfig (the template of every MoE block) or a dict of "
-                 "MoEConfig fields, e.g. {'capacity_padding': 'pad'}")
-        moe_fields = [f.name for f in dataclasses.fields(MoEConfig)]
-        for key in self.moe:
-            if key not in moe_fields:
-                raise config_error("ModelConfig", f"moe.{key}", self.moe[key],
-                                   f"not a MoEConfig field{did_you_mean(key, moe_fields)}")
-            if key == "layer_id":
-                raise config_error("ModelConfig", "moe.layer_id", self.moe[key],
-                                   "the model sets it (the block index); leave it out")
-            if any(f.name == key for f in dataclasses.fields(ModelConfig)):
-                raise config_error("ModelConfig", f"moe.{key}", self.moe[key],
-                                   f"the model mirrors this field: set ModelConfig.{key} "
-                                   f"(--set {key}=...) instead")
+                 "MoEConfig fields, e.g. {'top_k': 1, 'capacity_padding': 'pad'}")
+        _require(moe.d_model == self.d_model, o, "moe.d_model", moe.d_model,
+                 f"must equal ModelConfig.d_model={self.d_model} (the MoE blocks take the "
+                 "model's width): build the MoEConfig with the same d_model, or leave it out "
+                 "of a moe dict")
+        _require(moe.seed in (0, self.seed), o, "moe.seed", moe.seed,
+                 f"contradicts ModelConfig.seed={self.seed}: the model's seed seeds its MoE "
+                 "blocks; set ModelConfig.seed (--set seed=N) and leave moe.seed at 0")
+        _require(moe.layer_id == 0, o, "moe.layer_id", moe.layer_id,
+                 "the model sets it (the block index); leave it at 0")
+        return moe if moe.seed == self.seed else moe.replace(seed=self.seed)
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes``: model fields, and ``moe`` as a dict of MoEConfig fields to
+        change (or a whole MoEConfig). The MoE's ``d_model`` and ``seed`` follow the model's."""
+        check_model_field_names("ModelConfig", changes)
+        moe = changes.pop("moe", None)
+        if not isinstance(moe, MoEConfig):
+            _require(moe is None or isinstance(moe, dict), "ModelConfig", "moe", moe,
+                     "must be a dict of MoEConfig fields to change, or a MoEConfig")
+            check_moe_field_names(moe or {})
+            owned = {"d_model": changes.get("d_model", self.d_model),
+                     "seed": changes.get("seed", self.seed)}
+            moe = self.moe.replace(**{**owned, **(moe or {})})
+        return dataclasses.replace(self, moe=moe, **changes)
+
+    @classmethod
+    def from_dict(cls, saved: dict, source: str) -> "ModelConfig":
+        """The config a run folder's ``config.json`` keeps under ``"model"``
+        (``dataclasses.asdict``: ``moe`` nested). The flat form of older runs (MoE fields
+        beside ``moe``) is refused, naming the fields to move under ``"moe"``."""
+        flat = sorted(k for k in saved if k in _moe_field_names() and k not in _model_fields())
+        if flat:
+            raise ConfigError(
+                f"{source}: the model config is in the old flat form (MoE fields "
+                f"{', '.join(flat)} beside 'moe'); move them into its 'moe' entry "
+                f"(\"moe\": {{\"{flat[0]}\": ...}}), as moeflow now writes it, or rerun "
+                "the command that made it")
+        return cls(**saved)
 
     def is_moe(self, block: int) -> bool:
         """Blocks moe_every-1, 2*moe_every-1, ... are MoE (GShard: every other block for 2)."""
@@ -684,11 +664,55 @@ class ModelConfig:
         return len(self.moe_layer_ids())
 
     def moe_config(self, block: int) -> MoEConfig:
-        # every MoEConfig field this config also has (sizes, routing, structure, codec,
-        # algorithm, schedule, seed); the rest keep MoEConfig's defaults
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEConfig)
-                  if f.name != "layer_id" and hasattr(self, f.name)}
-        return MoEConfig(**shared, **(self.moe or {}), layer_id=block)
+        """Block ``block``'s MoEConfig: the template with ``layer_id=block``."""
+        return self.moe.replace(layer_id=block)
+
+
+def config_differences(saved: ModelConfig, now: ModelConfig) -> dict[str, tuple]:
+    """``{field: (saved, now)}`` where two model configs differ, MoE fields as ``moe.FIELD``
+    (values as JSON keeps them)."""
+    import json
+
+    def flat(cfg: ModelConfig) -> dict:
+        d = json.loads(json.dumps(dataclasses.asdict(cfg)))
+        return {**{k: v for k, v in d.items() if k != "moe"},
+                **{f"moe.{k}": v for k, v in d["moe"].items()}}
+
+    a, b = flat(saved), flat(now)
+    return {k: (a.get(k), v) for k, v in b.items() if a.get(k) != v}
+
+
+def _moe_field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(MoEConfig)]
+
+
+def _model_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def check_moe_field_names(moe: dict) -> None:
+    """Every key of a ``moe`` dict is a MoEConfig field (with a did-you-mean)."""
+    names = _moe_field_names()
+    for key in moe:
+        if key not in names:
+            raise config_error("ModelConfig", f"moe.{key}", moe[key],
+                               f"not a MoEConfig field{did_you_mean(key, names)}")
+
+
+def check_model_field_names(owner: str, given: dict) -> None:
+    """Every key is a ModelConfig field; a MoEConfig field given flat names ``moe.FIELD``."""
+    mine = _model_fields()
+    for key in given:
+        if key in mine:
+            continue
+        if key in _moe_field_names():
+            raise config_error(owner, key, given[key],
+                               f"{key} is a MoEConfig field: set it as moe.{key} "
+                               f"(moe=MoEConfig(..., {key}=...) or moe={{'{key}': ...}}; "
+                               f"on the command line --set moe.{key}=...)")
+        hint = (did_you_mean(key, mine)
+                or did_you_mean(key, _moe_field_names()).replace(" '", " 'moe."))
+        raise config_error(owner, key, given[key], f"not a ModelConfig field{hint}")
 
 
 GPTConfig = ModelConfig
@@ -699,26 +723,27 @@ GPTConfig = ModelConfig
 PRESETS: dict[str, dict] = {
     # Sized for a 2-core CPU: trains to < 2.0 nats/byte on the default corpus in minutes.
     "tiny": dict(seq_len=128, d_model=128, n_layers=4, n_heads=4, d_ff=512, moe_every=2,
-                 num_experts=8, d_expert=256, top_k=2),
+                 moe=dict(num_experts=8, d_expert=256, top_k=2)),
     "small": dict(seq_len=256, d_model=256, n_layers=6, n_heads=8, d_ff=1024, moe_every=2,
-                  num_experts=16, d_expert=512, top_k=2),
+                  moe=dict(num_experts=16, d_expert=512, top_k=2)),
     "medium": dict(seq_len=1024, d_model=1024, n_layers=24, n_heads=16, d_ff=4096,
-                   moe_every=2, num_experts=64, d_expert=4096, top_k=2),
+                   moe_every=2, moe=dict(num_experts=64, d_expert=4096, top_k=2)),
 }
 
 
 def model_preset(name: str, **overrides) -> ModelConfig:
+    """Preset ``name`` with ``overrides``: ModelConfig fields, and ``moe`` as a dict of
+    MoEConfig fields laid over the preset's (or a whole MoEConfig)."""
     if name not in PRESETS:
         raise config_error("ModelConfig", "preset", name,
                            f"choose one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
-    fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    unknown = sorted(set(overrides) - set(fields))
-    if unknown:
-        raise config_error("ModelConfig", unknown[0], overrides[unknown[0]],
-                           f"not a ModelConfig field{did_you_mean(unknown[0], fields)}")
-    return ModelConfig(**{**PRESETS[name], **overrides})
-
-
+    check_model_field_names("ModelConfig", overrides)
+    base = PRESETS[name]
+    moe = overrides.get("moe")
+    if moe is None or isinstance(moe, dict):
+        check_moe_field_names(moe or {})
+        moe = {**base["moe"], **(moe or {})}
+    return ModelConfig(**{**base, **overrides, "moe": moe})
 
 
 @dataclass

@@ -56,7 +56,7 @@ from moeflow import checkpoint
 from moeflow.placement.metrics import fssdp_metrics
 from moeflow.placement.replace import maybe_replace
 from moeflow.placement.reshard import maybe_reshard
-from moeflow.config import ConfigError, ModelConfig, TrainConfig
+from moeflow.config import ConfigError, ModelConfig, TrainConfig, config_differences
 from moeflow.data import Corpus
 from moeflow.devices import autocast, host_all_reduce, resolve_device, resolve_dtype
 from moeflow.launch import restart_count
@@ -136,16 +136,15 @@ def build_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
     """The model config the ranks build: ``recompute="moe_act"`` sets
     ``MoEConfig.recompute`` in every MoE block (the run's ``config.json`` keeps the model
     config as given: recomputation changes memory and time, not the function)."""
-    if train_cfg.recompute == "full" and model_cfg.placement == "fssdp" and any(
-            model_cfg.moe_config(i).fssdp.overlap_regather
-            for i in range(model_cfg.n_layers) if model_cfg.is_moe(i)):
+    if (train_cfg.recompute == "full" and model_cfg.moe.placement == "fssdp"
+            and model_cfg.moe.fssdp.overlap_regather):
         raise ConfigError("--recompute: TrainConfig.recompute='full' is invalid with "
                           "MoEConfig.fssdp.overlap_regather=True: the blocks' recomputation "
                           "gathers the experts itself (HECATE-RM frees nothing to re-gather "
                           "early); set fssdp.overlap_regather=false or use --recompute none")
     if train_cfg.recompute != "moe_act":
         return model_cfg
-    return dataclasses.replace(model_cfg, moe={**(model_cfg.moe or {}), "recompute": "moe_act"})
+    return model_cfg.replace(moe={"recompute": "moe_act"})
 
 
 def micro_batches(corpus: Corpus, cfg: TrainConfig, seq_len: int, step: int,
@@ -199,12 +198,11 @@ def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
 
 def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
     """Raise ``ConfigError`` if the run folder's config.json holds another model config."""
-    saved = json.loads((Path(out_dir) / "config.json").read_text())["model"]
+    path = Path(out_dir) / "config.json"
     # fields added after the run was saved count as their defaults
-    saved = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **saved}
-    if saved != dataclasses.asdict(model_cfg):
-        diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model_cfg).items()
-                if saved.get(k) != v}
+    saved = ModelConfig.from_dict(json.loads(path.read_text())["model"], f"--resume: {path}")
+    if saved != model_cfg:
+        diff = config_differences(saved, model_cfg)
         raise ConfigError(f"--resume: the model config differs from the checkpoint's "
                           f"(field: (saved, now)) {diff}; resume with the same model options")
 
@@ -241,9 +239,9 @@ def fixed_shape_batches(model_cfg: ModelConfig) -> ModelConfig:
     ``MoEConfig.equal_rank_tokens`` (its capacity and Parm-auto host collectives then run
     once per distinct token count, not on every call), unless ``moe`` sets it already. The
     run's saved config stays the user's."""
-    moe = dict(model_cfg.moe or {})
-    moe.setdefault("equal_rank_tokens", True)
-    return dataclasses.replace(model_cfg, moe=moe)
+    if model_cfg.moe.equal_rank_tokens is not None:      # the user's declaration
+        return model_cfg
+    return model_cfg.replace(moe={"equal_rank_tokens": True})
 
 
 class Trainer:

@@ -68,4 +68,4 @@ def test_runs_saved_before_a_model_field_existed_resume(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model": saved}))
     check_same_model(tmp_path, ModelConfig())
     with pytest.raises(ConfigError, match=r"'top_k': \(2, 1\)"):
-        check_same_model(tmp_path, ModelConfig(top_k=1))
+        check_same_model(tmp_path, ModelConfig(moe=dict(top_k=1)))
