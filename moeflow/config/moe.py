@@ -1,8 +1,11 @@
-"""Configuration dataclasses with validation.
+"""``MoEConfig``: the configuration of one MoE layer and its checks.
 
 Every bad value fails at construction with a :class:`ConfigError` whose message names the field,
 the value it was given, and how to fix it. Names of routers, codecs and all-to-all algorithms are
 checked against the registries, so a user-registered part is accepted once it is registered.
+The fields follow the papers of the parts they configure (GShard capacity, ScheMoE Sections 3-5,
+BigMac's structures, SMILE's bi-level routing, HECATE Section 3.2, Parm Section III); each field's
+comment names its section.
 """
 
 from __future__ import annotations
@@ -10,14 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moeflow.devices import DEVICES, DTYPES
+from moeflow.config.checks import _positive_int, _require, config_error
 from moeflow.errors import ConfigError
 from moeflow.placement.options import PLACEMENTS, FSSDPOptions
 from moeflow.registry import did_you_mean, registry
-
-
-def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
-    return ConfigError(f"{owner}.{name}={value!r} is invalid: {fix}")
 
 
 AUTO = "auto"      # a2a / schedule / pipeline_degree measured on the cluster (ScheMoE 3.2, 4)
@@ -25,16 +24,6 @@ AUTO_LOSSY = "auto:lossy"   # the codec measured too, lossy ones within their er
 DEFAULT_LOSSY_ERROR_BUDGET = 1e-2   # what lossy_error_budget=None means with codec auto:lossy
 DEFAULT_AUTOTUNE_BUDGET_S = 30.0    # MoEConfig.autotune_budget_s's default
 PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
-
-
-def _require(cond: bool, owner: str, name: str, value, fix: str) -> None:
-    if not cond:
-        raise config_error(owner, name, value, fix)
-
-
-def _positive_int(owner: str, name: str, value) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-             owner, name, value, "must be a positive integer")
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # built in (the "activation"
@@ -48,8 +37,6 @@ BALANCE_LOSSES = ("all_choices", "first_choice")   # = moeflow.routing.losses.BA
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
 CAPACITY_PADDINGS = ("auto", "pad", "trim")
 MOE_RECOMPUTES = ("none", "moe_act")         # MoEConfig.recompute
-TRAIN_RECOMPUTES = ("none", "full", "moe_act")   # TrainConfig.recompute
-DENSE_SHARDS = ("replicate", "fsdp")              # TrainConfig.dense_shard
 DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
 DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
 
@@ -537,303 +524,3 @@ class MoEConfig:
 
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)
-
-
-# What a ModelConfig's MoE blocks are unless ``moe`` says otherwise (a MoEConfig has no default
-# size; these are the "tiny" preset's).
-MODEL_MOE_DEFAULTS = {"num_experts": 8, "d_expert": 256}
-# MoEConfig fields the model fills in for every MoE block: its width and weight seed are the
-# model's, its layer_id is the block index (see ModelConfig.moe_config).
-MODEL_OWNED_MOE_FIELDS = ("d_model", "seed", "layer_id")
-
-
-@dataclass
-class ModelConfig:
-    """A small GPT whose FFN is an MoE layer every ``moe_every`` blocks (the others are dense).
-
-    The model's own sizes are fields of this class; everything about its MoE blocks is one
-    :class:`MoEConfig`, ``moe``, the template of every MoE block (as nanoGPT and torchtitan keep
-    a model's parts)::
-
-        ModelConfig(d_model=128, n_layers=4, moe=MoEConfig(d_model=128, d_expert=256,
-                                                             num_experts=8, top_k=1))
-
-    ``moe`` may also be a dict of MoEConfig fields (``moe={"top_k": 1}``: what ``moeflow train
-    --set moe.top_k=1`` and a run's ``config.json`` give), laid over ``num_experts=8,
-    d_expert=256``; it is stored as a MoEConfig either way.
-
-    Three MoEConfig fields are the model's (:data:`MODEL_OWNED_MOE_FIELDS`): ``moe.d_model`` must
-    equal ``d_model`` (a dict may leave it out); ``moe.seed`` is ``seed`` (left at 0 it takes the
-    model's, any other value must equal it); ``moe.layer_id`` is set per block by
-    :meth:`moe_config`. A MoE field given flat (``ModelConfig(top_k=1)``) is refused with a
-    ConfigError naming ``moe.top_k``. :meth:`replace` changes model and MoE fields at once
-    (``cfg.replace(d_model=64, moe={"top_k": 1})``), keeping the MoE's width and seed the
-    model's.
-    """
-
-    vocab_size: int = 256
-    seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 512
-    moe_every: int = 1
-    dropout: float = 0.0
-    seed: int = 0          # every weight's seed: the dense blocks' and (as moe.seed) the MoE's
-    moe: "MoEConfig | dict | None" = None     # None: MoEConfig(**MODEL_MOE_DEFAULTS)
-
-    # the sections `--set SECTION.FIELD=VALUE` reaches (moeflow.commands.common.parse_overrides)
-    NESTED = {"moe": MoEConfig}
-
-    def __new__(cls, *args, **kwargs):
-        check_model_field_names("ModelConfig", kwargs)
-        return super().__new__(cls)
-
-    def __post_init__(self) -> None:
-        o = "ModelConfig"
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                     "moe_every"):
-            _positive_int(o, name, getattr(self, name))
-        _require(self.d_model % self.n_heads == 0, o, "n_heads", self.n_heads,
-                 f"must divide d_model ({self.d_model})")
-        _require(0.0 <= self.dropout < 1.0, o, "dropout", self.dropout, "must be in [0, 1)")
-        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                 and self.seed >= 0, o, "seed", self.seed, "must be a non-negative integer")
-        self.moe = self._moe_template(self.moe)
-
-    def _moe_template(self, moe) -> MoEConfig:
-        """``moe`` as the MoEConfig of every MoE block, its model-owned fields checked."""
-        o = "ModelConfig"
-        if moe is None:
-            moe = {}
-        if isinstance(moe, dict):
-            check_moe_field_names(moe)
-            moe = MoEConfig(**{"d_model": self.d_model, "seed": self.seed,
-                               **MODEL_MOE_DEFAULTS, **moe})
-        _require(isinstance(moe, MoEConfig), o, "moe", moe,
-                 "must be a MoEConfig (the template of every MoE block) or a dict of "
-                 "MoEConfig fields, e.g. {'top_k': 1, 'capacity_padding': 'pad'}")
-        _require(moe.d_model == self.d_model, o, "moe.d_model", moe.d_model,
-                 f"must equal ModelConfig.d_model={self.d_model} (the MoE blocks take the "
-                 "model's width): build the MoEConfig with the same d_model, or leave it out "
-                 "of a moe dict")
-        _require(moe.seed in (0, self.seed), o, "moe.seed", moe.seed,
-                 f"contradicts ModelConfig.seed={self.seed}: the model's seed seeds its MoE "
-                 "blocks; set ModelConfig.seed (--set seed=N) and leave moe.seed at 0")
-        _require(moe.layer_id == 0, o, "moe.layer_id", moe.layer_id,
-                 "the model sets it (the block index); leave it at 0")
-        return moe if moe.seed == self.seed else moe.replace(seed=self.seed)
-
-    def replace(self, **changes) -> "ModelConfig":
-        """A copy with ``changes``: model fields, and ``moe`` as a dict of MoEConfig fields to
-        change (or a whole MoEConfig). The MoE's ``d_model`` and ``seed`` follow the model's."""
-        check_model_field_names("ModelConfig", changes)
-        moe = changes.pop("moe", None)
-        if not isinstance(moe, MoEConfig):
-            _require(moe is None or isinstance(moe, dict), "ModelConfig", "moe", moe,
-                     "must be a dict of MoEConfig fields to change, or a MoEConfig")
-            check_moe_field_names(moe or {})
-            owned = {"d_model": changes.get("d_model", self.d_model),
-                     "seed": changes.get("seed", self.seed)}
-            moe = self.moe.replace(**{**owned, **(moe or {})})
-        return dataclasses.replace(self, moe=moe, **changes)
-
-    @classmethod
-    def from_dict(cls, saved: dict, source: str) -> "ModelConfig":
-        """The config a run folder's ``config.json`` keeps under ``"model"``
-        (``dataclasses.asdict``: ``moe`` nested). The flat form of older runs (MoE fields
-        beside ``moe``) is refused, naming the fields to move under ``"moe"``."""
-        flat = sorted(k for k in saved if k in _moe_field_names() and k not in _model_fields())
-        if flat:
-            raise ConfigError(
-                f"{source}: the model config is in the old flat form (MoE fields "
-                f"{', '.join(flat)} beside 'moe'); move them into its 'moe' entry "
-                f"(\"moe\": {{\"{flat[0]}\": ...}}), as moeflow now writes it, or rerun "
-                "the command that made it")
-        return cls(**saved)
-
-    def is_moe(self, block: int) -> bool:
-        """Blocks moe_every-1, 2*moe_every-1, ... are MoE (GShard: every other block for 2)."""
-        return (block + 1) % self.moe_every == 0
-
-    def moe_layer_ids(self) -> list[int]:
-        return [b for b in range(self.n_layers) if self.is_moe(b)]
-
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layer_ids())
-
-    def moe_config(self, block: int) -> MoEConfig:
-        """Block ``block``'s MoEConfig: the template with ``layer_id=block``."""
-        return self.moe.replace(layer_id=block)
-
-
-def config_differences(saved: ModelConfig, now: ModelConfig) -> dict[str, tuple]:
-    """``{field: (saved, now)}`` where two model configs differ, MoE fields as ``moe.FIELD``
-    (values as JSON keeps them)."""
-    import json
-
-    def flat(cfg: ModelConfig) -> dict:
-        d = json.loads(json.dumps(dataclasses.asdict(cfg)))
-        return {**{k: v for k, v in d.items() if k != "moe"},
-                **{f"moe.{k}": v for k, v in d["moe"].items()}}
-
-    a, b = flat(saved), flat(now)
-    return {k: (a.get(k), v) for k, v in b.items() if a.get(k) != v}
-
-
-def _moe_field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(MoEConfig)]
-
-
-def _model_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(ModelConfig)]
-
-
-def check_moe_field_names(moe: dict) -> None:
-    """Every key of a ``moe`` dict is a MoEConfig field (with a did-you-mean)."""
-    names = _moe_field_names()
-    for key in moe:
-        if key not in names:
-            raise config_error("ModelConfig", f"moe.{key}", moe[key],
-                               f"not a MoEConfig field{did_you_mean(key, names)}")
-
-
-def check_model_field_names(owner: str, given: dict) -> None:
-    """Every key is a ModelConfig field; a MoEConfig field given flat names ``moe.FIELD``."""
-    mine = _model_fields()
-    for key in given:
-        if key in mine:
-            continue
-        if key in _moe_field_names():
-            raise config_error(owner, key, given[key],
-                               f"{key} is a MoEConfig field: set it as moe.{key} "
-                               f"(moe=MoEConfig(..., {key}=...) or moe={{'{key}': ...}}; "
-                               f"on the command line --set moe.{key}=...)")
-        hint = (did_you_mean(key, mine)
-                or did_you_mean(key, _moe_field_names()).replace(" '", " 'moe."))
-        raise config_error(owner, key, given[key], f"not a ModelConfig field{hint}")
-
-
-GPTConfig = ModelConfig
-"""The model's config under the name nanoGPT and torchtitan users look for:
-``GPTConfig(..., moe=MoEConfig(...))``."""
-
-
-PRESETS: dict[str, dict] = {
-    # Sized for a 2-core CPU: trains to < 2.0 nats/byte on the default corpus in minutes.
-    "tiny": dict(seq_len=128, d_model=128, n_layers=4, n_heads=4, d_ff=512, moe_every=2,
-                 moe=dict(num_experts=8, d_expert=256, top_k=2)),
-    "small": dict(seq_len=256, d_model=256, n_layers=6, n_heads=8, d_ff=1024, moe_every=2,
-                  moe=dict(num_experts=16, d_expert=512, top_k=2)),
-    "medium": dict(seq_len=1024, d_model=1024, n_layers=24, n_heads=16, d_ff=4096,
-                   moe_every=2, moe=dict(num_experts=64, d_expert=4096, top_k=2)),
-}
-
-
-def model_preset(name: str, **overrides) -> ModelConfig:
-    """Preset ``name`` with ``overrides``: ModelConfig fields, and ``moe`` as a dict of
-    MoEConfig fields laid over the preset's (or a whole MoEConfig)."""
-    if name not in PRESETS:
-        raise config_error("ModelConfig", "preset", name,
-                           f"choose one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
-    check_model_field_names("ModelConfig", overrides)
-    base = PRESETS[name]
-    moe = overrides.get("moe")
-    if moe is None or isinstance(moe, dict):
-        check_moe_field_names(moe or {})
-        moe = {**base["moe"], **(moe or {})}
-    return ModelConfig(**{**base, **overrides, "moe": moe})
-
-
-@dataclass
-class TrainConfig:
-    """Optimisation and bookkeeping for ``moeflow train``.
-
-    ``warmup_steps=None`` (the default) means ``min(30, steps // 10)``: 30 for the default 1000
-    steps, none for a 5-step smoke run. Each error names the ``moeflow train`` option first
-    (``--warmup-steps: TrainConfig.warmup_steps=50 is invalid: ...``).
-    """
-
-    steps: int = 1000
-    batch_size: int = 16          # sequences per rank per micro-batch
-    grad_accum: int = 1           # micro-batches per optimizer step (gradient accumulation)
-    # activation recomputation (docs/training.md): "full" runs every block under
-    # torch.utils.checkpoint (non-reentrant), "moe_act" sets MoEConfig.recompute="moe_act"
-    recompute: str = "none"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None   # None = min(30, steps // 10)
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_batches: int = 8
-    log_every: int = 10
-    checkpoint_every: int = 0     # 0 = only at the end
-    seed: int = 0
-    collective_timeout_s: float = 300.0
-    ep_size: int | None = None    # None = all ranks (pure expert parallelism)
-    device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
-    dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
-    # Parm (Section IV-A): tensor parallelism of the dense layers over mp_size ranks, each expert
-    # sharded over esp_size ranks; ESP groups inside a node (Section IV-A case 2) or EP groups
-    mp_size: int = 1
-    esp_size: int = 1
-    esp_in_node: bool = True
-    # the dense (non-expert) part: replicated on every rank, or sharded by FSDP2 over the
-    # data-parallel ranks (moeflow.parallel.fsdp); the experts keep their EP / FSSDP layout
-    dense_shard: str = "replicate"
-
-    # the moeflow train option of each field: --field-name, except these
-    FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
-             "esp_in_node": "--esp-placement"}
-
-    @classmethod
-    def flag(cls, name: str) -> str:
-        return cls.FLAGS.get(name, "--" + name.replace("_", "-"))
-
-    def _require(self, cond: bool, name: str, fix: str) -> None:
-        if not cond:
-            err = config_error("TrainConfig", name, getattr(self, name), fix)
-            raise ConfigError(f"{self.flag(name)}: {err}")
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
-            v = getattr(self, name)
-            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
-                          "must be a positive integer")
-        v = self.grad_accum
-        self._require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "grad_accum",
-                      "must be an integer >= 1 (micro-batches of --batch-size sequences per "
-                      "optimizer step; 1: no accumulation)")
-        if self.warmup_steps is None:
-            self.warmup_steps = min(30, self.steps // 10)
-        self._require(self.lr > 0, "lr", "must be > 0")
-        self._require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-        self._require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.steps,
-                      "warmup_steps", f"must be in [0, steps={self.steps}] (unset: "
-                      f"min(30, steps // 10) = {min(30, self.steps // 10)})")
-        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        self._require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
-        self._require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
-                      "checkpoint_every", "must be >= 0 (0: at the end only)")
-        self._require(self.collective_timeout_s > 0, "collective_timeout_s",
-                      "must be > 0 seconds")
-        if self.ep_size is not None:
-            self._require(isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
-                          and self.ep_size > 0, "ep_size", "must be a positive integer")
-        for name in ("mp_size", "esp_size"):
-            v = getattr(self, name)
-            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
-                          "must be a positive integer (1: no Parm parallelism of that kind)")
-        self._require(self.recompute in TRAIN_RECOMPUTES, "recompute",
-                      "choose 'none', 'full' (recompute every block in backward) or 'moe_act' "
-                      "(keep the MoE layers' exchanged tokens, recompute their experts)")
-        self._require(self.dense_shard in DENSE_SHARDS, "dense_shard",
-                      "choose 'replicate' (every rank holds the dense weights whole) or 'fsdp' "
-                      "(FSDP2 shards them over the data-parallel ranks)")
-        self._require(self.device in DEVICES, "device",
-                      f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
-        self._require(self.dtype in DTYPES, "dtype",
-                      f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 "
-                      "on cpu)")
