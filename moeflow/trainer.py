@@ -66,7 +66,7 @@ from moeflow.autotune import TunedChoice, append_record, layout, log_to_run_fold
     placeholder, recorded_choices
 from moeflow.autotune import log as autotune_log
 from moeflow.strategies import model_hooks
-from moeflow.config import ConfigError, ModelConfig, TrainConfig
+from moeflow.config import ConfigError, ModelConfig, TrainConfig, config_differences
 from moeflow.data import Corpus
 from moeflow.devices import autocast, host_all_reduce, resolve_device, resolve_dtype
 from moeflow.launch import restart_count
@@ -152,7 +152,7 @@ def build_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
              if model_cfg.is_moe(i)), "--recompute: TrainConfig.recompute='full'")
     if train_cfg.recompute != "moe_act":
         return model_cfg
-    return dataclasses.replace(model_cfg, moe={**(model_cfg.moe or {}), "recompute": "moe_act"})
+    return model_cfg.replace(moe={"recompute": "moe_act"})
 
 
 def micro_batches(corpus: Corpus, cfg: TrainConfig, seq_len: int, step: int,
@@ -206,12 +206,11 @@ def latest_checkpoint(out_dir: str | Path) -> tuple[Path, int]:
 
 def check_same_model(out_dir: str | Path, model_cfg: ModelConfig) -> None:
     """Raise ``ConfigError`` if the run folder's config.json holds another model config."""
-    saved = json.loads((Path(out_dir) / "config.json").read_text())["model"]
+    path = Path(out_dir) / "config.json"
     # fields added after the run was saved count as their defaults
-    saved = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **saved}
-    if saved != dataclasses.asdict(model_cfg):
-        diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model_cfg).items()
-                if saved.get(k) != v}
+    saved = ModelConfig.from_dict(json.loads(path.read_text())["model"], f"--resume: {path}")
+    if saved != model_cfg:
+        diff = config_differences(saved, model_cfg)
         raise ConfigError(f"--resume: the model config differs from the checkpoint's "
                           f"(field: (saved, now)) {diff}; resume with the same model options")
 
@@ -292,9 +291,9 @@ def fixed_shape_batches(model_cfg: ModelConfig) -> ModelConfig:
     ``MoEConfig.equal_rank_tokens`` (its capacity and Parm-auto host collectives then run
     once per distinct token count, not on every call), unless ``moe`` sets it already. The
     run's saved config stays the user's."""
-    moe = dict(model_cfg.moe or {})
-    moe.setdefault("equal_rank_tokens", True)
-    return dataclasses.replace(model_cfg, moe=moe)
+    if model_cfg.moe.equal_rank_tokens is not None:      # the user's declaration
+        return model_cfg
+    return model_cfg.replace(moe={"equal_rank_tokens": True})
 
 
 class Trainer:

@@ -23,7 +23,7 @@ def _model_args(p: argparse.ArgumentParser, modes: list[str]) -> None:
     p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field of the preset (repeatable), e.g. "
-                        "n_layers=4, moe_every=1, num_experts=16")
+                        "n_layers=4, moe_every=1, moe.num_experts=16")
     p.add_argument("--modes", nargs="+", default=modes,
                    help="ep | fssdp:static | fssdp:t=T,m=M | fssdp:t=T,budget=BYTES (k/M "
                         f"suffix), each optionally ,cal ,rm (default {' '.join(modes)})")

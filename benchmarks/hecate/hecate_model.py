@@ -47,7 +47,7 @@ def _bytes(text: str) -> int:
 
 
 def parse_mode(spec: str) -> dict:
-    """A mode spec -> ``{"placement": ..., "fssdp": {...}}`` overrides of the ModelConfig
+    """A mode spec -> ``{"placement": ..., "fssdp": {...}}`` overrides of the MoEConfig
     (module docstring); raises ValueError naming the spec and the fix."""
     if spec == "ep":
         return {"placement": "ep"}
@@ -82,7 +82,8 @@ def model_config(preset: str, overrides: dict, mode: str) -> ModelConfig:
     """The preset with the overrides, dropless, a frozen-bias router (the skew), and the
     mode's placement."""
     base = dict(capacity_factor=None, router_options={"bias": True})
-    return model_preset(preset, **{**base, **overrides, **parse_mode(mode)})
+    moe = {**base, **overrides.get("moe", {}), **parse_mode(mode)}
+    return model_preset(preset, **{**overrides, "moe": moe})
 
 
 def skew(model: GPT, s: float) -> None:

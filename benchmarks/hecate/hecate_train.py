@@ -31,7 +31,7 @@ Modes (``--modes``):
 * ``hecate-rm``: the same with re-materialization (HECATE-RM, Section 3.2).
 
     moeflow cluster run --nodes 4 --ranks-per-node 2 --inter-bw 1gbit -- \\
-        python -m moeflow.cli bench hecate-train --preset tiny --set d_expert=1024 \\
+        python -m moeflow.cli bench hecate-train --preset tiny --set moe.d_expert=1024 \\
         --init-from RUN --reps 6 --out docs/results/hecate/x.json
 """
 
@@ -50,7 +50,7 @@ MODES = ("ep", "shadow", "replace", "hecate", "hecate-rm")
 
 
 def mode_overrides(mode: str, t: int, m: int, reshard_every: int, replace_every: int) -> dict:
-    """The ModelConfig fields a mode sets (``placement`` and ``fssdp``)."""
+    """The MoEConfig fields a mode sets (``placement`` and ``fssdp``)."""
     if mode == "ep":
         return {"placement": "ep"}
     if mode == "shadow":
@@ -157,7 +157,7 @@ def bench_worker(opts: dict) -> dict:
 
     topo = Topology.from_env()
     world = topo.world_size
-    base = {"capacity_factor": None, **opts["overrides"]}
+    overrides = opts["overrides"]
     steps = opts["warmup"] + opts["reps"]
     start = 0
     path = None
@@ -168,9 +168,10 @@ def bench_worker(opts: dict) -> dict:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in opts["modes"]:
-            mcfg = model_preset(opts["preset"], **base,
-                                **mode_overrides(mode, opts["t"], opts["m"],
-                                                 opts["reshard_every"], opts["replace_every"]))
+            moe = {"capacity_factor": None, **overrides.get("moe", {}),
+                   **mode_overrides(mode, opts["t"], opts["m"], opts["reshard_every"],
+                                    opts["replace_every"])}
+            mcfg = model_preset(opts["preset"], **{**overrides, "moe": moe})
             tr = Trainer(mcfg, tcfg, tmp, topo, progress=False)
             if path is not None:
                 tr.step = checkpoint.load(str(path), tr.model, tr.opt)
@@ -278,8 +279,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
-                   help="override a ModelConfig field (repeatable); capacity_factor defaults "
-                        "to null (dropless) here")
+                   help="override a ModelConfig field (repeatable); moe.capacity_factor "
+                        "defaults to null (dropless) here")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, ep first (default {','.join(MODES)})")
     p.add_argument("--init-from", default=None, metavar="RUN",

@@ -61,13 +61,14 @@ def _block(opts: dict, topo: Topology, transport: str, **fssdp):
     world = topo.world_size
     cfg = ModelConfig(vocab_size=64, seq_len=opts["seq_len"], d_model=opts["d_model"],
                       n_layers=1, n_heads=opts["n_heads"], d_ff=4 * opts["d_model"],
-                      moe_every=1, num_experts=opts["experts_per_rank"] * world,
-                      d_expert=opts["d_expert"], top_k=1, capacity_factor=None, seed=3,
-                      placement="fssdp",
-                      fssdp=dict(materialize="manual", transport=transport, **fssdp))
+                      moe_every=1, seed=3,
+                      moe=dict(num_experts=opts["experts_per_rank"] * world,
+                               d_expert=opts["d_expert"], top_k=1, capacity_factor=None,
+                               placement="fssdp",
+                               fssdp=dict(materialize="manual", transport=transport, **fssdp)))
     block = Block(cfg, 0, topo)
     experts: FSSDPExperts = block.ffn.experts
-    holders = random_holders(cfg.num_experts, world, experts.owners, opts["replicas"], seed=17)
+    holders = random_holders(cfg.moe.num_experts, world, experts.owners, opts["replicas"], seed=17)
     experts.set_holders(holders)
     return block, experts, holders
 
@@ -194,15 +195,16 @@ def _two_blocks(opts: dict, topo: Topology, **fssdp):
     world = topo.world_size
     cfg = ModelConfig(vocab_size=64, seq_len=opts["seq_len"], d_model=opts["d_model"],
                       n_layers=2, n_heads=opts["n_heads"], d_ff=4 * opts["d_model"],
-                      moe_every=2, num_experts=opts["experts_per_rank"] * world,
-                      d_expert=opts["d_expert"], top_k=1, capacity_factor=None, seed=3,
-                      placement="fssdp",
-                      fssdp=dict(materialize="manual", transport=opts["transports"][0],
-                                 rematerialize=True, **fssdp))
+                      moe_every=2, seed=3,
+                      moe=dict(num_experts=opts["experts_per_rank"] * world,
+                               d_expert=opts["d_expert"], top_k=1, capacity_factor=None,
+                               placement="fssdp",
+                               fssdp=dict(materialize="manual", transport=opts["transports"][0],
+                                          rematerialize=True, **fssdp)))
     torch.manual_seed(11)
     moe, nxt = Block(cfg, 1, topo), Block(cfg, 0, topo)
     experts: FSSDPExperts = moe.ffn.experts
-    holders = random_holders(cfg.num_experts, world, experts.owners, opts["replicas"], seed=17)
+    holders = random_holders(cfg.moe.num_experts, world, experts.owners, opts["replicas"], seed=17)
     experts.set_holders(holders)
     return moe, nxt, holders
 

@@ -60,7 +60,7 @@ def run_job(args: argparse.Namespace, variant: str, out: Path) -> dict:
              "--steps", str(args.steps), "--batch-size", str(args.global_batch // dp),
              "--log-every", "1", "--eval-every", str(10 * args.steps), "--eval-batches", "1",
              "--warmup-steps", "0", "--mp", str(mp), "--esp", str(esp),
-             "--set", f"parallel_schedule={schedule}", "--out", str(out), "--no-progress",
+             "--set", f"moe.parallel_schedule={schedule}", "--out", str(out), "--no-progress",
              *sum((["--set", s] for s in args.set), [])]
     cmd = [sys.executable, "-m", "moeflow.cli", "cluster", "run", "--nodes", str(args.nodes),
            "--ranks-per-node", str(args.ranks_per_node), "--inter-bw", args.inter_bw,

@@ -20,8 +20,9 @@ The largest rank's numbers count for a launch (step times: the slowest rank's, r
 by a barrier before each step). ``--modes fsdp`` runs one mode alone (a model too large to
 run replicated); the ratios then are left out.
 
-    moeflow bench dense-shard --preset medium --nproc 4 --set n_layers=12 --set num_experts=4 \\
-        --set d_expert=2048 --set seq_len=256 --batch-size 1 --steps 1 --repeats 2 \\
+    moeflow bench dense-shard --preset medium --nproc 4 --set n_layers=12 \\
+        --set moe.num_experts=4 --set moe.d_expert=2048 --set seq_len=256 --batch-size 1 \\
+        --steps 1 --repeats 2 \\
         --out docs/results/training/dense-shard-medium-4rank.json
 """
 

@@ -55,7 +55,7 @@ def max_over_mean(load: list[int]) -> float:
 
 def run_loads(run: str | Path, batches: int, batch_size: int) -> dict:
     saved = json.loads((Path(run) / "config.json").read_text())
-    cfg = ModelConfig(**saved["model"])
+    cfg = ModelConfig.from_dict(saved["model"], f"{Path(run) / 'config.json'}")
     corpus = Corpus.load()
     out = {"run": str(run), "model": saved["model"], "train": saved["train"]}
     model = GPT(cfg)

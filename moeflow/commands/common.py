@@ -54,35 +54,65 @@ def parse_value(text: str, nullable: bool = True) -> Any:
 
 
 def parse_overrides(items: list[str], target: type | None = None) -> dict[str, Any]:
-    """``FIELD=VALUE`` strings -> a dict; ``target`` (a dataclass) tells which fields take None.
+    """``FIELD=VALUE`` strings -> a dict; ``target`` (a dataclass) names the fields and tells
+    which take None.
 
-    ``moe.FIELD=VALUE`` sets a field of every MoE block's ``MoEConfig``: one the target mirrors
-    (``moe.top_k``) is the same as ``FIELD=VALUE``; any other goes into the target's ``moe``
-    dict (``moe.capacity_padding=pad``)."""
+    ``SECTION.FIELD=VALUE`` sets a field of a nested dataclass the target names in its
+    ``NESTED`` (``ModelConfig``: ``moe.top_k=1`` sets ``MoEConfig.top_k`` of every MoE block)
+    and lands in ``out[SECTION][FIELD]``. A field that is not the target's is refused with a
+    ConfigError: one of a section's fields given flat (``top_k=1``) names its one spelling
+    (``moe.top_k``); a typo gets a did-you-mean."""
     import dataclasses
 
-    from moeflow.config import MoEConfig
+    from moeflow.registry import did_you_mean
 
-    types = {f.name: str(f.type) for f in dataclasses.fields(target)} if target else {}
-    moe_types = {f.name: str(f.type) for f in dataclasses.fields(MoEConfig)}
+    def field_types(cls: type) -> dict[str, str]:
+        return {f.name: str(f.type) for f in dataclasses.fields(cls)}
+
+    types = field_types(target) if target else {}
+    nested = {name: field_types(cls) for name, cls in getattr(target, "NESTED", {}).items()}
+    owner = target.__name__ if target else ""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
         if not sep or not key:
             raise ConfigError(f"--set {item!r} is invalid: write FIELD=VALUE, e.g. "
-                              "--set num_experts=16, --set capacity_factor=none or "
-                              "--set moe.capacity_padding=pad")
-        key = key.strip()
-        if key.startswith("moe.") and "moe" in types:
-            field = key[len("moe."):]
-            if field in types and field != "moe":
-                out[field] = parse_value(value.strip(), "None" in types[field])
-            else:
-                out.setdefault("moe", {})[field] = parse_value(
-                    value.strip(), "None" in moe_types.get(field, "None"))
+                              "--set n_layers=2, --set moe.top_k=1 or "
+                              "--set moe.capacity_factor=none")
+        section, dot, field = key.partition(".")
+        if dot and target:
+            if section not in nested:
+                raise ConfigError(f"--set {item!r} is invalid: {owner} has no section "
+                                  f"{section!r} (its sections: "
+                                  f"{', '.join(s + '.FIELD' for s in nested) or 'none'})"
+                                  f"{did_you_mean(section, nested)}")
+            if field not in nested[section]:
+                raise ConfigError(f"--set {item!r} is invalid: {field!r} is not a field of "
+                                  f"{owner}.{section}{did_you_mean(field, nested[section])}")
+            out.setdefault(section, {})[field] = parse_value(value,
+                                                             "None" in nested[section][field])
             continue
-        out[key] = parse_value(value.strip(), "None" in types.get(key, "None"))
+        if target and (key not in types or key in nested):
+            raise ConfigError(f"--set {item!r} is invalid: " + _flat_key_fix(key, value, owner,
+                                                                             types, nested))
+        out[key] = parse_value(value, "None" in types.get(key, "None"))
     return out
+
+
+def _flat_key_fix(key: str, value: str, owner: str, types: dict, nested: dict) -> str:
+    """Why ``--set KEY=VALUE`` is not a field of ``owner``, and the spelling that is."""
+    from moeflow.registry import did_you_mean
+
+    if key in nested:
+        return f"set the fields of {owner}.{key} one at a time: --set {key}.FIELD=VALUE"
+    for section, fields in nested.items():
+        if key in fields:
+            return (f"{key} is a field of {owner}.{section}: write "
+                    f"--set {section}.{key}={value}")
+    dotted = [f"{s}.{f}" for s, fields in nested.items() for f in fields]
+    hint = did_you_mean(key, [f for f in types if f not in nested]) or did_you_mean(key, dotted)
+    return f"{key!r} is not a field of {owner}{hint}"
 
 
 def run_meta(args: argparse.Namespace | None = None) -> dict:

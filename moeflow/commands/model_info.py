@@ -24,8 +24,9 @@ def register(sub) -> None:
                        description=__doc__)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
-                   help="override a ModelConfig field, e.g. --set structure=fine_grained "
-                        "--set num_experts=32 --set d_expert=64 --set top_k=8 (default: none)")
+                   help="override a ModelConfig field, e.g. --set moe.structure=fine_grained "
+                        "--set moe.num_experts=32 --set moe.d_expert=64 --set moe.top_k=8 "
+                        "(default: none)")
     p.add_argument("--granularity", type=int, default=4,
                    help="fine-grained experts per vanilla expert")
     p.add_argument("--downscale-factor", type=float, default=None,

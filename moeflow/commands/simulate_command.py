@@ -436,8 +436,8 @@ def add_train_parser(ssub) -> None:
                    help="model size, as `moeflow train --preset`")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field, as `moeflow train --set` (the tuner's "
-                        "'auto' settings are not modelled: give a2a / schedule / "
-                        "pipeline_degree values, else the config's defaults are used)")
+                        "'auto' settings are not modelled: give moe.a2a / moe.schedule / "
+                        "moe.pipeline_degree values, else the config's defaults are used)")
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
                    help="sequences per data-parallel rank per micro-batch (as `moeflow "
                         "train`)")
@@ -491,7 +491,7 @@ def add_train_parser(ssub) -> None:
                         "parm:baseline, parm:s1, parm:s2, parm:s2-aas, fssdp:static, "
                         "fssdp:sparse, a2a:NAME, codec:NAME), with the ratio to the first "
                         "(default: the config's own: placement / parallel_schedule); BigMac: "
-                        "--set structure=bigmac")
+                        "--set moe.structure=bigmac")
     p.set_defaults(func=run_simulate_train)
 
 
@@ -507,13 +507,14 @@ def _train_layout(args: argparse.Namespace) -> tuple[int, int]:
 def _config_variant(mcfg, args: argparse.Namespace) -> str:
     """The variant ``moeflow train`` would run: FSSDP, Parm's schedule where the layout has
     MP or ESP (the baseline by default), else expert parallelism."""
-    if mcfg.placement == "fssdp":
-        return f"fssdp:{(mcfg.fssdp or {}).get('materialize', 'static')}"
+    moe = mcfg.moe
+    if moe.placement == "fssdp":
+        return f"fssdp:{moe.fssdp.materialize}"
     if args.mp > 1 or args.esp > 1:
-        if mcfg.parallel_schedule == "auto":
+        if moe.parallel_schedule == "auto":
             raise SystemExit("moeflow simulate train: parallel_schedule='auto' (Algorithm 1 "
                              "per call) is not modelled: --compare parm:s1,parm:s2")
-        return f"parm:{mcfg.parallel_schedule}"
+        return f"parm:{moe.parallel_schedule}"
     return "ep"
 
 
@@ -539,7 +540,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     for name in ("a2a", "schedule", "pipeline_degree", "codec"):
         if str(getattr(moe, name)).startswith("auto"):
             raise SystemExit(f"moeflow simulate train: {name}={getattr(moe, name)!r} is tuned "
-                             f"at run time and not modelled; give --set {name}=VALUE")
+                             f"at run time and not modelled; give --set moe.{name}=VALUE")
     nodes, per = _train_layout(args)
     world = nodes * per
     if args.mp > 1 or args.esp > 1:
@@ -549,8 +550,8 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     names = variants(args) if args.compare is not None else [_config_variant(mcfg, args)]
     if "bigmac" in names:
         raise SystemExit("moeflow simulate train: --compare bigmac is a layer variant; a "
-                         "model's structure is its own: give --set structure=bigmac (and "
-                         "--set downscale_factor=R) and predict each structure in its own run")
+                         "model's structure is its own: give --set moe.structure=bigmac (and "
+                         "--set moe.downscale_factor=R) and predict each structure in its own run")
     _check_unused(args, names, layout=False)     # the MP / ESP layout shapes the dense part too
     if (args.mp > 1 or args.esp > 1) and any(not n.startswith("parm:") for n in names):
         raise SystemExit(f"moeflow simulate train: with --mp {args.mp} / --esp {args.esp} the "
@@ -586,7 +587,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     cost = model_cost(mcfg)
     a = 3 if moe.activation == "swiglu" else 2
     w, hid = spec.width, spec.hidden     # BigMac's experts: rM -> F/r -> rM (Eq. 4)
-    bias = ((a - 1) * hid + w) if mcfg.expert_bias else 0
+    bias = ((a - 1) * hid + w) if moe.expert_bias else 0
     experts_total = len(mcfg.moe_layer_ids()) * moe.num_experts * (a * w * hid + bias)
     n_dense = mcfg.n_layers - len(mcfg.moe_layer_ids())
     sharded = mcfg.n_layers * 4 * mcfg.d_model ** 2 + n_dense * 2 * mcfg.d_model * mcfg.d_ff

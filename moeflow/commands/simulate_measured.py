@@ -21,7 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
-from moeflow.config import ModelConfig, TrainConfig
+from moeflow.config import ModelConfig, TrainConfig, config_differences
 from moeflow.errors import ConfigError
 
 
@@ -72,14 +72,11 @@ def check_same_run(saved: dict, model: ModelConfig, train: dict, world: int,
     if not isinstance(saved.get("model"), dict) or not isinstance(saved.get("train"), dict):
         raise ConfigError("--measured: the run's config.json has no 'model' / 'train' entries "
                           "(is it a `moeflow train --out` folder?)")
-    mine = json.loads(json.dumps(dataclasses.asdict(model)))
-    theirs = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **saved["model"]}
-    theirs = json.loads(json.dumps(theirs))
-    for name, value in mine.items():
-        if theirs.get(name) != value:
-            raise ConfigError(f"--measured: ModelConfig.{name} differs: the run has "
-                              f"{theirs.get(name)!r}, this command {value!r}; give the run's "
-                              f"--preset / --set (e.g. --set {name}={theirs.get(name)})")
+    theirs = ModelConfig.from_dict(saved["model"], "--measured: the run's config.json")
+    for name, (run, value) in config_differences(theirs, model).items():
+        raise ConfigError(f"--measured: ModelConfig.{name} differs: the run has "
+                          f"{run!r}, this command {value!r}; give the run's "
+                          f"--preset / --set (e.g. --set {name}={run})")
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for name, value in train.items():
         run = saved["train"].get(name, defaults.get(name))

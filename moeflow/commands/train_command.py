@@ -64,9 +64,9 @@ def register(sub) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model size (tiny trains on 2 CPU cores in minutes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
-                   help="override a ModelConfig field, e.g. --set top_k=1 --set "
-                        "capacity_factor=none (dropless), or any MoEConfig field of the MoE "
-                        "blocks: --set moe.capacity_padding=pad; repeatable (default: none)")
+                   help="override a ModelConfig field (--set n_layers=2) or a MoEConfig "
+                        "field of every MoE block (--set moe.top_k=1 --set "
+                        "moe.capacity_factor=none for dropless); repeatable (default: none)")
     p.add_argument("--data", default=None,
                    help="a text file or folder (default: CPython's embedded documentation)")
     p.add_argument("--out", default=None, help="run folder (default runs/<preset>-<time>)")
@@ -128,12 +128,13 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     from moeflow.registry import registry
 
     overrides = parse_overrides(args.overrides, ModelConfig)
-    strategy = registry("strategy").get(overrides.get("placement", "ep"))
+    moe = overrides.get("moe", {})
+    strategy = registry("strategy").get(moe.get("placement", "ep"))
     tunable = (() if strategy is None    # unknown: MoEConfig names the registered ones
-               or overrides.get("parallel_schedule", "baseline") != "baseline"
+               or moe.get("parallel_schedule", "baseline") != "baseline"
                else strategy.tunable_fields)
-    auto = {f: v for f, v in TRAIN_AUTO.items() if f in tunable}
-    mcfg = model_preset(args.preset, **{**auto, **overrides})
+    overrides["moe"] = {**{f: v for f, v in TRAIN_AUTO.items() if f in tunable}, **moe}
+    mcfg = model_preset(args.preset, **overrides)
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name not in ("collective_timeout_s", "esp_in_node")},
                        collective_timeout_s=args.timeout,
@@ -155,12 +156,13 @@ def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int,
         raise ConfigError(f"--ep-size {ep} is invalid with {world} ranks: it must "
                           f"divide the number of ranks; pick one of "
                           f"{[d for d in range(1, world + 1) if world % d == 0]}")
-    if mcfg.num_moe_layers and mcfg.num_experts % ep:
+    experts = mcfg.moe.num_experts
+    if mcfg.num_moe_layers and experts % ep:
         raise ConfigError(
-            f"--set num_experts={mcfg.num_experts} is invalid with an expert-parallel size of "
+            f"--set moe.num_experts={experts} is invalid with an expert-parallel size of "
             f"{ep} (--ep-size; default: all ranks): every rank holds num_experts / ep-size "
-            f"experts; use {-(-mcfg.num_experts // ep) * ep} experts or --ep-size "
-            f"{math.gcd(mcfg.num_experts, world)}")
+            f"experts; use {-(-experts // ep) * ep} experts or --ep-size "
+            f"{math.gcd(experts, world)}")
 
 
 def check_parm_sizes(mcfg: ModelConfig, tcfg: TrainConfig, world: int, local: int) -> None:
@@ -185,7 +187,7 @@ def check_parm_sizes(mcfg: ModelConfig, tcfg: TrainConfig, world: int, local: in
         if hidden % esp:
             ok = [d for d in range(1, hidden + 1) if hidden % d == 0 and world % d == 0]
             raise ConfigError(f"--esp {esp} is invalid with an expert hidden width of {hidden} "
-                              f"(--set d_expert={mcfg.d_expert}): each expert's hidden "
+                              f"(--set moe.d_expert={mcfg.moe.d_expert}): each expert's hidden "
                               f"dimension is split over the ESP group; pick --esp from {ok}")
 
 

@@ -104,7 +104,7 @@ class ClampedSwiGLU(Activation):
 
 class Functional(Activation):
     """An elementwise function of ``torch.nn.functional`` named in the config (not registered:
-    the config checks that the name is one, see ``moeflow.config._elementwise_in_F``)."""
+    the config checks that the name is one, see ``moeflow.config.moe._elementwise_in_F``)."""
 
     def __init__(self, fn_name: str):
         super().__init__()

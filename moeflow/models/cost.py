@@ -53,21 +53,23 @@ class ModelCost:
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int, float]:
-    r = 1.0 if cfg.structure != "bigmac" else (
-        DEFAULT_DOWNSCALE_FACTOR if cfg.downscale_factor is None else float(cfg.downscale_factor))
-    return round(r * cfg.d_model), round(cfg.d_expert / r), r
+    moe = cfg.moe
+    r = 1.0 if moe.structure != "bigmac" else (
+        DEFAULT_DOWNSCALE_FACTOR if moe.downscale_factor is None else float(moe.downscale_factor))
+    return round(r * cfg.d_model), round(moe.d_expert / r), r
 
 
 def model_cost(cfg: ModelConfig, bytes_per_element: int = 4, ep_size: int = 1) -> ModelCost:
     M, S, V = cfg.d_model, cfg.seq_len, cfg.vocab_size
-    E, k, F = cfg.num_experts, cfg.top_k, cfg.d_expert
-    a = 3 if _gated(cfg.activation) else 2
+    moe = cfg.moe
+    E, k, F = moe.num_experts, moe.top_k, moe.d_expert
+    a = 3 if _gated(moe.activation) else 2
     w, h, r = _widths(cfg)
-    proj = 2 * M * w if cfg.structure == "bigmac" else 0
+    proj = 2 * M * w if moe.structure == "bigmac" else 0
     n_moe = cfg.num_moe_layers
     n_dense = cfg.n_layers - n_moe
     block_common = 4 * M * M + 4 * M                    # attention + two LayerNorms
-    bias = ((a - 1) * h + w) if cfg.expert_bias else 0     # b1 (and b3), b2 per expert
+    bias = ((a - 1) * h + w) if moe.expert_bias else 0     # b1 (and b3), b2 per expert
     moe_layer = a * E * w * h + E * bias + M * E + proj
     dense_ffn = 2 * M * cfg.d_ff
     params = (V * M + S * M + cfg.n_layers * block_common + n_moe * moe_layer
@@ -77,11 +79,11 @@ def model_cost(cfg: ModelConfig, bytes_per_element: int = 4, ep_size: int = 1) -
     fwd = (cfg.n_layers * (8 * M * M + 4 * S * M)
            + n_moe * (2 * M * E + 2 * a * k * w * h + 2 * proj)
            + n_dense * 2 * dense_ffn + 2 * M * V)
-    f = 1.0 if cfg.capacity_factor is None else float(cfg.capacity_factor)
+    f = 1.0 if moe.capacity_factor is None else float(moe.capacity_factor)
     elems = 4 * f * k * w
     total_bytes = n_moe * elems * bytes_per_element
-    return ModelCost(structure=cfg.structure, num_experts=E, top_k=k, d_expert=F,
-                     expert_hidden=h, comm_width=w, capacity_factor=cfg.capacity_factor,
+    return ModelCost(structure=moe.structure, num_experts=E, top_k=k, d_expert=F,
+                     expert_hidden=h, comm_width=w, capacity_factor=moe.capacity_factor,
                      params_total=params, params_per_moe_layer=moe_layer,
                      params_active_per_token=active, train_flops_per_token=3.0 * fwd,
                      a2a_elems_per_token_layer=elems, a2a_bytes_per_token=total_bytes,
@@ -102,9 +104,10 @@ def structure_variants(cfg: ModelConfig, granularity: int = 4,
     o = "model-info"
     if not isinstance(granularity, int) or granularity < 1:
         raise config_error(o, "granularity", granularity, "must be a positive integer")
-    E, F, k = cfg.num_experts, cfg.d_expert, cfg.top_k
+    moe = cfg.moe
+    E, F, k = moe.num_experts, moe.d_expert, moe.top_k
     g = granularity
-    if cfg.structure == "vanilla":
+    if moe.structure == "vanilla":
         if F % g:
             raise config_error(o, "granularity", g, f"must divide d_expert={F} to split each "
                                "vanilla expert into equal fine-grained ones")
@@ -117,13 +120,12 @@ def structure_variants(cfg: ModelConfig, granularity: int = 4,
         fine = dict(num_experts=E, d_expert=F, top_k=k)
         vanilla = dict(num_experts=E // g, d_expert=F * g, top_k=k // g)
     r = downscale_factor if downscale_factor is not None else (
-        cfg.downscale_factor if cfg.structure == "bigmac" else None)
-    base = {fld.name: getattr(cfg, fld.name) for fld in dataclasses.fields(ModelConfig)}
-    base.update(capacity_factor="auto", downscale_factor=None)
+        moe.downscale_factor if moe.structure == "bigmac" else None)
+    base = dict(capacity_factor="auto", downscale_factor=None)
     try:
-        return [ModelConfig(**{**base, **vanilla, "structure": "vanilla"}),
-                ModelConfig(**{**base, **fine, "structure": "fine_grained"}),
-                ModelConfig(**{**base, **fine, "structure": "bigmac", "downscale_factor": r})]
+        return [cfg.replace(moe={**base, **vanilla, "structure": "vanilla"}),
+                cfg.replace(moe={**base, **fine, "structure": "fine_grained"}),
+                cfg.replace(moe={**base, **fine, "structure": "bigmac", "downscale_factor": r})]
     except ConfigError as err:
         raise ConfigError(f"model-info: a structure variant of this config is invalid: {err}")
 

@@ -23,8 +23,9 @@ from tests.helpers.gpt_tp_cases import locate
 
 GLOBAL_BATCH = 4
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-                  moe_every=2, num_experts=4, d_expert=8, top_k=2, capacity_factor=None,
-                  aux_loss_coef=0.0, expert_bias=True, activation="swiglu", seed=5)
+                  moe_every=2, seed=5, moe=dict(num_experts=4, d_expert=8, top_k=2,
+                                                capacity_factor=None, aux_loss_coef=0.0,
+                                                expert_bias=True, activation="swiglu"))
 TRAIN = TrainConfig(steps=3, lr=0.01, grad_clip=0.0, warmup_steps=0)
 SAVE_AT = 2
 # (mp, ep, esp, esp_in_node): saved at the first, resumed at the second

@@ -217,8 +217,8 @@ def run_gpt(topo: Topology, overrides: dict) -> list[tuple]:
     from moeflow.models.gpt import GPT
 
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, d_ff=32,
-                      moe_every=1, num_experts=8, d_expert=12, top_k=2, capacity_factor=None,
-                      seed=5, **overrides)
+                      moe_every=1, seed=5, moe=dict(num_experts=8, d_expert=12, top_k=2,
+                                                    capacity_factor=None, **overrides))
     model = GPT(cfg, topo).double()
     rec = Recorder(topo.rank)
     dist.barrier()

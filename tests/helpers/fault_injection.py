@@ -100,7 +100,7 @@ def _micro():
     from moeflow.config import ModelConfig, TrainConfig
 
     return (ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_every=1,
-                        num_experts=2, d_expert=16, top_k=1),
+                        moe=dict(num_experts=2, d_expert=16, top_k=1)),
             TrainConfig(steps=6, batch_size=2, lr=1e-2, warmup_steps=1, eval_every=3,
                         eval_batches=1, log_every=1, checkpoint_every=2))
 

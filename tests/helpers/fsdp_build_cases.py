@@ -19,7 +19,6 @@ Each rank, for one layout of ``fsdp_cases.LAYOUTS``:
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -37,11 +36,11 @@ from tests.helpers.live_bytes import LiveBytes
 
 # dense part ~1.1 MB (float32), its largest parameter 64 KB, the experts 16 KB per rank
 WIDE = ModelConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=8, n_heads=4, d_ff=256,
-                   moe_every=2, num_experts=4, d_expert=8, top_k=2, capacity_factor=None,
-                   seed=3)
+                   moe_every=2, seed=3, moe=dict(num_experts=4, d_expert=8, top_k=2,
+                                                 capacity_factor=None))
 
 MICRO = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=2,
-                    num_experts=4, d_expert=16, top_k=2)
+                    moe=dict(num_experts=4, d_expert=16, top_k=2))
 TRAIN_STEPS = 2
 
 
@@ -59,7 +58,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def worker(layout: str, root: str | None = None) -> dict:
     over, topo_kw = cases.LAYOUTS[layout]
     topo = Topology.from_env(**topo_kw)
-    cfg = dataclasses.replace(cases.CFG, **over)
+    cfg = cases.CFG.replace(moe=over)
     out: dict = {}
 
     old, _, _ = cases.build(layout, True)

@@ -18,7 +18,6 @@ run and loads ``C`` into one process to compare every parameter and AdamW moment
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -37,11 +36,12 @@ from moeflow.trainer import make_optimizer
 WORLD = 4
 GLOBAL_BATCH = 8
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-                  moe_every=2, num_experts=4, d_expert=8, top_k=2, capacity_factor=None,
-                  aux_loss_coef=0.0, expert_bias=True, activation="swiglu", seed=5)
+                  moe_every=2, seed=5, moe=dict(num_experts=4, d_expert=8, top_k=2,
+                                                capacity_factor=None, aux_loss_coef=0.0,
+                                                expert_bias=True, activation="swiglu"))
 TRAIN = TrainConfig(steps=4, lr=0.01, grad_clip=0.05, warmup_steps=0)
 STRETCHES = (("A", True, 0, 2), ("B", False, 2, 3), ("C", True, 3, 4))
-LAYOUTS = {                       # name: (ModelConfig overrides, Topology.from_env kwargs)
+LAYOUTS = {                       # name: (MoEConfig overrides, Topology.from_env kwargs)
     "ep2": ({}, dict(ep_size=2)),                 # experts replicated over 2 EP groups
     "ep4": ({}, dict(ep_size=4)),
     "fssdp": ({"placement": "fssdp"}, dict(ep_size=4)),     # HECATE FSSDP, a2a default
@@ -84,7 +84,7 @@ def train_step(model: GPT, opt, topo: Topology, step: int) -> float:
 def build(layout: str | None, fsdp: bool) -> tuple[GPT, torch.optim.Optimizer, Topology]:
     over, topo_kw = LAYOUTS[layout] if layout else ({}, None)
     topo = Topology.from_env(**topo_kw) if topo_kw else Topology.single()
-    model = prepare_model(GPT(dataclasses.replace(CFG, **over), topo).double(), topo)
+    model = prepare_model(GPT(CFG.replace(moe=over), topo).double(), topo)
     model.checkpoint_blocks = bool(layout and layout.endswith("_recompute"))
     if fsdp:
         shard_dense(model, topo)

@@ -181,9 +181,9 @@ def gpt_worker(steps: int = 3) -> dict:
                          ("fssdp_rm", dict(placement="fssdp",
                                            fssdp=dict(materialize="manual",
                                                       rematerialize=True)))):
-        cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2,
-                          d_ff=32, moe_every=1, num_experts=8, d_expert=12, top_k=2,
-                          capacity_factor=None, seed=5, **extra)
+        cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
+                          moe_every=1, seed=5, moe=dict(num_experts=8, d_expert=12, top_k=2,
+                                                        capacity_factor=None, **extra))
         model = GPT(cfg, topo).double()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         losses, prefetched = [], 0
@@ -218,8 +218,8 @@ def small_gpt(topo, **extra):
     from moeflow.models.gpt import GPT
 
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
-                      moe_every=1, num_experts=8, d_expert=12, top_k=2, capacity_factor=None,
-                      seed=5, **extra)
+                      moe_every=1, seed=5, moe=dict(num_experts=8, d_expert=12, top_k=2,
+                                                    capacity_factor=None, **extra))
     return GPT(cfg, topo).double()
 
 

@@ -24,11 +24,12 @@ def model(topo: Topology, n_layers: int, moe_every: int, **fssdp):
     from moeflow.config import ModelConfig
     from moeflow.models.gpt import GPT
 
-    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=n_layers, n_heads=2,
-                      d_ff=32, moe_every=moe_every, num_experts=8, d_expert=12, top_k=2,
-                      capacity_factor=None, seed=5, placement="fssdp",
-                      fssdp=dict(materialize="sparse", overlap_degree=2, memory_capacity=2,
-                                 rematerialize=True, **fssdp))      # Algorithm 1, HECATE-RM
+    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=n_layers, n_heads=2, d_ff=32,
+                      moe_every=moe_every, seed=5,
+                      moe=dict(num_experts=8, d_expert=12, top_k=2, capacity_factor=None,
+                               placement="fssdp",      # Algorithm 1, HECATE-RM
+                               fssdp=dict(materialize="sparse", overlap_degree=2,
+                                          memory_capacity=2, rematerialize=True, **fssdp)))
     return GPT(cfg, topo).double()
 
 

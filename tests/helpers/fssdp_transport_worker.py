@@ -49,10 +49,11 @@ def gpt(topo: Topology, overlap: bool, steps: int = 2) -> dict:
     from moeflow.models.gpt import GPT
 
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
-                      moe_every=1, num_experts=8, d_expert=12, top_k=2, capacity_factor=None,
-                      seed=5, placement="fssdp",
-                      fssdp=dict(materialize="manual", rematerialize=True,
-                                 overlap_backward=overlap))
+                      moe_every=1, seed=5,
+                      moe=dict(num_experts=8, d_expert=12, top_k=2, capacity_factor=None,
+                               placement="fssdp",
+                               fssdp=dict(materialize="manual", rematerialize=True,
+                                          overlap_backward=overlap)))
     model = GPT(cfg, topo).double()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     losses = []

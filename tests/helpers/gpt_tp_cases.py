@@ -12,7 +12,6 @@ capacity computed per group's batch, exactly the loss the distributed job minimi
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -42,8 +41,8 @@ SCHEDULES = {"mp2_ep2_s2": dict(parallel_schedule="s2"),
              "mp2_esp2_s1": dict(parallel_schedule="s1", capacity_factor=None,
                                  aux_loss_coef=0.0)}
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-                  moe_every=2, num_experts=4, d_expert=8, top_k=2, capacity_factor=1.0,
-                  expert_bias=True, seed=3)
+                  moe_every=2, seed=3, moe=dict(num_experts=4, d_expert=8, top_k=2,
+                                                capacity_factor=1.0, expert_bias=True))
 TRAIN = TrainConfig(steps=2, batch_size=3, lr=0.01, grad_clip=0.5, warmup_steps=0)
 STEPS = 2
 
@@ -74,7 +73,7 @@ def _step(model: GPT, opt, topo: Topology, step: int) -> tuple[float, float, dic
 
 
 def config(layout: str) -> ModelConfig:
-    return dataclasses.replace(CFG, **SCHEDULES.get(layout, {}))
+    return CFG.replace(moe=SCHEDULES.get(layout, {}))
 
 
 def run_layout(layout: str) -> dict:
@@ -128,8 +127,8 @@ def trainer_batches(out_dir: str) -> dict:
     from moeflow.trainer import Trainer
 
     topo = topology("mp2_esp2")
-    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
-                       d_expert=32)
+    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64,
+                       moe=dict(num_experts=4, d_expert=32))
     trainer = Trainer(mcfg, TrainConfig(steps=1, batch_size=2), out_dir, topo, progress=False)
     seen, draw = [], trainer.corpus.batch
 

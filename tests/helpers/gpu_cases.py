@@ -222,9 +222,9 @@ def check_layer(name: str, device: str, dtype: torch.dtype, codec: str = "none",
 # ---------------------------------------------------------------------------------- the GPT
 
 def gpt_config(top_k: int, capacity_factor) -> ModelConfig:
-    return ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=1,
-                       num_experts=4, d_expert=64, top_k=top_k,
-                       capacity_factor=capacity_factor, seed=5)
+    return ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=1, seed=5,
+                       moe=dict(num_experts=4, d_expert=64, top_k=top_k,
+                                capacity_factor=capacity_factor))
 
 
 GPT_GRADS = ["tok.weight", "blocks.0.attn.qkv.weight", "blocks.0.ffn.router.weight",
@@ -256,7 +256,7 @@ def check_gpt(cfg: ModelConfig, device: str, dtype: torch.dtype) -> None:
     got = run_gpt(cfg, device, dtype)
     # bf16: the residual stream and logits pass two blocks of bf16 matmuls: twice the layer's
     tol = COMPUTE_TOL[dtype] * (2 if dtype == torch.bfloat16 else 1)
-    label = f"GPT top_k={cfg.top_k} cf={cfg.capacity_factor} {dtype} on {device}"
+    label = f"GPT top_k={cfg.moe.top_k} cf={cfg.moe.capacity_factor} {dtype} on {device}"
     assert_close_rel(got["loss"], ref["loss"], tol, f"{label} loss")
     for n in GPT_GRADS:
         assert_close_rel(got["grads"][n], ref["grads"][n], tol, f"{label} gradient of {n}")

@@ -22,7 +22,6 @@ every expert (``top_k = num_experts``, dropless), so no token can change experts
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 import torch
@@ -254,7 +253,7 @@ def gpt_config():
     """``tests/gpt_tp_cases.CFG`` routing every token to every expert, dropless."""
     from tests.helpers.gpt_tp_cases import CFG
 
-    return dataclasses.replace(CFG, top_k=CFG.num_experts, capacity_factor=None)
+    return CFG.replace(moe=dict(top_k=CFG.moe.num_experts, capacity_factor=None))
 
 
 def gpt_step(model, dev: torch.device, dt: torch.dtype) -> tuple[torch.Tensor, object]:

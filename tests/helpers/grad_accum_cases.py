@@ -19,7 +19,6 @@ gradient synchronisation must not grow with N.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -33,9 +32,9 @@ from moeflow.trainer import accumulate_gradients
 
 N, B = 3, 2
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-                  moe_every=1, num_experts=4, d_expert=8, top_k=2, capacity_factor=None,
-                  aux_loss_coef=0.0, seed=5)
-LAYOUTS = {                       # name: (ModelConfig overrides, Topology.from_env kwargs)
+                  moe_every=1, seed=5, moe=dict(num_experts=4, d_expert=8, top_k=2,
+                                                capacity_factor=None, aux_loss_coef=0.0))
+LAYOUTS = {                       # name: (MoEConfig overrides, Topology.from_env kwargs)
     "ep": ({}, dict(ep_size=2)),
     "parm_esp": ({}, dict(ep_size=1, esp_size=2)),
     "fssdp": ({"placement": "fssdp"}, dict(ep_size=2)),
@@ -78,7 +77,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def run_layout(name: str) -> dict:
     over, topo_kw = LAYOUTS[name]
     topo = Topology.from_env(**topo_kw)
-    cfg = dataclasses.replace(CFG, **over)
+    cfg = CFG.replace(moe=over)
     model = prepare_model(GPT(cfg, topo).double(), topo)
     check_replicas(model, topo)       # the first sync's one-off check, outside the counts
     x, y = big_batch(topo.dp_rank)
@@ -115,9 +114,10 @@ def trainer_steps(out_dir: str) -> dict:
     from moeflow.config import TrainConfig
     from moeflow.trainer import Trainer
 
-    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
-                       d_expert=32, capacity_factor=None, aux_loss_coef=0.0,
-                       router="deepseek_v3", router_options={"bias_update_speed": 0.01})
+    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64,
+                       moe=dict(num_experts=4, d_expert=32, capacity_factor=None,
+                                aux_loss_coef=0.0, router="deepseek_v3",
+                                router_options={"bias_update_speed": 0.01}))
     out = {}
     for name, kw in (("accum", dict(batch_size=2, grad_accum=3)), ("big", dict(batch_size=6))):
         topo = Topology.from_env(ep_size=2)

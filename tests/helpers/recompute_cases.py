@@ -5,7 +5,6 @@ MoE layer ran (a hook on its router)."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -13,8 +12,8 @@ from moeflow.config import ModelConfig, TrainConfig
 from moeflow.topology import Topology
 from moeflow.trainer import Trainer
 
-MCFG = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
-                   d_expert=32, pipeline_degree=2, schedule="optsche")
+MCFG = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64,
+                   moe=dict(num_experts=4, d_expert=32, pipeline_degree=2, schedule="optsche"))
 RUNS = {"none": {}, "full": dict(recompute="full"), "moe_act": dict(recompute="moe_act"),
         "accum2": dict(grad_accum=2, batch_size=2),
         "full_accum2": dict(recompute="full", grad_accum=2, batch_size=2),
@@ -32,7 +31,7 @@ def worker(out_dir: str) -> dict:
         kw = {"batch_size": 4, **kw}
         tcfg = TrainConfig(steps=2, log_every=1, eval_every=100, eval_batches=1,
                            warmup_steps=0, **kw)
-        mcfg = (dataclasses.replace(MCFG, **FSSDP_CFG) if name.startswith("fssdp")
+        mcfg = (MCFG.replace(moe=FSSDP_CFG) if name.startswith("fssdp")
                 else MCFG)
         trainer = Trainer(mcfg, tcfg, f"{out_dir}/{name}", Topology.from_env(), progress=False)
         calls = [0]

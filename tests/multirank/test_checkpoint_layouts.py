@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moeflow import checkpoint
-from moeflow.config import ConfigError, ModelConfig
+from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 from moeflow.models import GPT
 from tests.helpers import checkpoint_layout_cases as cases
@@ -64,11 +64,11 @@ def test_four_rank_checkpoints_load_on_one_process(run):
 @pytest.mark.multirank
 def test_another_model_is_refused_naming_the_tensors(run):
     root, _, _ = run
-    other = GPT(ModelConfig(**{**cases.CFG.__dict__, "num_experts": 8})).double()
+    other = GPT(cases.CFG.replace(moe={"num_experts": 8})).double()
     with pytest.raises(ConfigError, match=r"saved from another model: .*experts.w1/expert/4.*"
                                           r"use the model options of its run"):
         checkpoint.load(f"{root}/saved", other, None)
-    wider = GPT(ModelConfig(**{**cases.CFG.__dict__, "d_ff": 32})).double()
+    wider = GPT(cases.CFG.replace(d_ff=32)).double()
     with pytest.raises(ConfigError, match=r"another shape \(e.g. model/blocks.0.ffn.up.weight: "
                                           r"\(24, 16\) saved, \(32, 16\) here"):
         checkpoint.load(f"{root}/saved", wider, None)
@@ -82,7 +82,7 @@ def test_qkv_of_older_checkpoints_loads(tmp_path):
     old = {k: (v.reshape(48, 16) if k.endswith("qkv.weight") else v) for k, v in state.items()}
     with checkpoint._single_process_ok():
         dcp.save(old, checkpoint_id=str(tmp_path / "old"))
-    fresh = GPT(ModelConfig(**{**cases.CFG.__dict__, "seed": 9}))
+    fresh = GPT(cases.CFG.replace(seed=9))
     assert checkpoint.load(str(tmp_path / "old"), fresh, None) == 7
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(p, q), name

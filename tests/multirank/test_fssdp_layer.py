@@ -226,11 +226,11 @@ def test_cli_overrides_and_metrics():
     from moeflow.strategies.fssdp.metrics import fssdp_metrics
     from moeflow.strategies.fssdp.options import FSSDPOptions
 
-    over = parse_overrides(["placement=fssdp",
-                            'fssdp={"materialize": "sparse", "overlap_degree": 2}'],
+    over = parse_overrides(["moe.placement=fssdp",
+                            'moe.fssdp={"materialize": "sparse", "overlap_degree": 2}'],
                            ModelConfig)
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
-                      num_experts=4, d_expert=8, **over)
+                      moe=dict(num_experts=4, d_expert=8, **over["moe"]))
     moe = cfg.moe_config(1)
     assert moe.placement == "fssdp" and moe.fssdp == FSSDPOptions(materialize="sparse",
                                                                   overlap_degree=2)

@@ -93,8 +93,8 @@ def test_refused_under_full_recompute():
     from moeflow.trainer import build_config
 
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
-                      moe_every=1, num_experts=2, d_expert=12, top_k=1, placement="fssdp",
-                      fssdp=dict(rematerialize=True, overlap_regather=True))
+                      moe_every=1, moe=dict(num_experts=2, d_expert=12, top_k=1, placement="fssdp",
+                                            fssdp=dict(rematerialize=True, overlap_regather=True)))
     with pytest.raises(ConfigError, match=r"recompute='full' is invalid with "
                                           r"MoEConfig.fssdp.overlap_regather=True"):
         build_config(cfg, TrainConfig(recompute="full"))

@@ -135,8 +135,8 @@ def test_fssdp_accepts_moe_act_recomputation():
     cfg = mf.MoEConfig(d_model=8, d_expert=16, num_experts=4, placement="fssdp",
                        recompute="moe_act")
     assert cfg.recompute == "moe_act"
-    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64, num_experts=4,
-                       d_expert=32, placement="fssdp")
+    mcfg = ModelConfig(n_layers=2, seq_len=16, d_model=32, n_heads=2, d_ff=64,
+                       moe=dict(num_experts=4, d_expert=32, placement="fssdp"))
     for mode in ("moe_act", "full"):
         check_layout(mcfg, TrainConfig(recompute=mode), 2)
 

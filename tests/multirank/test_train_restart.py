@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--steps", "12", "--batch-size", "2", "--eval-every", "6", "--eval-batches", "1",
          "--warmup-steps", "2", "--log-every", "1", "--checkpoint-every", "4",
          "--set", "n_layers=2", "--set", "seq_len=32", "--set", "d_model=32",
-         "--set", "n_heads=2", "--set", "num_experts=4", "--set", "d_expert=32",
+         "--set", "n_heads=2", "--set", "moe.num_experts=4", "--set", "moe.d_expert=32",
          "--no-progress", "--nproc", "2"]
 
 
@@ -191,9 +191,9 @@ def test_async_checkpoints_publish_every_save_and_equal_the_sync_run(reference, 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     # HECATE FSSDP, re-sharded by Algorithm 2 every 2 steps: owners move between checkpoints
-    ["--set", "placement=fssdp", "--set", 'fssdp={"reshard_every": 2}'],
+    ["--set", "moe.placement=fssdp", "--set", 'moe.fssdp={"reshard_every": 2}'],
     # Parm: MP over both ranks (the MoE input replicated), S2 with its plan check
-    ["--mp", "2", "--set", "parallel_schedule=s2", "--set", "moe.parm_check_plan=true"],
+    ["--mp", "2", "--set", "moe.parallel_schedule=s2", "--set", "moe.parm_check_plan=true"],
 ], ids=["fssdp_reshard", "parm_mp2_s2"])
 def test_fssdp_and_parm_layouts_restart_to_the_uninterrupted_result(layout, tmp_path):
     ref = _train(tmp_path / "ref", layout, None, tmp_path)

@@ -3,7 +3,7 @@
 HECATE (``hecate.txt``) Section 3.2 and 4.2: how each iteration's materialized placement ``P'``
 is chosen and how the materialized experts live in memory. A plain dataclass (no torch), so
 :mod:`moeflow.config` validates it at construction; a dict given in the config (or on the CLI as
-JSON, ``--set fssdp='{"rematerialize": true}'``) becomes one of these.
+JSON, ``--set moe.fssdp='{"rematerialize": true}'``) becomes one of these.
 """
 
 from __future__ import annotations

@@ -10,14 +10,15 @@ from benchmarks.hecate import hecate_train
 from moeflow.config import ModelConfig
 
 SMALL = dict(vocab_size=256, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-             moe_every=2, num_experts=4, d_expert=8, top_k=2)
+             moe_every=2)
+SMALL_MOE = dict(num_experts=4, d_expert=8, top_k=2)
 
 
 def test_every_mode_builds_a_valid_config():
     for mode in hecate_train.MODES:
-        cfg = ModelConfig(**SMALL, capacity_factor=None,
-                          **hecate_train.mode_overrides(mode, 2, 2, 3, 4))
-        assert cfg.placement == ("ep" if mode == "ep" else "fssdp")
+        cfg = ModelConfig(**SMALL, moe=dict(**SMALL_MOE, capacity_factor=None,
+                                            **hecate_train.mode_overrides(mode, 2, 2, 3, 4)))
+        assert cfg.moe.placement == ("ep" if mode == "ep" else "fssdp")
     with pytest.raises(ValueError, match="choose from"):
         hecate_train.mode_overrides("flexmoe", 2, 2, 3, 4)
 
@@ -30,7 +31,7 @@ def test_modes_start_with_ep():
 
 
 def test_one_process_runs_every_mode_with_equal_losses():
-    opts = dict(preset="tiny", overrides={k: v for k, v in SMALL.items()}, batch_size=2,
+    opts = dict(preset="tiny", overrides={**SMALL, "moe": SMALL_MOE}, batch_size=2,
                 t=1, m=1, reshard_every=1, replace_every=1, warmup=1, reps=2, seed=0,
                 init_from=None, modes=list(hecate_train.MODES))
     res = hecate_train.bench_worker(opts)

@@ -12,7 +12,7 @@ from moeflow.models import GPT
 from moeflow.trainer import make_optimizer
 
 CFG = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-                  moe_every=2, num_experts=4, d_expert=8, top_k=2)
+                  moe_every=2, moe=dict(num_experts=4, d_expert=8, top_k=2))
 
 
 def test_resident_set_fields():

@@ -9,9 +9,9 @@ from moeflow.models.gpt import GPT
 
 
 def test_loads_count_every_choice_of_every_layer():
-    cfg = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
-                      d_expert=16, top_k=2, moe_every=1, router="deepseek_v3",
-                      router_options={"n_group": 2, "topk_group": 1})
+    cfg = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_every=1,
+                      moe=dict(num_experts=4, d_expert=16, top_k=2, router="deepseek_v3",
+                               router_options={"n_group": 2, "topk_group": 1}))
     loads = layer_loads(GPT(cfg), Corpus.load(), batches=2, batch_size=3)
     assert len(loads) == 2 and all(len(v) == 4 for v in loads)
     assert all(sum(v) == 2 * 3 * 16 * 2 for v in loads)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
@@ -16,8 +18,9 @@ from moeflow.commands.common import parse_overrides
 def test_overrides_none_depends_on_the_field():
     from moeflow.config import ModelConfig
 
-    assert parse_overrides(["codec=none", "capacity_factor=none"], ModelConfig) == {
-        "codec": "none", "capacity_factor": None}
+    assert parse_overrides(["moe.codec=none", "moe.capacity_factor=none", "dropout=0.5"],
+                           ModelConfig) == {"moe": {"codec": "none", "capacity_factor": None},
+                                            "dropout": 0.5}
 
 
 def test_overrides_parse_types():
@@ -33,7 +36,7 @@ def test_overrides_reach_every_moe_config_field():
             "moe.top_k=1"]
     overrides = parse_overrides(sets, ModelConfig)
     assert overrides == {"moe": {"capacity_padding": "pad", "gate_noise": 0.5,
-                                 "renormalize": None}, "top_k": 1}   # mirrored: top level
+                                 "renormalize": None, "top_k": 1}}
     model = GPT(model_preset("tiny", n_layers=2, **overrides))
     layers = [m for m in model.modules() if type(m).__name__ == "MoELayer"]
     assert layers and all(
@@ -45,19 +48,26 @@ def test_overrides_reach_every_moe_config_field():
     (["train", "--set", "moe.capacity_paddin=pad"], "did you mean 'capacity_padding'"),
     (["train", "--set", "moe.capacity_padding=wide"], "MoEConfig.capacity_padding='wide'"),
     (["train", "--set", "moe.layer_id=3"], "ModelConfig.moe.layer_id=3"),
+    (["train", "--set", "moe.d_model=64"], "must equal ModelConfig.d_model=128"),
     (["train", "--set", "oops"], "FIELD=VALUE"),
-    (["train", "--set", "top_k=99"], "MoEConfig.top_k=99"),
-    (["train", "--set", "colour=red"], "ModelConfig.colour"),
+    (["train", "--set", "moe.top_k=99"], "MoEConfig.top_k=99"),
+    (["train", "--set", "colour=red"], "'colour' is not a field of ModelConfig"),
+    # the one spelling: a MoE field given flat names moe.FIELD
+    (["train", "--set", "top_k=1"], "top_k is a field of ModelConfig.moe: write --set "
+                                    "moe.top_k=1"),
+    (["train", "--set", "moe=1"], "--set moe.FIELD=VALUE"),
+    (["train", "--set", "mo.top_k=1"], "did you mean 'moe'?"),
     (["train", "--steps", "0"], "TrainConfig.steps=0"),
     (["train", "--nproc", "0"], "--nproc 0"),
     (["train", "--data", "/no/such/place"], "no such file"),
-    (["train", "--set", "topk=1"], "did you mean 'top_k'?"),
-    (["train", "--set", "router=topkk"], "did you mean 'topk'?"),
+    (["train", "--set", "topk=1"], "did you mean 'moe.top_k'?"),
+    (["train", "--set", "moe.topk=1"], "did you mean 'top_k'?"),
+    (["train", "--set", "moe.router=topkk"], "did you mean 'topk'?"),
     (["train", "--steps", "10", "--warmup-steps", "50"], "--warmup-steps: "),
     # checked before any rank starts (no launcher traceback)
     (["train", "--ep-size", "3"], "--ep-size 3 is invalid with 2 ranks"),
-    (["train", "--set", "num_experts=3"], "num_experts=3 is invalid with an expert-parallel "
-                                         "size of 2"),
+    (["train", "--set", "moe.num_experts=3"], "--set moe.num_experts=3 is invalid with an "
+                                             "expert-parallel size of 2"),
     (["train", "--nproc", "1", "--set", "seq_len=100000"], "seq_len"),
 ])
 def test_bad_arguments_are_clear_errors(capsys, argv, message):
@@ -184,14 +194,23 @@ def test_every_option_has_help_and_shows_its_default():
 
 
 def test_data_and_resume_are_checked_before_the_ranks_start(tmp_path, capsys):
+    from moeflow.cli import build_parser
+    from moeflow.commands.train_command import configs_from_args
+
     (tmp_path / "empty").mkdir()
     run = tmp_path / "run"
     (run / "checkpoint").mkdir(parents=True)
     cases = [(["--data", str(tmp_path / "empty")], "no non-empty text files"),
              (["--resume", "--out", str(tmp_path / "none")], "no checkpoint under"),
-             (["--resume", "--out", str(run), "--set", "top_k=1"], "differs from the checkpoint")]
-    (run / "config.json").write_text(json.dumps({"model": {"top_k": 2}}))
+             (["--resume", "--out", str(run), "--set", "moe.top_k=1"],
+              "differs from the checkpoint's (field: (saved, now)) {'moe.top_k': (2, 1)}"),
+             (["--resume", "--out", str(tmp_path / "flat"), "--set", "moe.top_k=1"],
+              "the model config is in the old flat form (MoE fields top_k beside 'moe')")]
+    saved, _ = configs_from_args(build_parser().parse_args(["train"]))     # the run's
+    (run / "config.json").write_text(json.dumps({"model": dataclasses.asdict(saved)}))
     (run / "checkpoint" / "latest").write_text("step-3")
+    shutil.copytree(run, tmp_path / "flat")
+    (tmp_path / "flat" / "config.json").write_text(json.dumps({"model": {"top_k": 2}}))
     for argv, message in cases:
         with pytest.raises(SystemExit) as err:
             main(["train", *argv])

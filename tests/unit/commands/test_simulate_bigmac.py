@@ -1,6 +1,7 @@
 """``moeflow simulate bigmac`` (moeflow/commands/simulate_bigmac.py): bench bigmac's arguments,
 its rows predicted one to one (``--measured`` lines them up), its counted bytes per token
-predicted; ``simulate layer --compare bigmac`` and ``simulate train --set structure=bigmac``."""
+predicted; ``simulate layer --compare bigmac`` and ``simulate train --set
+moe.structure=bigmac``."""
 
 from __future__ import annotations
 
@@ -89,20 +90,20 @@ def test_layer_variant_and_train(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--downscale-factor is read by the bigmac variant"):
         main([*layer, "--downscale-factor", "0.5"])
     train = ["simulate", "train", "--preset", "tiny", "--nproc", "2", "--profile",
-             "bigmac-32gpu", "--set", "num_experts=8", "--set", "top_k=4"]
+             "bigmac-32gpu", "--set", "moe.num_experts=8", "--set", "moe.top_k=4"]
     steps = {}
     for s in ("fine_grained", "bigmac"):
         out = tmp_path / f"{s}.json"
-        assert main([*train, "--set", f"structure={s}", "--out", str(out)]) == 0
+        assert main([*train, "--set", f"moe.structure={s}", "--out", str(out)]) == 0
         steps[s] = json.loads(out.read_text())["results"][0]
     assert steps["bigmac"]["moe_layer"]["comm_s"] < steps["fine_grained"]["moe_layer"]["comm_s"]
     out = tmp_path / "fp16.json"          # --dtype: the profile's fp16 peak, 2-byte payloads
-    assert main([*train, "--set", "structure=bigmac", "--dtype", "fp16", "--out",
+    assert main([*train, "--set", "moe.structure=bigmac", "--dtype", "fp16", "--out",
                  str(out)]) == 0
     half = json.loads(out.read_text())["results"][0]
     assert half["parts_s"]["attention"] < steps["bigmac"]["parts_s"]["attention"]
     assert half["moe_layer"]["comm_s"] < steps["bigmac"]["moe_layer"]["comm_s"]
-    with pytest.raises(SystemExit, match="--set structure=bigmac"):
+    with pytest.raises(SystemExit, match="--set moe.structure=bigmac"):
         main([*train, "--compare", "ep,bigmac"])
     with pytest.raises(SystemExit, match="BigMac's reduced width under MP"):
-        main([*train, "--set", "structure=bigmac", "--mp", "2"])
+        main([*train, "--set", "moe.structure=bigmac", "--mp", "2"])

@@ -12,14 +12,14 @@ import pytest
 from moeflow.config import TrainConfig, model_preset
 from moeflow.commands.simulate_measured import step_times, summarize
 
-SETS = ["a2a=direct", "schedule=sequential", "pipeline_degree=1"]
+SETS = ["moe.a2a=direct", "moe.schedule=sequential", "moe.pipeline_degree=1"]
 
 
 def _run(folder, step_ms=(900.0, 500.0, 100.0, 120.0, 110.0), **train):
     """A run folder as `moeflow train --preset tiny --nproc 2 --log-every 1 --set ...` leaves
     it: config.json and one metrics record per step (step 1 a slow warm-up)."""
     folder.mkdir(exist_ok=True)
-    mcfg = model_preset("tiny", a2a="direct", schedule="sequential", pipeline_degree=1)
+    mcfg = model_preset("tiny", moe=dict(a2a="direct", schedule="sequential", pipeline_degree=1))
     tcfg = TrainConfig(**{"steps": len(step_ms), "log_every": 1, "device": "cpu",
                           "dtype": "fp32", **train})
     (folder / "config.json").write_text(json.dumps(
@@ -67,17 +67,22 @@ def test_measured_twin_reads_the_run_and_refuses_another_run(tmp_path, capsys):
     for extra, field in ((["--batch-size", "8"], "TrainConfig.batch_size"),
                          (["--grad-accum", "2"], "TrainConfig.grad_accum"),
                          (["--recompute", "full"], "TrainConfig.recompute"),
-                         (["--set", "top_k=1"], "ModelConfig.top_k"),
-                         (["--nproc", "4", "--set", "num_experts=8"], "world_size"),
+                         (["--set", "moe.top_k=1"], "ModelConfig.moe.top_k"),
+                         (["--nproc", "4", "--set", "moe.num_experts=8"], "world_size"),
                          (["--nodes", "2"], "local_size"),
                          (["--device", "cuda"], "TrainConfig.device")):
         with pytest.raises(SystemExit, match=field):
             main([*args, *extra, "--measured", str(run)])
     # a run with the auto-tuned exchange (train's default) is not the same config
-    with pytest.raises(SystemExit, match="ModelConfig.a2a differs: the run has 'auto'"):
-        cfg = json.loads((run / "config.json").read_text())
-        cfg["model"]["a2a"] = "auto"
-        (run / "config.json").write_text(json.dumps(cfg))
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"]["moe"]["a2a"] = "auto"
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match="ModelConfig.moe.a2a differs: the run has 'auto'"):
+        main([*args, "--measured", str(run)])
+    # a run folder of the old flat model config: a clear error naming the move
+    cfg["model"] = {"top_k": 2, "a2a": "direct"}
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match="old flat form .MoE fields a2a, top_k beside 'moe'"):
         main([*args, "--measured", str(run)])
     bf16 = _run(tmp_path / "bf16", dtype="bf16")
     with pytest.raises(SystemExit, match="TrainConfig.dtype='bf16'"):

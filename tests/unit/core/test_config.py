@@ -49,7 +49,8 @@ def test_d_model_mismatch_on_input():
 
 @pytest.mark.parametrize("change,field", [
     (dict(n_heads=3), "n_heads=3"), (dict(moe_every=0), "moe_every=0"),
-    (dict(dropout=1.0), "dropout=1.0"), (dict(top_k=9), "top_k=9"),
+    (dict(dropout=1.0), "dropout=1.0"), (dict(moe=dict(top_k=9)), "MoEConfig.top_k=9"),
+    (dict(seed=-1), "ModelConfig.seed=-1"),
 ])
 def test_model_config_errors(change, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
@@ -88,7 +89,9 @@ def test_topology_without_distributed():
     (lambda: mf.MoEConfig(**BASE, schedule="sequental"), "did you mean 'sequential'?"),
     (lambda: mf.MoEConfig(**BASE, activation="gelus"), "did you mean 'gelu'"),
     (lambda: mf.MoEConfig(**BASE, structure="bigmack"), "did you mean 'bigmac'?"),
-    (lambda: model_preset("tiny", topk=1), "did you mean 'top_k'?"),
+    (lambda: model_preset("tiny", topk=1), "did you mean 'moe.top_k'?"),
+    (lambda: model_preset("tiny", moe={"topk": 1}), "did you mean 'top_k'?"),
+    (lambda: model_preset("tiny", n_layer=1), "did you mean 'n_layers'?"),
     (lambda: model_preset("tinyy"), "did you mean 'tiny'?"),
 ])
 def test_typos_get_suggestions(make, suggestion):

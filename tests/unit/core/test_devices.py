@@ -20,7 +20,7 @@ from moeflow.topology import Topology
 from moeflow.trainer import Trainer
 
 MICRO = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=1,
-                    num_experts=4, d_expert=32, top_k=2)
+                    moe=dict(num_experts=4, d_expert=32, top_k=2))
 DENSE = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2, d_ff=64, moe_every=3)
 
 

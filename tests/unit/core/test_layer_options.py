@@ -124,8 +124,8 @@ def test_model_cost_counts_expert_biases():
     from moeflow.models.cost import model_cost
 
     for act in ("gelu", "swiglu"):
-        cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
-                          d_expert=8, seq_len=8, expert_bias=True, activation=act)
+        cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, seq_len=8,
+                          moe=dict(num_experts=4, d_expert=8, expert_bias=True, activation=act))
         assert sum(p.numel() for p in GPT(cfg).parameters()) == model_cost(cfg).params_total
 
 

@@ -11,8 +11,8 @@ from moeflow.models.gpt import GPT
 
 
 def _model(capacity_factor):
-    cfg = model_preset("tiny", seq_len=16, d_model=32, n_heads=2, d_ff=64, d_expert=64,
-                       n_layers=2, capacity_factor=capacity_factor)
+    cfg = model_preset("tiny", seq_len=16, d_model=32, n_heads=2, d_ff=64, n_layers=2,
+                       moe=dict(d_expert=64, capacity_factor=capacity_factor))
     torch.manual_seed(0)
     return GPT(cfg)
 

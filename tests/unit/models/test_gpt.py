@@ -10,7 +10,7 @@ from moeflow.config import ModelConfig
 from moeflow.models import GPT
 
 CFG = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_every=2,
-                  num_experts=4, d_expert=16)
+                  moe=dict(num_experts=4, d_expert=16))
 
 
 def test_forward_loss_and_aux():
@@ -28,7 +28,7 @@ def test_causal_when_dropless():
     """Dropless routing is per token, so the model is causal. (With a capacity, whether a
     token's second choice is dropped depends on the first choices of every token in the
     batch, later ones included: GShard-style capacity is not causal, by construction.)"""
-    model = GPT(ModelConfig(**{**CFG.__dict__, "capacity_factor": None})).eval()
+    model = GPT(CFG.replace(moe={"capacity_factor": None})).eval()
     a = torch.randint(0, 256, (1, 16))
     b = a.clone()
     b[0, 10:] = (b[0, 10:] + 1) % 256
@@ -43,5 +43,5 @@ def test_initialisation_is_layout_independent():
     for name, p in h.items():
         expect = f[name][2:4] if ".experts." in name else f[name]
         assert torch.equal(p, expect), name
-    other = GPT(ModelConfig(**{**CFG.__dict__, "seed": 1}))
+    other = GPT(CFG.replace(seed=1))
     assert not torch.equal(other.tok.weight, full.tok.weight)

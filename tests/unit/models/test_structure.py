@@ -21,7 +21,7 @@ from moeflow.parallel.grad_sync import is_expert_param
 
 BASE = dict(d_model=8, d_expert=12, num_experts=4, top_k=2, seed=3, layer_id=1)
 SMALL = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_every=1,
-                    num_experts=8, d_expert=16, top_k=4, structure="fine_grained")
+                    moe=dict(num_experts=8, d_expert=16, top_k=4, structure="fine_grained"))
 
 
 def test_dropless_is_the_default_for_fine_grained_and_bigmac():
@@ -29,7 +29,7 @@ def test_dropless_is_the_default_for_fine_grained_and_bigmac():
     assert mf.MoEConfig(**BASE, structure="fine_grained").capacity_factor is None
     assert mf.MoEConfig(**BASE, structure="bigmac").capacity_factor is None
     assert mf.MoEConfig(**BASE, structure="bigmac", capacity_factor=2.0).capacity_factor == 2.0
-    assert ModelConfig(structure="bigmac").capacity_factor is None
+    assert ModelConfig(moe=dict(structure="bigmac")).moe.capacity_factor is None
     big = mf.MoEConfig(**{**BASE, "num_experts": 16, "top_k": 16}, structure="bigmac")
     assert big.top_k == 16 and big.downscale == 0.25                          # k up to E
 
@@ -55,9 +55,9 @@ def test_structure_config_errors(change, field, hint):
 
 
 def test_model_config_structure_errors_and_cli():
-    with pytest.raises(ConfigError, match=r"ModelConfig.downscale_factor=3"):
-        ModelConfig(structure="bigmac", downscale_factor=3)
-    model = GPT(ModelConfig(**{**SMALL.__dict__, "structure": "bigmac"}))
+    with pytest.raises(ConfigError, match=r"MoEConfig.downscale_factor=3"):
+        ModelConfig(moe=dict(structure="bigmac", downscale_factor=3))
+    model = GPT(SMALL.replace(moe={"structure": "bigmac"}))
     layer = model.moe_layers()[0]
     assert layer.dcca is not None and layer.experts.w1.shape == (8, 4, 64)   # (E, rM, F/r)
 
@@ -116,7 +116,7 @@ def test_parameter_counts_equal_the_formulas():
             model_cost_preset(), granularity=4):
         model = GPT(cfg)
         cost = model_cost(cfg)
-        assert sum(p.numel() for p in model.parameters()) == cost.params_total, cfg.structure
+        assert sum(p.numel() for p in model.parameters()) == cost.params_total, cfg.moe.structure
         layer = model.moe_layers()[0]
         assert sum(p.numel() for p in layer.parameters()) == cost.params_per_moe_layer
     fine, big = (model_cost(c) for c in structure_variants(SMALL, granularity=2)[1:])
@@ -126,7 +126,7 @@ def test_parameter_counts_equal_the_formulas():
 
 
 def model_cost_preset() -> ModelConfig:
-    return mf.model_preset("tiny", structure="vanilla")
+    return mf.model_preset("tiny", moe=dict(structure="vanilla"))
 
 
 def test_projections_are_replicated_and_experts_sharded():
@@ -139,7 +139,7 @@ def test_projections_are_replicated_and_experts_sharded():
 def test_bigmac_checkpoint_uses_global_expert_keys(tmp_path):
     """Saved by one rank, loaded into rank 1 of a 2-rank layout: experts by global id, the
     replicated projections whole."""
-    cfg = ModelConfig(**{**SMALL.__dict__, "structure": "bigmac"})
+    cfg = SMALL.replace(moe={"structure": "bigmac"})
     full = GPT(cfg)
     with torch.no_grad():
         for p in full.parameters():
@@ -158,9 +158,9 @@ def test_bigmac_checkpoint_uses_global_expert_keys(tmp_path):
 
 def test_model_info_cli(tmp_path, capsys):
     out = tmp_path / "info.json"
-    assert main(["model-info", "--set", "structure=fine_grained", "--set", "num_experts=32",
-                 "--set", "d_expert=64", "--set", "top_k=8", "--ep", "2",
-                 "--out", str(out)]) == 0
+    assert main(["model-info", "--set", "moe.structure=fine_grained", "--set",
+                 "moe.num_experts=32", "--set", "moe.d_expert=64", "--set", "moe.top_k=8",
+                 "--ep", "2", "--out", str(out)]) == 0
     table = capsys.readouterr().out
     assert "bigmac" in table and "-75.00%" in table
     rows = {r["structure"]: r for r in json.loads(out.read_text())["rows"]}
@@ -169,7 +169,7 @@ def test_model_info_cli(tmp_path, capsys):
     assert rows["bigmac"]["a2a_bytes_per_token"] * 4 == rows["fine_grained"][
         "a2a_bytes_per_token"]
     with pytest.raises(SystemExit):
-        main(["model-info", "--granularity", "3", "--set", "structure=fine_grained"])
+        main(["model-info", "--granularity", "3", "--set", "moe.structure=fine_grained"])
     assert "granularity=3" in capsys.readouterr().err
 
 
@@ -195,13 +195,13 @@ def test_counted_all_to_all_bytes_on_two_ranks(tmp_path, capsys):
 
 
 def test_bigmac_initialisation_is_layout_independent():
-    cfg = ModelConfig(**{**SMALL.__dict__, "structure": "bigmac"})
+    cfg = SMALL.replace(moe={"structure": "bigmac"})
     full = dict(GPT(cfg).named_parameters())
     half = GPT(cfg, mf.Topology(rank=1, world_size=2, local_size=2, ep_size=2))
     for name, p in half.named_parameters():
         expect = full[name][4:8] if ".experts." in name else full[name]
         assert torch.equal(p, expect), name
-    other = GPT(ModelConfig(**{**cfg.__dict__, "seed": 1}))
+    other = GPT(cfg.replace(seed=1))
     assert not torch.equal(other.blocks[0].ffn.dcca.descend, full["blocks.0.ffn.dcca.descend"])
 
 

@@ -54,27 +54,27 @@ def test_cli_takes_train_model_arguments(tmp_path, capsys):
     from moeflow.cli import build_parser, main
 
     parser = build_parser()
-    train = vars(parser.parse_args(["train", "--preset", "small", "--set", "top_k=1"]))
+    train = vars(parser.parse_args(["train", "--preset", "small", "--set", "moe.top_k=1"]))
     sim = vars(parser.parse_args(["simulate", "train", "--preset", "small", "--set",
-                                  "top_k=1"]))
+                                  "moe.top_k=1"]))
     for name in ("preset", "overrides", "batch_size", "nproc", "esp_placement", "grad_accum",
                  "recompute"):
         assert sim[name] == train[name], name
     out = tmp_path / "t.json"
     assert main(["simulate", "train", "--profile", "schemoe-32gpu", "--nproc", "4",
-                 "--set", "num_experts=8", "--compare", "ep,fssdp:static,a2a:pairwise",
+                 "--set", "moe.num_experts=8", "--compare", "ep,fssdp:static,a2a:pairwise",
                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in rows] == ["ep", "fssdp:static", "a2a:pairwise"]
     assert rows[0]["ratio_to_first"] == 1.0
-    cfg = model_preset("tiny", num_experts=8)
+    cfg = model_preset("tiny", moe=dict(num_experts=8))
     assert rows[0]["spec"]["moe_blocks"] == cfg.moe_layer_ids()
     assert rows[0]["spec"]["tokens"] == 16 * cfg.seq_len
     assert rows[0]["parts_s"]["moe_layers"] == pytest.approx(
         len(cfg.moe_layer_ids()) * rows[0]["moe_layer"]["step_s"])
     assert "tok/s" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="a2a='auto' is tuned"):
-        main(["simulate", "train", "--profile", "schemoe-32gpu", "--set", "a2a=auto"])
+        main(["simulate", "train", "--profile", "schemoe-32gpu", "--set", "moe.a2a=auto"])
     with pytest.raises(SystemExit, match="run Parm's schedules"):
         main(["simulate", "train", "--profile", "schemoe-32gpu", "--nproc", "4", "--mp", "2",
               "--compare", "ep"])
@@ -87,7 +87,7 @@ def test_the_config_decides_the_strategy_and_unused_flags_are_refused(tmp_path):
 
     out = tmp_path / "p.json"
     base = ["simulate", "train", "--profile", "parm-testbed-b", "--nproc", "4"]
-    assert main([*base, "--mp", "2", "--esp", "2", "--set", "parallel_schedule=s2",
+    assert main([*base, "--mp", "2", "--esp", "2", "--set", "moe.parallel_schedule=s2",
                  "--out", str(out)]) == 0
     assert [r["variant"] for r in json.loads(out.read_text())["results"]] == ["parm:s2"]
     assert main([*base, "--mp", "2", "--out", str(out)]) == 0            # train's default

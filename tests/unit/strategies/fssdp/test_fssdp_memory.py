@@ -124,10 +124,10 @@ def test_cli_budget_reaches_every_gpt_layer():
     from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
     from tests.helpers.fssdp_layer_worker import small_gpt
 
-    over = parse_overrides(["placement=fssdp", 'fssdp={"materialize": "sparse", '
+    over = parse_overrides(["moe.placement=fssdp", 'moe.fssdp={"materialize": "sparse", '
                             '"overlap_degree": 2, "memory_budget_bytes": 4096}'], ModelConfig)
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32,
-                      num_experts=4, d_expert=8, **over)
+                      moe=dict(num_experts=4, d_expert=8, **over["moe"]))
     assert cfg.moe_config(1).fssdp.memory_budget_bytes == 4096
     model = small_gpt(Topology.single(), placement="fssdp",
                       fssdp=dict(materialize="sparse", overlap_degree=2,

@@ -1,8 +1,11 @@
-"""Configuration dataclasses with validation.
+"""``MoEConfig``: the configuration of one MoE layer and its checks.
 
 Every bad value fails at construction with a :class:`ConfigError` whose message names the field,
 the value it was given, and how to fix it. Names of routers, codecs and all-to-all algorithms are
 checked against the registries, so a user-registered part is accepted once it is registered.
+The fields follow the papers of the parts they configure (GShard capacity, ScheMoE Sections 3-5,
+BigMac's structures, SMILE's bi-level routing, HECATE Section 3.2, Parm Section III); each field's
+comment names its section.
 """
 
 from __future__ import annotations
@@ -10,13 +13,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moeflow.devices import DEVICES, DTYPES
+from moeflow.config.checks import _positive_int, _require, config_error
 from moeflow.errors import ConfigError
 from moeflow.registry import did_you_mean, registry
-
-
-def config_error(owner: str, name: str, value, fix: str) -> ConfigError:
-    return ConfigError(f"{owner}.{name}={value!r} is invalid: {fix}")
 
 
 AUTO = "auto"      # a2a / schedule / pipeline_degree measured on the cluster (ScheMoE 3.2, 4)
@@ -24,16 +23,6 @@ AUTO_LOSSY = "auto:lossy"   # the codec measured too, lossy ones within their er
 DEFAULT_LOSSY_ERROR_BUDGET = 1e-2   # what lossy_error_budget=None means with codec auto:lossy
 DEFAULT_AUTOTUNE_BUDGET_S = 30.0    # MoEConfig.autotune_budget_s's default
 PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
-
-
-def _require(cond: bool, owner: str, name: str, value, fix: str) -> None:
-    if not cond:
-        raise config_error(owner, name, value, fix)
-
-
-def _positive_int(owner: str, name: str, value) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-             owner, name, value, "must be a positive integer")
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # built in (the "activation"
@@ -47,8 +36,6 @@ BALANCE_LOSSES = ("all_choices", "first_choice")   # = moeflow.routing.losses.BA
 STRUCTURES = ("vanilla", "fine_grained", "bigmac")
 CAPACITY_PADDINGS = ("auto", "pad", "trim")
 MOE_RECOMPUTES = ("none", "moe_act")         # MoEConfig.recompute
-TRAIN_RECOMPUTES = ("none", "full", "moe_act")   # TrainConfig.recompute
-DENSE_SHARDS = ("replicate", "fsdp")              # TrainConfig.dense_shard
 DEFAULT_CAPACITY_FACTOR = 1.25        # what capacity_factor="auto" means for "vanilla"
 DEFAULT_DOWNSCALE_FACTOR = 0.25       # BigMac's r (paper: 0.25)
 
@@ -187,7 +174,7 @@ class MoEConfig:
     DeepSpeed-MoE, Tutel); see ``moeflow/routing/losses.py``. With ``router="bilevel"`` it
     applies per level of SMILE's Eq. (4), whose ``f`` is the first choice (argmax).
 
-    ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/strategies/parm``,
+    ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/parallel/parm``,
     used when the topology has ``mp_size`` or ``esp_size`` > 1): ``"baseline"`` is
     DeepSpeed-MoE's order (Parm Fig. 3a); ``"s1"`` pauses MP before the gate (Fig. 3b),
     ``"s2"`` after it (Fig. 3c), both with the EP&ESP-AlltoAll; ``"auto"`` picks S1 or S2 per
@@ -269,7 +256,8 @@ class MoEConfig:
     # capacity mode's gather of every rank's C_p (moeflow/dispatch/plan.py) and Parm auto's
     # all-reduce of Algorithm 1's predictions (moeflow/strategies/parm/algorithm1.py). Each
     # first call checks the promise and raises a ConfigError naming this field if it fails.
-    equal_rank_tokens: bool = False
+    # None: not declared (as False; moeflow train declares it for its fixed-shape batches).
+    equal_rank_tokens: bool | None = None
     # Activation memory of the experts (moeflow/schedule/pipeline.py, "Recomputation"):
     # "none" keeps each expert's hidden activations for backward; "moe_act" keeps only the
     # exchanged tokens (the experts' input rows) and recomputes the experts' activations in
@@ -278,9 +266,10 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         o = "MoEConfig"
-        _require(isinstance(self.equal_rank_tokens, bool), o, "equal_rank_tokens",
-                 self.equal_rank_tokens, "must be True (every rank calls the layer with the "
-                 "same token count, e.g. fixed-shape batches) or False")
+        _require(self.equal_rank_tokens is None or isinstance(self.equal_rank_tokens, bool), o,
+                 "equal_rank_tokens", self.equal_rank_tokens, "must be True (every rank calls "
+                 "the layer with the same token count, e.g. fixed-shape batches), False, or "
+                 "None (not declared: as False)")
         # the strategy by registry name; its options class validates MoEConfig.fssdp
         strategies = registry("strategy")
         _require(self.a2a != "node_dedup", o, "a2a", self.a2a,
@@ -540,290 +529,3 @@ class MoEConfig:
 
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)
-
-
-@dataclass
-class ModelConfig:
-    """A small GPT whose FFN is an MoE layer every ``moe_every`` blocks (the others are dense).
-
-    The MoE fields mean what they mean in :class:`MoEConfig` (``structure``,
-    ``downscale_factor``, ``capacity_factor="auto"``, ...). Two spellings build the same
-    config:
-
-    * nested, as nanoGPT and torchtitan keep a model's parts: ``GPTConfig(d_model=128, ...,
-      moe=MoEConfig(d_model=128, d_expert=256, num_experts=8, capacity_padding="pad"))``: the
-      ``MoEConfig`` is the template of every MoE block (``layer_id`` is set per block, its
-      ``d_model`` must equal the model's);
-    * flat, as ``moeflow train --set`` writes it: ``ModelConfig(num_experts=8, top_k=2, ...,
-      moe={"capacity_padding": "pad"})``.
-
-    The config is stored flat either way (``dataclasses.asdict`` and checkpoints round-trip):
-    a nested ``MoEConfig`` is unpacked into the MoE fields below and ``moe`` keeps only the
-    fields this class does not name, where they differ from ``MoEConfig``'s defaults. A flat
-    field given a non-default value that differs from the nested ``MoEConfig``'s is refused.
-    """
-
-    vocab_size: int = 256
-    seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 512
-    moe_every: int = 1
-    num_experts: int = 8
-    d_expert: int = 256
-    top_k: int = 2
-    capacity_factor: float | None | str = "auto"
-    router: str = "topk"
-    activation: str = "gelu"
-    expert_bias: bool = False
-    structure: str = "vanilla"
-    downscale_factor: float | None = None
-    aux_loss_coef: float = 0.01
-    balance_loss: str = "all_choices"
-    z_loss_coef: float = 0.0
-    bilevel_nodes: int | None = None
-    node_top_k: int = 1
-    local_top_k: int = 1
-    local_loss_coef: float | None = None
-    router_options: dict | None = None
-    codec: str = "none"
-    codec_backward: bool = False
-    a2a: str = "direct"
-    schedule: str = "sequential"
-    pipeline_degree: int = 1
-    # auto-tuning: see MoEConfig.lossy_error_budget / MoEConfig.autotune_budget_s
-    lossy_error_budget: float | None = None
-    autotune_budget_s: float | None = DEFAULT_AUTOTUNE_BUDGET_S
-    # HECATE FSSDP (Section 3.2): see MoEConfig.placement / MoEConfig.fssdp
-    placement: str = "ep"
-    fssdp: dict | None = None
-    dropout: float = 0.0
-    seed: int = 0
-    # Parm (Section III): the MoE layers' MP+EP+ESP schedule (MoEConfig.parallel_schedule)
-    parallel_schedule: str = "baseline"
-    # Shared experts (DeepSeek-V3, Qwen2-MoE): MoEConfig.num_shared_experts / shared_expert_hidden /
-    # shared_expert_gate, e.g. `moeflow train --set num_shared_experts=1`
-    num_shared_experts: int = 0
-    shared_expert_hidden: int | None = None
-    shared_expert_gate: bool = False
-    # Every other MoEConfig field (capacity_padding, gate_noise, renormalize, parm_saa,
-    # expert_module, activation_options, ...) as {field: value}, for every MoE block:
-    # `moeflow train --set moe.capacity_padding=pad`
-    # (or a whole MoEConfig: the nested spelling, see the class docstring)
-    moe: "dict | MoEConfig | None" = None
-
-    def __post_init__(self) -> None:
-        o = "ModelConfig"
-        self._check_moe_fields()
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                     "moe_every"):
-            _positive_int(o, name, getattr(self, name))
-        _require(self.d_model % self.n_heads == 0, o, "n_heads", self.n_heads,
-                 f"must divide d_model ({self.d_model})")
-        _require(0.0 <= self.dropout < 1.0, o, "dropout", self.dropout, "must be in [0, 1)")
-        self.capacity_factor = _check_structure(o, self.structure, self.capacity_factor,
-                                                self.downscale_factor, self.d_model,
-                                                self.d_expert)
-        # Validates the MoE fields (names, ranges) at construction.
-        if self.num_moe_layers:
-            self.moe_config(self.moe_layer_ids()[0])
-
-    def _unpack_moe_template(self) -> None:
-        """``moe=MoEConfig(...)``: copy its fields into this flat form (class docstring)."""
-        template, o = self.moe, "ModelConfig"
-        _require(template.d_model == self.d_model, o, "moe.d_model", template.d_model,
-                 f"must equal ModelConfig.d_model={self.d_model} (the MoE blocks take the "
-                 "model's width): build the MoEConfig with the same d_model")
-        defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-        plain = MoEConfig(d_model=template.d_model, d_expert=template.d_expert,
-                          num_experts=template.num_experts)     # defaults, as normalised
-        rest = {}
-        for f in dataclasses.fields(MoEConfig):
-            if f.name in ("layer_id", "d_model"):
-                continue
-            value = getattr(template, f.name)
-            mine = getattr(self, f.name, None)
-            if f.name in defaults and mine != defaults[f.name] and mine != value:
-                raise config_error(o, f.name, mine,
-                                   f"contradicts moe.{f.name}={value!r}: set it in one "
-                                   "place, the MoEConfig (nested) or here (flat)")
-            if f.default is not dataclasses.MISSING and value == getattr(plain, f.name):
-                continue                                # MoEConfig's default: nothing to say
-            if f.name in defaults:
-                setattr(self, f.name, value)
-            else:
-                rest[f.name] = value
-        self.moe = rest or None
-
-    def _check_moe_fields(self) -> None:
-        if isinstance(self.moe, MoEConfig):
-            self._unpack_moe_template()
-        if self.moe is None:
-            return
-        _require(isinstance(self.moe, dict), "ModelConfig", "moe", self.moe,
-                 "must be a MoEConfig (the template of every MoE block) or a dict of "
-                 "MoEConfig fields, e.g. {'capacity_padding': 'pad'}")
-        moe_fields = [f.name for f in dataclasses.fields(MoEConfig)]
-        for key in self.moe:
-            if key not in moe_fields:
-                raise config_error("ModelConfig", f"moe.{key}", self.moe[key],
-                                   f"not a MoEConfig field{did_you_mean(key, moe_fields)}")
-            if key == "layer_id":
-                raise config_error("ModelConfig", "moe.layer_id", self.moe[key],
-                                   "the model sets it (the block index); leave it out")
-            if any(f.name == key for f in dataclasses.fields(ModelConfig)):
-                raise config_error("ModelConfig", f"moe.{key}", self.moe[key],
-                                   f"the model mirrors this field: set ModelConfig.{key} "
-                                   f"(--set {key}=...) instead")
-
-    def is_moe(self, block: int) -> bool:
-        """Blocks moe_every-1, 2*moe_every-1, ... are MoE (GShard: every other block for 2)."""
-        return (block + 1) % self.moe_every == 0
-
-    def moe_layer_ids(self) -> list[int]:
-        return [b for b in range(self.n_layers) if self.is_moe(b)]
-
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layer_ids())
-
-    def moe_config(self, block: int) -> MoEConfig:
-        # every MoEConfig field this config also has (sizes, routing, structure, codec,
-        # algorithm, schedule, seed); the rest keep MoEConfig's defaults
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEConfig)
-                  if f.name != "layer_id" and hasattr(self, f.name)}
-        return MoEConfig(**shared, **(self.moe or {}), layer_id=block)
-
-
-GPTConfig = ModelConfig
-"""The model's config under the name nanoGPT and torchtitan users look for:
-``GPTConfig(..., moe=MoEConfig(...))``."""
-
-
-PRESETS: dict[str, dict] = {
-    # Sized for a 2-core CPU: trains to < 2.0 nats/byte on the default corpus in minutes.
-    "tiny": dict(seq_len=128, d_model=128, n_layers=4, n_heads=4, d_ff=512, moe_every=2,
-                 num_experts=8, d_expert=256, top_k=2),
-    "small": dict(seq_len=256, d_model=256, n_layers=6, n_heads=8, d_ff=1024, moe_every=2,
-                  num_experts=16, d_expert=512, top_k=2),
-    "medium": dict(seq_len=1024, d_model=1024, n_layers=24, n_heads=16, d_ff=4096,
-                   moe_every=2, num_experts=64, d_expert=4096, top_k=2),
-}
-
-
-def model_preset(name: str, **overrides) -> ModelConfig:
-    if name not in PRESETS:
-        raise config_error("ModelConfig", "preset", name,
-                           f"choose one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
-    fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    unknown = sorted(set(overrides) - set(fields))
-    if unknown:
-        raise config_error("ModelConfig", unknown[0], overrides[unknown[0]],
-                           f"not a ModelConfig field{did_you_mean(unknown[0], fields)}")
-    return ModelConfig(**{**PRESETS[name], **overrides})
-
-
-
-
-@dataclass
-class TrainConfig:
-    """Optimisation and bookkeeping for ``moeflow train``.
-
-    ``warmup_steps=None`` (the default) means ``min(30, steps // 10)``: 30 for the default 1000
-    steps, none for a 5-step smoke run. Each error names the ``moeflow train`` option first
-    (``--warmup-steps: TrainConfig.warmup_steps=50 is invalid: ...``).
-    """
-
-    steps: int = 1000
-    batch_size: int = 16          # sequences per rank per micro-batch
-    grad_accum: int = 1           # micro-batches per optimizer step (gradient accumulation)
-    # activation recomputation (docs/training.md): "full" runs every block under
-    # torch.utils.checkpoint (non-reentrant), "moe_act" sets MoEConfig.recompute="moe_act"
-    recompute: str = "none"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None   # None = min(30, steps // 10)
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_batches: int = 8
-    log_every: int = 10
-    checkpoint_every: int = 0     # 0 = only at the end
-    seed: int = 0
-    collective_timeout_s: float = 300.0
-    ep_size: int | None = None    # None = all ranks (pure expert parallelism)
-    device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
-    dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
-    # Parm (Section IV-A): tensor parallelism of the dense layers over mp_size ranks, each expert
-    # sharded over esp_size ranks; ESP groups inside a node (Section IV-A case 2) or EP groups
-    mp_size: int = 1
-    esp_size: int = 1
-    esp_in_node: bool = True
-    # the dense (non-expert) part: replicated on every rank, or sharded by FSDP2 over the
-    # data-parallel ranks (moeflow.parallel.fsdp); the experts keep their EP / FSSDP layout
-    dense_shard: str = "replicate"
-    # reproducible runs (docs/training.md, "Reproducible runs"): no timing-based choice (the
-    # auto-tuned exchange settings are fixed: recorded ones or the untuned defaults, never
-    # re-tuned) and torch's deterministic algorithms
-    deterministic: bool = False
-    # a run folder whose recorded tuner choices (its autotune.jsonl) the MoE layers start with
-    tuned_from: str | None = None
-
-    # the moeflow train option of each field: --field-name, except these
-    FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
-             "esp_in_node": "--esp-placement"}
-
-    @classmethod
-    def flag(cls, name: str) -> str:
-        return cls.FLAGS.get(name, "--" + name.replace("_", "-"))
-
-    def _require(self, cond: bool, name: str, fix: str) -> None:
-        if not cond:
-            err = config_error("TrainConfig", name, getattr(self, name), fix)
-            raise ConfigError(f"{self.flag(name)}: {err}")
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
-            v = getattr(self, name)
-            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
-                          "must be a positive integer")
-        v = self.grad_accum
-        self._require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "grad_accum",
-                      "must be an integer >= 1 (micro-batches of --batch-size sequences per "
-                      "optimizer step; 1: no accumulation)")
-        if self.warmup_steps is None:
-            self.warmup_steps = min(30, self.steps // 10)
-        self._require(self.lr > 0, "lr", "must be > 0")
-        self._require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-        self._require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.steps,
-                      "warmup_steps", f"must be in [0, steps={self.steps}] (unset: "
-                      f"min(30, steps // 10) = {min(30, self.steps // 10)})")
-        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        self._require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
-        self._require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
-                      "checkpoint_every", "must be >= 0 (0: at the end only)")
-        self._require(self.collective_timeout_s > 0, "collective_timeout_s",
-                      "must be > 0 seconds")
-        if self.ep_size is not None:
-            self._require(isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
-                          and self.ep_size > 0, "ep_size", "must be a positive integer")
-        for name in ("mp_size", "esp_size"):
-            v = getattr(self, name)
-            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
-                          "must be a positive integer (1: no Parm parallelism of that kind)")
-        self._require(self.recompute in TRAIN_RECOMPUTES, "recompute",
-                      "choose 'none', 'full' (recompute every block in backward) or 'moe_act' "
-                      "(keep the MoE layers' exchanged tokens, recompute their experts)")
-        self._require(self.dense_shard in DENSE_SHARDS, "dense_shard",
-                      "choose 'replicate' (every rank holds the dense weights whole) or 'fsdp' "
-                      "(FSDP2 shards them over the data-parallel ranks)")
-        self._require(self.device in DEVICES, "device",
-                      f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
-        self._require(self.dtype in DTYPES, "dtype",
-                      f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 "
-                      "on cpu)")
-        self._require(isinstance(self.deterministic, bool), "deterministic",
-                      "must be True or False")
-        self._require(self.tuned_from is None or isinstance(self.tuned_from, str), "tuned_from",
-                      "must be a run folder (the --out of a 'moeflow train' run) or unset")

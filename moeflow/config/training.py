@@ -1,0 +1,117 @@
+"""``TrainConfig``: optimisation, bookkeeping and the parallel layout of ``moeflow train``
+(Parm Section IV-A's MP / ESP groups, FSDP2 of the dense part), each error naming the
+``moeflow train`` option first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeflow.config.checks import config_error
+from moeflow.devices import DEVICES, DTYPES
+from moeflow.errors import ConfigError
+
+TRAIN_RECOMPUTES = ("none", "full", "moe_act")   # TrainConfig.recompute
+DENSE_SHARDS = ("replicate", "fsdp")              # TrainConfig.dense_shard
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping for ``moeflow train``.
+
+    ``warmup_steps=None`` (the default) means ``min(30, steps // 10)``: 30 for the default 1000
+    steps, none for a 5-step smoke run. Each error names the ``moeflow train`` option first
+    (``--warmup-steps: TrainConfig.warmup_steps=50 is invalid: ...``).
+    """
+
+    steps: int = 1000
+    batch_size: int = 16          # sequences per rank per micro-batch
+    grad_accum: int = 1           # micro-batches per optimizer step (gradient accumulation)
+    # activation recomputation (docs/training.md): "full" runs every block under
+    # torch.utils.checkpoint (non-reentrant), "moe_act" sets MoEConfig.recompute="moe_act"
+    recompute: str = "none"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None   # None = min(30, steps // 10)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 0     # 0 = only at the end
+    seed: int = 0
+    collective_timeout_s: float = 300.0
+    ep_size: int | None = None    # None = all ranks (pure expert parallelism)
+    device: str = "auto"          # see DEVICES; on cuda rank i of a node uses cuda:LOCAL_RANK
+    dtype: str = "auto"           # see DTYPES; bf16 = bf16 autocast (weights stay fp32)
+    # Parm (Section IV-A): tensor parallelism of the dense layers over mp_size ranks, each expert
+    # sharded over esp_size ranks; ESP groups inside a node (Section IV-A case 2) or EP groups
+    mp_size: int = 1
+    esp_size: int = 1
+    esp_in_node: bool = True
+    # the dense (non-expert) part: replicated on every rank, or sharded by FSDP2 over the
+    # data-parallel ranks (moeflow.parallel.fsdp); the experts keep their EP / FSSDP layout
+    dense_shard: str = "replicate"
+    # reproducible runs (docs/training.md, "Reproducible runs"): no timing-based choice (the
+    # auto-tuned exchange settings are fixed: recorded ones or the untuned defaults, never
+    # re-tuned) and torch's deterministic algorithms
+    deterministic: bool = False
+    # a run folder whose recorded tuner choices (its autotune.jsonl) the MoE layers start with
+    tuned_from: str | None = None
+
+    # the moeflow train option of each field: --field-name, except these
+    FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
+             "esp_in_node": "--esp-placement"}
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        return cls.FLAGS.get(name, "--" + name.replace("_", "-"))
+
+    def _require(self, cond: bool, name: str, fix: str) -> None:
+        if not cond:
+            err = config_error("TrainConfig", name, getattr(self, name), fix)
+            raise ConfigError(f"{self.flag(name)}: {err}")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
+            v = getattr(self, name)
+            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                          "must be a positive integer")
+        v = self.grad_accum
+        self._require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "grad_accum",
+                      "must be an integer >= 1 (micro-batches of --batch-size sequences per "
+                      "optimizer step; 1: no accumulation)")
+        if self.warmup_steps is None:
+            self.warmup_steps = min(30, self.steps // 10)
+        self._require(self.lr > 0, "lr", "must be > 0")
+        self._require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        self._require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.steps,
+                      "warmup_steps", f"must be in [0, steps={self.steps}] (unset: "
+                      f"min(30, steps // 10) = {min(30, self.steps // 10)})")
+        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+        self._require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+                      "checkpoint_every", "must be >= 0 (0: at the end only)")
+        self._require(self.collective_timeout_s > 0, "collective_timeout_s",
+                      "must be > 0 seconds")
+        if self.ep_size is not None:
+            self._require(isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
+                          and self.ep_size > 0, "ep_size", "must be a positive integer")
+        for name in ("mp_size", "esp_size"):
+            v = getattr(self, name)
+            self._require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                          "must be a positive integer (1: no Parm parallelism of that kind)")
+        self._require(self.recompute in TRAIN_RECOMPUTES, "recompute",
+                      "choose 'none', 'full' (recompute every block in backward) or 'moe_act' "
+                      "(keep the MoE layers' exchanged tokens, recompute their experts)")
+        self._require(self.dense_shard in DENSE_SHARDS, "dense_shard",
+                      "choose 'replicate' (every rank holds the dense weights whole) or 'fsdp' "
+                      "(FSDP2 shards them over the data-parallel ranks)")
+        self._require(self.device in DEVICES, "device",
+                      f"choose one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible)")
+        self._require(self.dtype in DTYPES, "dtype",
+                      f"choose one of {', '.join(DTYPES)} (auto: bf16 autocast on cuda, fp32 "
+                      "on cpu)")
+        self._require(isinstance(self.deterministic, bool), "deterministic",
+                      "must be True or False")
+        self._require(self.tuned_from is None or isinstance(self.tuned_from, str), "tuned_from",
+                      "must be a run folder (the --out of a 'moeflow train' run) or unset")
