@@ -225,7 +225,7 @@ def check_deterministic(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
     if auto:
         raise ConfigError(f"--deterministic: MoEConfig.parallel_schedule='auto' (MoE blocks "
                           f"{auto}) picks Parm's schedule from timings measured on the "
-                          "machine; fix it with --set parallel_schedule=s1 (or s2, baseline)")
+                          "machine; fix it with --set moe.parallel_schedule=s1 (or s2, baseline)")
 
 
 def use_deterministic_algorithms(seed: int) -> None:

@@ -113,7 +113,7 @@ def test_deterministic_and_tuned_from_reach_the_train_config():
 
 
 def test_deterministic_refuses_parm_auto_and_a_missing_record(tmp_path, capsys):
-    mcfg = model_preset("tiny", parallel_schedule="auto")
+    mcfg = model_preset("tiny", moe={"parallel_schedule": "auto"})
     with pytest.raises(ConfigError, match="parallel_schedule='auto'"):
         check_deterministic(mcfg, TrainConfig(deterministic=True))
     check_deterministic(mcfg, TrainConfig())                  # measured: allowed

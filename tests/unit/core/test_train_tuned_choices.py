@@ -18,8 +18,8 @@ from moeflow.topology import Topology
 from moeflow.trainer import Trainer
 from tests.helpers.fault_injection import MICRO_MODEL, MICRO_TRAIN
 
-AUTO_MODEL = dataclasses.replace(MICRO_MODEL, a2a="auto", schedule="auto",
-                                 pipeline_degree="auto")
+AUTO_MODEL = MICRO_MODEL.replace(moe=dict(a2a="auto", schedule="auto",
+                                          pipeline_degree="auto"))
 
 
 @pytest.fixture

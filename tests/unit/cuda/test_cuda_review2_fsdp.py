@@ -113,12 +113,13 @@ def test_fsdp_refuses_hecate_lane_overlap(option):
              "overlap_regather": option == "overlap_regather",
              "rematerialize": option == "overlap_regather"}
     cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-                      moe_every=2, num_experts=4, d_expert=8, top_k=2, placement="fssdp",
-                      fssdp=fssdp)
+                      moe_every=2, moe=dict(num_experts=4, d_expert=8, top_k=2,
+                                            placement="fssdp", fssdp=fssdp))
     model = GPT(cfg, Topology.single())
     with pytest.raises(ConfigError, match=rf"--dense-shard fsdp.*fssdp\.{option}=True"):
         fsdp.shard_dense(model, Topology.single())
     plain = GPT(ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4,
-                            d_ff=24, moe_every=2, num_experts=4, d_expert=8, top_k=2,
-                            placement="fssdp"), Topology.single())
+                            d_ff=24, moe_every=2, moe=dict(num_experts=4, d_expert=8, top_k=2,
+                                                           placement="fssdp")),
+              Topology.single())
     fsdp.check_lane_overlap(plain)                          # without the options: accepted

@@ -15,8 +15,8 @@ from moeflow.strategies import FSSDP, ExpertParallel, model_hooks
 
 def _gpt(placement: str, **kw) -> GPT:
     return GPT(ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2,
-                           d_ff=32, moe_every=1, num_experts=2, d_expert=12, top_k=1,
-                           placement=placement, **kw))
+                           d_ff=32, moe_every=1, moe=dict(num_experts=2, d_expert=12, top_k=1,
+                                                          placement=placement, **kw)))
 
 
 def test_layers_by_strategy_and_shared_slots():
