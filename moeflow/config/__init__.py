@@ -5,13 +5,13 @@
   nested ``MoEConfig``;
 * :mod:`moeflow.config.training`: ``TrainConfig``, ``moeflow train``'s optimisation and layout;
 * :mod:`moeflow.config.presets`: the named model sizes;
-* :mod:`moeflow.config.checks`: the ``ConfigError`` helpers they share.
+* :mod:`moeflow.config.validation`: the ``ConfigError`` helpers they share.
 
 Every bad value fails at construction with a :class:`ConfigError` naming the field, the value
 and the fix. The public names are re-exported here (``from moeflow.config import MoEConfig``).
 """
 
-from moeflow.config.checks import config_error
+from moeflow.config.validation import config_error
 from moeflow.config.model import (MODEL_MOE_DEFAULTS, MODEL_OWNED_MOE_FIELDS, GPTConfig,
                                   ModelConfig, check_model_field_names, check_moe_field_names,
                                   config_differences)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moeflow.config.checks import _positive_int, _require, config_error
+from moeflow.config.validation import _positive_int, _require, config_error
 from moeflow.errors import ConfigError
 from moeflow.registry import did_you_mean, registry
 

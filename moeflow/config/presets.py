@@ -3,7 +3,7 @@ preset's fields and its MoE fields under the user's overrides."""
 
 from __future__ import annotations
 
-from moeflow.config.checks import config_error
+from moeflow.config.validation import config_error
 from moeflow.config.model import ModelConfig, check_model_field_names, check_moe_field_names
 from moeflow.registry import did_you_mean
 

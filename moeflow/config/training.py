@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeflow.config.checks import config_error
+from moeflow.config.validation import config_error
 from moeflow.devices import DEVICES, DTYPES
 from moeflow.errors import ConfigError
 
