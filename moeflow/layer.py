@@ -97,7 +97,7 @@ class MoELayer(nn.Module):
                 "ep_size")
         self.cfg, self.topo = cfg, topo
         self.num_local = cfg.num_experts // topo.ep_size
-        strategy.check_config(self.requested_cfg, topo)   # "auto" fields as requested
+        strategy.check_config(cfg, topo)
         ROUTERS[cfg.router].check_topology(cfg, topo)
         self.router = ROUTERS[cfg.router](cfg)
         self.dcca = build_projections(cfg)      # BigMac's W_d / W_u; None for other structures

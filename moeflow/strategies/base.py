@@ -93,11 +93,12 @@ class ExpertStrategy:
     ``setup_model`` once the model is built, ``on_step_end`` after each optimizer step,
     ``checkpoint_entries`` and ``metrics`` for the training log.
 
-    Flags (attributes, not hooks): ``trims_padding``, ``supports_trim``, ``counts_inter_node_bytes``,
-    ``recomputes_experts``, ``combines_in_exchange``, ``tunable_fields``, ``refuses_block_recompute(cfg)``. ``OPTIONS``: the options class of
+    Flags (attributes, not hooks): ``trims_padding``, ``supports_trim``,
+    ``counts_inter_node_bytes``, ``recomputes_experts``, ``combines_in_exchange``,
+    ``tunable_fields``, ``refuses_block_recompute(cfg)``. ``OPTIONS``: the options class of
     ``MoEConfig.fssdp`` for a strategy that takes options (validated by
     :meth:`check_options`), None otherwise. :meth:`check_config` refuses, with the fix, what
-    the strategy does not run with (the layer's construction and the tuner's screen call it).
+    the strategy does not run with (at the layer's construction).
 
     The defaults are plain expert parallelism; a strategy overrides only what differs.
     """

@@ -23,7 +23,8 @@ class Parm(ExpertStrategy):
 
     trims_padding = False
     supports_trim = False
-    tunable_fields = ()      # the tuner times the expert-parallel exchange only
+    # the baseline schedule's exchange is the expert-parallel one the tuner times (S1 / S2
+    # / auto are refused by the layer: parallel_schedule must be "baseline" to tune)
     counts_inter_node_bytes = False
 
     def __init__(self, layer) -> None:
