@@ -97,6 +97,8 @@ def test_bf16_runs_gather_bf16_dense_weights_and_fp32_routers(world_of_one, dtyp
         assert b.proj.weight.dtype == torch.float32
         assert b.proj.weight.grad.dtype == torch.float32
         assert b.router.weight.grad.dtype == torch.float32
+        # under bf16 the router is a plain replicated tensor (out of FSDP2), else sharded
+        assert fsdp.is_fsdp_param(b.router.weight) == (dtype != torch.bfloat16)
 
 
 def test_trainer_passes_the_autocast_dtype_to_fsdp():
