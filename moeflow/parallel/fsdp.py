@@ -93,15 +93,18 @@ def _device_type() -> str:
 
 def dense_dp_mesh(topo: Topology):
     """The 1-D data-parallel DeviceMesh of the dense layers: ``topo.dense_mesh["dp"]`` when
-    the topology has a dense mesh (Parm's layouts), else a ``("dp",)`` mesh over the world,
+    the topology has a dense mesh (Parm's layouts) whose "dp" group is not the world group
+    (``mp_size > 1``), else a ``("dp",)`` mesh over the world,
     built once per world (collectively: every rank calls this in the same order) on a process
     group of its own, so FSDP2's all-gathers and reduce-scatters never share a communicator
     with the experts' all-to-alls."""
-    if topo.dense_mesh is not None:
-        return topo.dense_mesh["dp"]
     import torch.distributed as dist
-
     from torch.distributed.device_mesh import DeviceMesh
+
+    # Parm's dense mesh with mp_size = 1 spans the world on "dp": torch then hands out the
+    # default group itself, so it gets a group of its own below like the 1-D case
+    if topo.dense_mesh is not None and topo.dense_mesh["dp"].get_group() is not dist.group.WORLD:
+        return topo.dense_mesh["dp"]
 
     key = (id(dist.group.WORLD), topo.world_size)
     if key not in _MESHES:
