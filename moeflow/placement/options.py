@@ -34,7 +34,10 @@ class FSSDPOptions:
     the backward. ``early_gather``: in the GPT block, launch the layer's spAG on its
     communication lane before the block's attention so that it overlaps it (Fig. 1c).
     ``transport``: how spAG / spRS move the experts (:data:`TRANSPORTS`; the choice ``auto``
-    made is in ``layer.stats["fssdp_transport_broadcast"]``, with both measured times).
+    made is in ``layer.stats["fssdp_transport_broadcast"]``, with both measured times; ``auto``
+    times broadcasts only for a manual P' of few holder sets, else keeps p2p:
+    :func:`moeflow.placement.transport.broadcast_candidate`). Not with ``overlap_backward`` /
+    ``overlap_regather`` under FSDP2 (``--dense-shard fsdp``: refused).
     ``overlap_backward``: run the backward's spRS on the layer's communication lane, so that it
     overlaps the block's attention backward (Section 3.2); the backward waits for it before
     the next FSSDP layer's backward and at its end (timing changes only).
