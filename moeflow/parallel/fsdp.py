@@ -17,8 +17,10 @@ Under bf16 autocast (:func:`shard_dense` with ``param_dtype=torch.bfloat16``) FS
 Rajbhandari et al., SC 2020, Section 3; FSDP, Zhao et al., Section 4.3): it all-gathers the
 dense weights in bf16 (half the bytes; autocast would cast them to bf16 for the matmuls anyway)
 and reduce-scatters the gradients in fp32; the sharded master weights and AdamW moments stay
-fp32. Each MoE layer's router is its own FSDP2 unit with no cast, so the routing still computes
-from fp32 weights (the router runs with autocast off, docs/gpu.md).
+fp32. Each MoE layer's router stays out of FSDP2 there (``ignored_params``: a plain fp32
+tensor, replicated, its gradient averaged by :func:`~moeflow.parallel.grad_sync.sync_gradients`
+as without FSDP2; ``d_model x E`` values), so the routing still computes from fp32 weights (the
+router runs with autocast off, docs/gpu.md).
 
 Refused (:func:`check_lane_overlap`): HECATE FSSDP's ``overlap_backward`` / ``overlap_regather``,
 whose spRS / re-gather run on the layer's communication lane during the attention backward,
@@ -91,15 +93,18 @@ def _device_type() -> str:
 
 def dense_dp_mesh(topo: Topology):
     """The 1-D data-parallel DeviceMesh of the dense layers: ``topo.dense_mesh["dp"]`` when
-    the topology has a dense mesh (Parm's layouts), else a ``("dp",)`` mesh over the world,
+    the topology has a dense mesh (Parm's layouts) whose "dp" group is not the world group
+    (``mp_size > 1``), else a ``("dp",)`` mesh over the world,
     built once per world (collectively: every rank calls this in the same order) on a process
     group of its own, so FSDP2's all-gathers and reduce-scatters never share a communicator
     with the experts' all-to-alls."""
-    if topo.dense_mesh is not None:
-        return topo.dense_mesh["dp"]
     import torch.distributed as dist
-
     from torch.distributed.device_mesh import DeviceMesh
+
+    # Parm's dense mesh with mp_size = 1 spans the world on "dp": torch then hands out the
+    # default group itself, so it gets a group of its own below like the 1-D case
+    if topo.dense_mesh is not None and topo.dense_mesh["dp"].get_group() is not dist.group.WORLD:
+        return topo.dense_mesh["dp"]
 
     key = (id(dist.group.WORLD), topo.world_size)
     if key not in _MESHES:
@@ -173,7 +178,7 @@ def mixed_precision(param_dtype: torch.dtype | None):
 
 
 def _routers(model: nn.Module) -> list[nn.Module]:
-    """The MoE layers' routers (kept in fp32 under a bf16 policy: module docstring)."""
+    """The MoE layers' routers (kept out of FSDP2 under a bf16 policy: module docstring)."""
     return [m.router for m in model.modules()
             if isinstance(getattr(m, "router", None), nn.Module)
             and any(True for _ in m.router.parameters())]
@@ -192,7 +197,7 @@ def shard_dense(model: nn.Module, topo: Topology,
     check_lane_overlap(model)
     if not topo.distributed:
         return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     from moeflow.parallel.tensor_parallel import TP_ATTR
 
@@ -201,14 +206,12 @@ def shard_dense(model: nn.Module, topo: Topology,
     tp = _tp_modules(model)
     policy = mixed_precision(param_dtype)
     extra = {} if policy is None else {"mp_policy": policy}
-    if policy is not None:          # the routers stay fp32: a unit of their own, no cast
-        for router in _routers(model):
-            fully_shard(router, mesh=mesh, shard_placement_fn=place,
-                        mp_policy=MixedPrecisionPolicy(), reshard_after_forward=False)
+    # under the bf16 policy the routers stay out of FSDP2: plain fp32 replicated tensors
+    keep = set() if policy is None else {p for r in _routers(model) for p in r.parameters()}
     for block in getattr(model, "blocks", []):
-        fully_shard(block, mesh=mesh, ignored_params=expert_params(block) or None,
+        fully_shard(block, mesh=mesh, ignored_params=(expert_params(block) | keep) or None,
                     shard_placement_fn=place, **extra)
-    fully_shard(model, mesh=mesh, ignored_params=expert_params(model) or None,
+    fully_shard(model, mesh=mesh, ignored_params=(expert_params(model) | keep) or None,
                 shard_placement_fn=place, **extra)
     for m in tp:                  # FSDP2 made new parameters: the MP shards keep their spec
         setattr(m.weight, TP_ATTR, m.spec)

@@ -6,14 +6,14 @@ Sections (in order; docs/gpu.md lists what each shows and what still needs 2 to 
 
 1. ``triton``: the Triton codec suite on the device (``tests/gpu/test_gpu_triton.py``: the
    kernels bit for bit against the CPU codecs);
-2. ``pytest_gpu``: ``pytest -m gpu tests/gpu`` without the Triton file (what needs 2 or more
-   GPUs skips and is counted as skipped);
-3. ``probe``: ``tests/gpu/first_run_probe.py``: a world-size-1 NCCL group and a subgroup (with
+2. ``probe``: ``tests/gpu/first_run_probe.py``: a world-size-1 NCCL group and a subgroup (with
    the communicator's device memory), two-stream overlap on moeflow's communication stream, a
    real CUDA-graph capture of the MoE layer refused with moeflow's error;
-4. ``train``: ``moeflow train --device cuda --nproc 1`` with ``--grad-accum 2 --recompute
+3. ``train``: ``moeflow train --device cuda --nproc 1`` with ``--grad-accum 2 --recompute
    moe_act --async-checkpoint``, SIGUSR1 once step 3 is logged (exit 75, ``preempted.json``, the
-   checkpoint of the reached step), then ``--resume`` to the last step (exit 0).
+   checkpoint of the reached step), then ``--resume`` to the last step (exit 0);
+4. ``pytest_gpu``: ``pytest -m gpu tests/gpu`` without the Triton file, with the rest of the
+   budget (what needs 2 or more GPUs skips, listed by ``-rs``).
 
 ``--device cpu`` runs only the ``train`` section, on the CPU (the others are reported
 ``skipped``): the suite's CPU check of this script (tests/unit/cuda/test_first_run.py).

@@ -33,7 +33,9 @@ class FSSDPOptions:
     the backward. ``early_gather``: in the GPT block, launch the layer's spAG on its
     communication lane before the block's attention so that it overlaps it (Fig. 1c).
     ``transport``: how spAG / spRS move the experts (:data:`TRANSPORTS`; the choice ``auto``
-    made is in ``layer.stats["fssdp_transport_broadcast"]``, with both measured times).
+    made is in ``layer.stats["fssdp_transport_broadcast"]``, with both measured times; ``auto``
+    times broadcasts only for a manual P' of few holder sets, else keeps p2p:
+    :func:`moeflow.placement.transport.broadcast_candidate`).
     ``overlap_backward``: run the backward's spRS on the layer's communication lane, so that it
     overlaps the block's attention backward (Section 3.2); the backward waits for it before
     the next FSSDP layer's backward and at its end (timing changes only).
@@ -44,6 +46,9 @@ class FSSDPOptions:
     MoE layer: at the start of the backward); elsewhere :meth:`moeflow.layer.MoELayer.
     regather_on_grad` names the trigger tensor, and without one the re-gather runs in place.
     Refused under ``--recompute full`` (the recomputation gathers the experts itself).
+    ``overlap_backward`` and ``overlap_regather`` are refused under FSDP2 (``--dense-shard
+    fsdp``: its collectives would run beside the lane's, :func:`moeflow.parallel.fsdp.
+    check_lane_overlap`).
 
     Algorithm 1 (``materialize="sparse"``, :mod:`moeflow.strategies.fssdp.materialize`):
     ``overlap_degree`` is ``t`` (None: ``T_non-MoE * bw / expert_size`` from the measured time

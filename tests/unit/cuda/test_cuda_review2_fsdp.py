@@ -43,6 +43,15 @@ def test_dense_mesh_has_a_group_of_its_own(world_of_one):
     assert t.tolist() == [1.0, 1.0]
 
 
+def test_a_world_spanning_parm_dense_mesh_gets_a_group_of_its_own(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dense = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "mp"))
+    assert dense["dp"].get_group() is dist.group.WORLD            # torch reuses the world
+    topo = types.SimpleNamespace(dense_mesh=dense, world_size=1, distributed=True)
+    assert fsdp.dense_dp_mesh(topo).get_group() is not dist.group.WORLD
+
+
 def test_mixed_precision_policy_only_under_bf16():
     policy = fsdp.mixed_precision(torch.bfloat16)
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
@@ -97,6 +106,8 @@ def test_bf16_runs_gather_bf16_dense_weights_and_fp32_routers(world_of_one, dtyp
         assert b.proj.weight.dtype == torch.float32
         assert b.proj.weight.grad.dtype == torch.float32
         assert b.router.weight.grad.dtype == torch.float32
+        # under bf16 the router is a plain replicated tensor (out of FSDP2), else sharded
+        assert fsdp.is_fsdp_param(b.router.weight) == (dtype != torch.bfloat16)
 
 
 def test_trainer_passes_the_autocast_dtype_to_fsdp():
