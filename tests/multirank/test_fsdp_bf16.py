@@ -20,7 +20,7 @@ def worker(out: str) -> dict:
     from moeflow.config import TrainConfig, model_preset
     from moeflow.parallel.fsdp import is_fsdp_param
     from moeflow.topology import Topology
-    from moeflow.train import Trainer
+    from moeflow.trainer import Trainer
 
     cfg = TrainConfig(steps=2, batch_size=2, grad_accum=2, dense_shard="fsdp", dtype="bf16",
                       device="cpu", eval_every=2, eval_batches=1, log_every=1)

@@ -35,7 +35,7 @@ class FSSDPOptions:
     ``transport``: how spAG / spRS move the experts (:data:`TRANSPORTS`; the choice ``auto``
     made is in ``layer.stats["fssdp_transport_broadcast"]``, with both measured times; ``auto``
     times broadcasts only for a manual P' of few holder sets, else keeps p2p:
-    :func:`moeflow.placement.transport.broadcast_candidate`).
+    :func:`moeflow.strategies.fssdp.transport.broadcast_candidate`).
     ``overlap_backward``: run the backward's spRS on the layer's communication lane, so that it
     overlaps the block's attention backward (Section 3.2); the backward waits for it before
     the next FSSDP layer's backward and at its end (timing changes only).

@@ -10,7 +10,7 @@ from benchmarks.hecate import hecate_fit, hecate_model
 from moeflow.cli import build_parser
 
 TINY = dict(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=24,
-            moe_every=1, num_experts=4, d_expert=8, top_k=2)
+            moe_every=1, moe=dict(num_experts=4, d_expert=8, top_k=2))
 
 
 def test_mode_specs():
