@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from datetime import timedelta
 
@@ -227,14 +226,3 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(res, f, indent=1)
     torch.distributed.destroy_process_group()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.deepseek_v3.group_limited",
-                                description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,8 +6,9 @@ import argparse
 import shlex
 import sys
 
-from moeflow.bench.layer import bench_worker, cases_for, format_table, write_json
-from moeflow.commands import bench_compute, bench_net
+from moeflow.bench.layer import bench_worker, format_table, write_json
+from moeflow.cases.layer_grid import cases_for
+from moeflow.commands import bench_compute, bench_curves, bench_net
 from moeflow.commands.bench_papers import BenchChoices, register_paper_benchmarks
 from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
 from moeflow.registry import did_you_mean
@@ -20,6 +21,7 @@ def register(sub) -> None:
     add_layer_args(layer)
     layer.set_defaults(func=run_layer)
     bench_compute.register_bench(bsub)
+    bench_curves.register_bench(bsub)
     bench_net.register_bench(bsub)
     register_paper_benchmarks(bsub)
 
@@ -146,7 +148,7 @@ def run_layer(args: argparse.Namespace) -> int:
 def _codec_cases(args: argparse.Namespace, cases: list) -> list:
     """bench layer's rows under ``--codec`` / ``--codec-backward``, every config checked before
     any rank starts (a codec the layer refuses, e.g. with ``node_dedup``, names the row)."""
-    from moeflow.bench.layer import case_config, with_codec
+    from moeflow.cases.layer_grid import case_config, with_codec
     from moeflow.comm.codecs import CODECS
     from moeflow.config import ConfigError
 
