@@ -1,6 +1,6 @@
 """``moeflow simulate layer``: predict ``moeflow bench layer``'s table from measured fits.
 
-Takes exactly ``bench layer``'s arguments (:func:`moeflow.commands.bench.add_layer_args`), so
+Takes exactly ``bench layer``'s arguments (:func:`moeflow.commands.layer_args.add_layer_args`), so
 every predicted row has a measured twin, plus the models: ``--links`` / ``--compute`` (the JSON
 of ``moeflow bench links`` / ``bench compute``) or ``--profile NAME`` (a datasheet,
 :mod:`moeflow.measure.profiles`), and the layout ``--nodes x --ranks-per-node`` (default: one
@@ -19,7 +19,7 @@ import torch
 
 from moeflow.cases.layer_grid import case_routing, cases_for
 from moeflow.commands import simulate_twins as twins
-from moeflow.commands.bench import add_layer_args
+from moeflow.commands.layer_args import add_layer_args
 from moeflow.commands.simulate_common import add_model_args, add_out_summary, write_rows
 from moeflow.errors import ConfigError
 
