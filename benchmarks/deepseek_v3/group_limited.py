@@ -38,13 +38,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from datetime import timedelta
 
 import torch
 
-from moeflow.bench.layer_bench import exchange_fields
+from moeflow.cases.layer_grid import exchange_fields
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.topology import Topology
@@ -228,14 +227,3 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(res, f, indent=1)
     torch.distributed.destroy_process_group()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.deepseek_v3.group_limited",
-                                description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

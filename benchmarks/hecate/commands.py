@@ -2,6 +2,7 @@
 Zipf-like skewed loads (Sections 3-4, :mod:`benchmarks.hecate.hecate`); ``spag`` and
 ``spag-overlap``: the sparse all-gather's transports and how much of it the attention hides
 (Section 4.1, :mod:`benchmarks.hecate.spag`, :mod:`benchmarks.hecate.spag_overlap`);
+``hecate-train``: ``moeflow train`` end to end (Section 5, :mod:`benchmarks.hecate.hecate_train`);
 ``hecate-fit`` and ``hecate-model``: HECATE on a whole GPT of several MoE layers under skewed
 loads -- peak memory per rank and the largest batch under a budget
 (:mod:`benchmarks.hecate.hecate_fit`), and interleaved step times with the chosen ``P'``
@@ -36,6 +37,7 @@ def register_bench(bsub) -> None:
     from benchmarks.hecate import hecate_fit
 
     _register_layer_benches(bsub)
+    _register_train_bench(bsub)
 
     p = bsub.add_parser("hecate-fit", help="HECATE Fig. 13/14 analog: peak memory per rank of "
                                            "a GPT training step under EP / FSSDP / FSSDP-RM "
@@ -106,6 +108,17 @@ def run_time(args: argparse.Namespace) -> int:
     return report(run_on_ranks(time_worker, args, opts), args, format_time)
 
 
+def _register_train_bench(bsub) -> None:
+    from benchmarks.hecate import hecate_train
+
+    p = bsub.add_parser("hecate-train", help="HECATE end to end: moeflow train's step under EP, "
+                                             "shadowing, re-placement, HECATE and HECATE-RM "
+                                             "(interleaved, paired ratios over EP, losses, loads)",
+                        description=hecate_train.__doc__.splitlines()[0])
+    hecate_train.add_arguments(p)
+    p.set_defaults(func=hecate_train.run)
+
+
 def _register_layer_benches(bsub) -> None:
     """HECATE (Sections 3-4): EP vs FSSDP on one MoE layer under Zipf-like skewed loads."""
     p = bsub.add_parser("hecate", help="HECATE: EP, shadowing, FSSDP (Algorithms 1, 2, RM) "
@@ -132,7 +145,7 @@ def _register_layer_benches(bsub) -> None:
                         "'ep,shadow,replace,hecate'")
     p.add_argument("--router-loads", default=None, metavar="PATH:RUN:LAYER",
                    help="also run with a real router's per-expert loads: entry RUN, MoE layer "
-                        "LAYER of a `python -m benchmarks.training.router_load` JSON")
+                        "LAYER of a `moeflow bench router-load` JSON")
     p.add_argument("--drift", type=int, default=0,
                    help="rotate the experts' popularity every N steps (0: fixed loads)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -249,5 +262,5 @@ def run_hecate(args: argparse.Namespace) -> int:
                 args.router_loads)
         except (OSError, ValueError, KeyError, IndexError) as err:
             raise SystemExit(f"moeflow bench hecate: --router-loads {args.router_loads!r}: "
-                             f"{err} (give PATH:RUN:LAYER of a benchmarks.training.router_load JSON)")
+                             f"{err} (give PATH:RUN:LAYER of a `moeflow bench router-load --out` JSON)")
     return report(run_on_ranks(bench_worker, args, opts), args, format_result)

@@ -50,7 +50,7 @@ from benchmarks.hecate.hecate_memory import MaterializedProbe, state_bytes
 from benchmarks.hecate.shadow import current_loads, shadow_placement
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.comm.sparse import allreduce_volume
-from moeflow.config import MoEConfig
+from moeflow.cases.skewed import case_config, case_input, skew_router
 from moeflow.layer import MoELayer
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.schedule.phase_timer import PhaseTimer
@@ -87,57 +87,13 @@ def _config(v: dict) -> dict:
     return {k: x for k, x in v.items() if not k.startswith("_")}
 
 
-def case_config(d_model: int, d_expert: int, num_experts: int, top_k: int) -> MoEConfig:
-    """The variants' common layer: dropless, no balancing loss (the variants override it)."""
-    return MoEConfig(d_model=d_model, d_expert=d_expert, num_experts=num_experts, top_k=top_k,
-                     capacity_factor=None, aux_loss_coef=0.0, seed=1)
-
-
-def case_input(tokens: int, d_model: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s tokens (feature 0 the constant 1 that :func:`skew` weighs)."""
-    gen = torch.Generator().manual_seed(4000 + rank)
-    x = torch.randn(tokens, d_model, generator=gen)
-    x[:, 0] = 1.0
-    return x
-
-
-def case_routing(tokens: int, d_model: int, d_expert: int, num_experts: int, top_k: int,
-                 s: float, world: int) -> list[torch.Tensor]:
-    """The ``(tokens, top_k)`` expert ids each rank's router picks in :func:`bench_worker` at
-    skew ``s`` (no drift: the router is built from the config and skewed once, the input is
-    the same every step, every variant alike): what ``moeflow simulate layer --measured``
-    plans, so its loads and bytes are those of the measured run."""
-    from moeflow.bench.layer_bench import router_choices
-
-    return router_choices(case_config(d_model, d_expert, num_experts, top_k),
-                          [case_input(tokens, d_model, p) for p in range(world)],
-                          lambda router: skew_router(router, num_experts, s))
-
-
 def skew(layer: MoELayer, s: float, rotation: int = 0, loads=None) -> None:
     """:func:`skew_router` on the layer's router."""
     skew_router(layer.router, layer.cfg.num_experts, s, rotation, loads)
 
 
-def skew_router(router, E: int, s: float, rotation: int = 0, loads=None) -> None:
-    """Router weights of feature 0 (constant 1 in the input): ``-s * log(rank_e)``; the
-    popularity ranks are a fixed shuffle, rotated by ``rotation`` (load drift). With ``loads``
-    (a real router's tokens per expert) the weights are ``log(load_e / sum)`` instead (``s``
-    ignored), rotated likewise."""
-    if loads is not None:
-        p = np.asarray(loads, dtype=np.float64)
-        if p.shape != (E,) or (p <= 0).any():
-            raise ValueError(f"router loads {list(loads)} must be {E} positive counts (one "
-                             "per expert)")
-        w = np.roll(np.log(p / p.sum()), rotation)
-    else:
-        w = -s * np.log(np.roll(np.random.default_rng(7).permutation(E) + 1, rotation))
-    with torch.no_grad():
-        router.weight[0] = torch.tensor(w, dtype=router.weight.dtype)
-
-
 def read_router_loads(spec: str) -> tuple[list[int], str]:
-    """``PATH:RUN:LAYER`` of a ``python -m benchmarks.training.router_load`` JSON -> (that run's
+    """``PATH:RUN:LAYER`` of a ``moeflow bench router-load`` JSON -> (that run's
     per-expert loads of that MoE layer after training, a description)."""
     import json
 
@@ -325,5 +281,5 @@ def format_result(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["bench_worker", "case_routing", "format_result", "read_router_loads", "skew",
+__all__ = ["bench_worker", "format_result", "read_router_loads", "skew",
            "variants"]

@@ -1,10 +1,13 @@
-"""``moeflow bench parm``: Parm's baseline, S1, S2 (SAA / AAS) and auto side by side (see
+"""``moeflow bench parm-train`` (:mod:`benchmarks.parm.parm_train`, Table V's analog) and
+``moeflow bench parm``: Parm's baseline, S1, S2 (SAA / AAS) and auto side by side (see
 :mod:`benchmarks.parm.parm`); run it under ``moeflow cluster run`` for real link differences."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 
 from moeflow.commands.common import add_device_arg, add_launch_args, report, run_on_ranks
 
@@ -48,6 +51,14 @@ def register_bench(bsub) -> None:
                    help="write the results as JSON here (default: print only)")
     add_launch_args(p, default_nproc=4)
     p.set_defaults(func=run_parm)
+
+    from benchmarks.parm import parm_train
+
+    p = bsub.add_parser("parm-train", help="Parm's Table V analog: moeflow train step time per "
+                                           "MP / ESP layout on an emulated cluster (as root)",
+                        description=parm_train.__doc__.split("\n\n")[0])
+    parm_train.add_arguments(p)
+    p.set_defaults(func=lambda args: parm_train.run(args, "moeflow " + shlex.join(sys.argv[1:])))
 
 
 def run_parm(args: argparse.Namespace) -> int:

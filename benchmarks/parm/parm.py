@@ -29,7 +29,7 @@ import torch
 from benchmarks.parm.parm_collectives import (
     ab_json, format_case, grid_elements, measure_baseline_fits, messages, time_case)
 from moeflow.bench.schedule_bench import time_variants
-from moeflow.config import MoEConfig
+from moeflow.cases.parm_grid import case_config, case_input
 from moeflow.devices import resolve_device
 from moeflow.strategies.parm.algorithm1 import algorithm1, use_fits
 from moeflow.strategies.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
@@ -54,31 +54,6 @@ def layouts(world: int, local: int) -> list[tuple[int, int, int]]:
 
 
 PLACEMENTS = {"esp-in-node": True, "ep-in-node": False}
-
-
-def case_config(d_model: int, num_experts: int, top_k: int, capacity_factor: float
-                ) -> MoEConfig:
-    """The MoE layer of one grid case (``H = 2 M``; the variants override the schedule)."""
-    return MoEConfig(d_model=d_model, d_expert=2 * d_model, num_experts=num_experts,
-                     top_k=top_k, capacity_factor=capacity_factor, seed=1)
-
-
-def case_input(tokens: int, d_model: int, mp_group: int) -> torch.Tensor:
-    """The tokens of MP group ``mp_group`` (rank // N_MP): every rank of the group holds them."""
-    gen = torch.Generator().manual_seed(4000 + mp_group)
-    return torch.randn(tokens, d_model, generator=gen)
-
-
-def case_routing(tokens: int, d_model: int, num_experts: int, top_k: int,
-                 capacity_factor: float, world: int, mp: int) -> list[torch.Tensor]:
-    """The ``(tokens, top_k)`` expert ids the router picks on each rank's input in
-    :func:`bench_worker` (rank ``p`` gates MP group ``p // mp``'s batch; the router is built
-    from the config alone and no step changes it, every variant alike): what ``moeflow
-    simulate layer --measured`` plans, so its bytes are those of the measured run."""
-    from moeflow.bench.layer_bench import router_choices
-
-    return router_choices(case_config(d_model, num_experts, top_k, capacity_factor),
-                          [case_input(tokens, d_model, p // mp) for p in range(world)])
 
 
 def parse_layout(text: str) -> tuple[int, int, int, bool]:

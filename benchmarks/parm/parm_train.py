@@ -12,7 +12,7 @@ its per-step times (``elapsed_s`` differences of consecutive ``metrics.jsonl`` r
 every step) after ``--warmup`` steps; a variant's is the median over its jobs, and the ratio is
 against the first variant. Run as root::
 
-    python -m benchmarks.parm.parm_train --out docs/results/parm/parm-train-2x2-1gbit.json
+    moeflow bench parm-train --out docs/results/parm/parm-train-2x2-1gbit.json
 """
 
 from __future__ import annotations
@@ -133,15 +133,3 @@ def run(args: argparse.Namespace, command: str) -> int:
         s = summary[v]
         print(f"{v:<24}{1e3 * s['median_step_s']:>10.1f}{s['ratio_to_first']:>8.2f}")
     return 0
-
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.parm.parm_train",
-                                description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv), "python -m benchmarks.parm.parm_train " + " ".join(
-        argv if argv is not None else sys.argv[1:]))
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -68,12 +68,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 def run(args: argparse.Namespace) -> dict:
     from moeflow.commands.common import quota_from_args
     from moeflow.launch import launch_local
@@ -120,7 +114,3 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return out
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ validation batches (eval mode, one process). Per MoE layer, ``max_e load_e / mea
 over all top-k choices (1.0 is perfect balance, ``E / k`` the worst). Used to show DeepSeek-V3's
 auxiliary-loss-free balancing (section 2.1.2; docs/hf.md):
 
-    python -m benchmarks.training.router_load RUN [RUN ...] --out docs/results/x.json
+    moeflow bench router-load RUN [RUN ...] --out docs/results/x.json
 """
 
 from __future__ import annotations
@@ -73,14 +73,20 @@ def run_loads(run: str | Path, batches: int, batch_size: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.training.router_load",
-                                description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``moeflow bench router-load``'s arguments."""
     p.add_argument("runs", nargs="+", help="moeflow train --out folders")
     p.add_argument("--batches", type=int, default=8, help="validation batches")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per validation batch")
     p.add_argument("--out", default=None, help="write the JSON here")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Each run's per-expert loads before and after training; prints max/mean per MoE layer."""
+    for name in ("batches", "batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"moeflow bench router-load: --{name.replace('_', '-')} "
+                             f"{getattr(args, name)} must be >= 1")
     results = [run_loads(r, args.batches, args.batch_size) for r in args.runs]
     for r in results:
         b = ", ".join(f"{v:.2f}" for v in r["max_over_mean_before"])
@@ -88,7 +94,5 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['run']}: max/mean load per MoE layer, step 0: {b}; step {r['step']}: {a}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+        print(f"wrote {args.out}")
+    return 0

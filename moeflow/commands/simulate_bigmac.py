@@ -1,6 +1,6 @@
 """``moeflow simulate bigmac``: predict ``moeflow bench bigmac``'s table from fits or a profile.
 
-Takes exactly ``bench bigmac``'s arguments (:func:`benchmarks.bigmac.commands.add_bigmac_args`:
+Takes exactly ``bench bigmac``'s arguments (:func:`moeflow.commands.bigmac_args.add_bigmac_args`:
 the same cases, named alike), so every predicted row has a measured twin in a ``bench bigmac
 --out`` file given to ``--measured``. Each case is one MoE layer's forward + backward in
 :func:`moeflow.simulate.simulate_layer`, BigMac's rows with the DCCA structure (BigMac, "DCCA:
@@ -19,8 +19,7 @@ from moeflow.errors import ConfigError
 
 
 def add_parser(ssub) -> None:
-    from moeflow.commands.bench_papers import import_from_checkout
-    add_bigmac_args = import_from_checkout("benchmarks.bigmac.commands").add_bigmac_args
+    from moeflow.commands.bigmac_args import add_bigmac_args
     from moeflow.commands.simulate_common import add_model_args, add_out_summary
 
     p = ssub.add_parser("bigmac", help="predict `moeflow bench bigmac` (same arguments): "
@@ -54,11 +53,11 @@ def _layout(args: argparse.Namespace) -> tuple[int, int]:
 
 def case_spec(case, args: argparse.Namespace, nodes: int, per: int):
     """The :class:`~moeflow.simulate.LayerSpec` of one bench bigmac case: its layer's own
-    config (:func:`benchmarks.bigmac.bigmac.case_config`: capacity resolved by the structure,
+    config (:func:`moeflow.cases.structures.case_config`: capacity resolved by the structure,
     capacity buffers padded as the bench pads them), on the direct all-to-all the bench's
     ``counting`` algorithm is."""
-    from moeflow.commands.bench_papers import import_from_checkout
-    case_config = import_from_checkout("benchmarks.bigmac.bigmac").case_config
+    from moeflow.bench import a2a_count  # noqa: F401  (registers the cases' "counting")
+    from moeflow.cases.structures import case_config
     from moeflow.simulate import LayerSpec
 
     cfg = case_config(case, args.d_model)
@@ -105,9 +104,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_simulate_bigmac(args: argparse.Namespace) -> int:
-    from moeflow.commands.bench_papers import import_from_checkout
-    case_routing = import_from_checkout("benchmarks.bigmac.bigmac").case_routing
-    bigmac_cases = import_from_checkout("benchmarks.bigmac.commands").bigmac_cases
+    from moeflow.cases.structures import case_routing
+    from moeflow.commands.bigmac_args import bigmac_cases
     from moeflow.commands.simulate_common import write_rows
     from moeflow.measure.profiles import load_profile
     from moeflow.simulate import cost_model, simulate_layer

@@ -1,6 +1,6 @@
 """``moeflow simulate layer``: predict ``moeflow bench layer``'s table from measured fits.
 
-Takes exactly ``bench layer``'s arguments (:func:`moeflow.commands.bench_command.add_layer_args`), so
+Takes exactly ``bench layer``'s arguments (:func:`moeflow.commands.layer_args.add_layer_args`), so
 every predicted row has a measured twin, plus the models: ``--links`` / ``--compute`` (the JSON
 of ``moeflow bench links`` / ``bench compute``) or ``--profile NAME`` (a datasheet,
 :mod:`moeflow.measure.profiles`), and the layout ``--nodes x --ranks-per-node`` (default: one
@@ -17,9 +17,9 @@ import json
 
 import torch
 
-from moeflow.bench.layer_bench import case_routing, cases_for
+from moeflow.cases.layer_grid import case_routing, cases_for
 from moeflow.commands import simulate_twins as twins
-from moeflow.commands.bench_command import add_layer_args
+from moeflow.commands.layer_args import add_layer_args
 from moeflow.commands.simulate_common import add_model_args, add_out_summary, write_rows
 from moeflow.errors import ConfigError
 
@@ -55,7 +55,7 @@ def register(sub) -> None:
                            "skew, planned on bench hecate's own router at S instead")
     skew.add_argument("--router-trace", default=None, metavar="FILE[:RUN[:LAYER]]",
                       help="skewed loads: plan a routing sample drawn from a trained router's "
-                           "tokens per expert, the JSON of `python -m benchmarks.training.router_load "
+                           "tokens per expert, the JSON of `moeflow bench router-load "
                            "--out` (run RUN, MoE layer LAYER, after training; default 0:0)")
     g.add_argument("--routing-seed", type=int, default=0,
                    help="seed of the --zipf / --router-trace routing sample (default 0)")
@@ -288,7 +288,7 @@ def _cases(args: argparse.Namespace, schedules: list[str], algorithms: tuple[str
     """bench layer's configs, or with ``--custom-layer`` the one layer its flags describe."""
     from dataclasses import replace
 
-    from moeflow.bench.layer_bench import BenchCase
+    from moeflow.cases.layer_grid import BenchCase
 
     if not args.custom_layer:
         return cases_for(schedules, args.pipeline_degree, algorithms, args.num_experts)

@@ -19,8 +19,8 @@ A Parm or FSSDP row without a twin in such a file is refused, naming every field
 nearest measured row differs and the flag that sets it here. The routing of those rows is the
 measured run's: both benches build their router from the config alone and never change it
 (bench hecate: skewed once, no ``--drift``), so :func:`routing` plans the expert ids their
-routers pick on their inputs (``case_routing`` of :mod:`benchmarks.parm.parm` /
-:mod:`benchmarks.hecate.hecate`), as ``--routing bench`` does for bench layer.
+routers pick on their inputs (``case_routing`` of :mod:`moeflow.cases.parm_grid` /
+:mod:`moeflow.cases.skewed`), as ``--routing bench`` does for bench layer.
 """
 
 from __future__ import annotations
@@ -112,16 +112,14 @@ def routing(args: argparse.Namespace, case, spec, measured: Measured | None):
                              "hecate): give --zipf S, the skew of the bench rows to compare "
                              f"(the file has {_zipfs(measured)}), and no --routing / "
                              "--router-trace: the routing is bench hecate's own router at S")
-        from moeflow.commands.bench_papers import import_from_checkout
-        case_routing = import_from_checkout("benchmarks.hecate.hecate").case_routing
+        from moeflow.cases.skewed import case_routing
 
         return (case_routing(args.tokens, args.d_model, args.d_expert, case.num_experts,
                              case.top_k, args.zipf, spec.world),
                 f"bench hecate, zipf {args.zipf}")
     if args.zipf is not None or args.router_trace is not None or args.routing == "uniform":
         return None                                      # the flags choose another routing
-    from moeflow.commands.bench_papers import import_from_checkout
-    case_routing = import_from_checkout("benchmarks.parm.parm").case_routing
+    from moeflow.cases.parm_grid import case_routing
 
     return (case_routing(args.tokens, args.d_model, case.num_experts, case.top_k,
                          case.capacity_factor, spec.world, args.mp), "bench parm")

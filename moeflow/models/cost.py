@@ -15,7 +15,7 @@ downscale factor, ``w = rM`` the communicated width (``M`` for vanilla / fine-gr
 * all-to-all elements per token and MoE layer: dispatch + combine, forward + backward =
   ``4*k*w``; with a capacity factor ``f`` the padded buffer makes it about ``4*f*k*w``
   (exactly ``4*E*ceil(f*k*T/E)*w/T`` for ``T`` local tokens, as
-  ``benchmarks.bigmac.bigmac.expected_a2a_bytes`` computes). Of these, a fraction
+  ``moeflow.cases.structures.expected_a2a_bytes`` computes). Of these, a fraction
   ``(p-1)/p`` leaves the rank under uniform routing over ``p`` expert-parallel ranks.
 
 With GPT3-XL (24 MoE layers, M 2048, 64 experts top-8, F 512, V 50257, S 2048, 2^19 tokens)

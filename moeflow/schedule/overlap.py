@@ -4,7 +4,7 @@ which a computing task also ran (ScheMoE section 4: the point of pipelining and 
 Computed from timeline records (``TaskRecord``: lane, phase, start, end), which on CUDA come
 from events on the two lanes' streams and on CPU from the host clock. Imports nothing from
 moeflow: ``Timeline.overlap_fraction`` (:mod:`moeflow.schedule.executor`) uses it, and the
-measuring harness (:mod:`moeflow.bench.overlap_bench`, ``python -m moeflow.bench.overlap_bench``) sits above.
+measuring harness (:mod:`moeflow.bench.overlap_bench`, the ``overlap`` column of ``moeflow bench layer``) sits above.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ experts set the critical path. Two popularities:
   router (expert ``e``'s popularity rank is the same fixed shuffle, ``permutation(E) + 1`` of
   ``numpy.random.default_rng(7)``), here as a distribution, not as router weights;
 * **a router trace** (``--router-trace FILE[:RUN[:LAYER]]``): the measured tokens per expert of a
-  trained model, the JSON that ``python -m benchmarks.training.router_load --out`` writes (a list of
+  trained model, the JSON that ``moeflow bench router-load --out`` writes (a list of
   runs, each with ``loads_after`` / ``loads_before``: per MoE layer, tokens per expert). The
   schema is read here, not imported: the simulator sits below the command layer.
 
@@ -50,7 +50,7 @@ def parse_trace_spec(spec: str) -> tuple[str, int, int]:
 
 
 def trace_popularity(spec: str, num_experts: int, when: str = "after") -> tuple[np.ndarray, str]:
-    """``p_e`` from a ``benchmarks.training.router_load`` JSON: run ``RUN``'s tokens per expert of MoE
+    """``p_e`` from a ``moeflow bench router-load`` JSON: run ``RUN``'s tokens per expert of MoE
     layer ``LAYER`` (``when``: after training, the default, or before), and a description."""
     path, run, layer = parse_trace_spec(spec)
     key = f"loads_{when}"
@@ -59,11 +59,11 @@ def trace_popularity(spec: str, num_experts: int, when: str = "after") -> tuple[
             data = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--router-trace {spec}: cannot read {path} ({e}); give the JSON of "
-                          "`python -m benchmarks.training.router_load RUN --out FILE`") from e
+                          "`moeflow bench router-load RUN --out FILE`") from e
     if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
         raise ConfigError(f"--router-trace {spec}: {path} is not a router_load JSON (a list of "
                           "runs, each with 'loads_after'); write it with "
-                          "`python -m benchmarks.training.router_load RUN --out FILE`")
+                          "`moeflow bench router-load RUN --out FILE`")
     if not 0 <= run < len(data):
         raise ConfigError(f"--router-trace {spec}: run {run} is out of range; the file has "
                           f"{len(data)} run(s) (0..{len(data) - 1})")

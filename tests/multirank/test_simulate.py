@@ -275,7 +275,7 @@ def test_bench_routing_is_the_measured_layers():
     import torch
 
     from moeflow import MoELayer, Topology
-    from moeflow.bench.layer_bench import case_config, case_input, case_routing, cases_for
+    from moeflow.cases.layer_grid import case_config, case_input, case_routing, cases_for
 
     case = cases_for(["optsche"], 2)[-1]
     layer = MoELayer(case_config(case, 16, 32), Topology.single())

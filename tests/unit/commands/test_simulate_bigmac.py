@@ -27,7 +27,7 @@ def test_same_arguments_as_bench_bigmac():
 
 
 def test_rows_line_up_with_bench_bigmac_and_bytes_are_the_formula(tmp_path, capsys):
-    from benchmarks.bigmac.bigmac import case_config, default_cases, expected_a2a_bytes
+    from moeflow.cases.structures import case_config, default_cases, expected_a2a_bytes
 
     cases = default_cases(8, 16, [2, 4], 0.25, ["vanilla", "fine_grained", "bigmac"], 2)
     measured = tmp_path / "bench.json"       # a bench bigmac --out file's fields
@@ -65,7 +65,7 @@ def test_rows_line_up_with_bench_bigmac_and_bytes_are_the_formula(tmp_path, caps
 def test_bench_routing_is_the_measured_layers():
     """--routing bench plans the ids the timed layer's router picks on its inputs."""
     from moeflow import MoELayer, Topology
-    from benchmarks.bigmac.bigmac import StructureCase, case_config, case_input, case_routing
+    from moeflow.cases.structures import StructureCase, case_config, case_input, case_routing
 
     case = StructureCase("bigmac", 8, 4, 16, 0.25)
     layer = MoELayer(case_config(case, 32), Topology.single())

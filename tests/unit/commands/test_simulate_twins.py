@@ -70,7 +70,7 @@ def test_bench_parm_mismatch_names_the_field(tmp_path, flags, field):
 
 def test_bench_parm_routing_is_per_mp_group():
     """The ranks of an MP group gate one batch (bench parm's input of group rank // N_MP)."""
-    from benchmarks.parm.parm import case_routing
+    from moeflow.cases.parm_grid import case_routing
 
     r = case_routing(16, 32, 4, 2, 1.2, world=4, mp=2)
     assert r[0].equal(r[1]) and r[2].equal(r[3]) and not r[0].equal(r[2])
@@ -102,7 +102,7 @@ HECATE = ["simulate", "layer", "--nproc", "2", "--profile", "parm-testbed-b", "-
 
 
 def test_bench_hecate_rows_are_the_fssdp_variants_twins(tmp_path):
-    from benchmarks.hecate.hecate import case_routing
+    from moeflow.cases.skewed import case_routing
 
     out = tmp_path / "sim.json"
     assert main([*HECATE, "--zipf", "1.0", "--measured", str(_hecate_file(tmp_path)),
@@ -155,7 +155,7 @@ def _bench_layer_args(**kw) -> argparse.Namespace:
 def test_bench_layer_codec_applies_to_its_own_rows():
     """--codec / --codec-backward without --compare: every config under the codec, its name
     unchanged (simulate layer --codec names its rows the same); refusals name the flag."""
-    from moeflow.bench.layer_bench import case_config, cases_for
+    from moeflow.cases.layer_grid import case_config, cases_for
     from moeflow.commands.bench_command import _codec_cases
 
     args = _bench_layer_args(codec="int8", codec_backward=True)
@@ -198,7 +198,7 @@ def test_bench_layer_codec_run_is_simulate_codec_twin(tmp_path):
 def test_bench_layer_rows_take_num_experts():
     """--num-experts sets every bench layer row's experts (6 or 12 fit 3 nodes of 2 ranks,
     where the default 8 does not); the default stays 8."""
-    from moeflow.bench.layer_bench import cases_for
+    from moeflow.cases.layer_grid import cases_for
 
     assert {c.num_experts for c in cases_for(["sequential", "optsche"], 2)} == {8}
     cases = cases_for(["sequential", "optsche"], 2, ("direct", "hier2d"), 12)

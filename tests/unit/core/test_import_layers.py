@@ -6,7 +6,9 @@ functions), following moeflow-internal imports transitively:
   and the registries raise moeflow.errors.ConfigError; config does not reach the integrations;
 - no import circle among moeflow modules;
 - only the command layer (moeflow.bench, moeflow.commands, moeflow.cli) imports the benchmarks
-  and the commands, and the package never imports the peer harnesses in benchmarks/;
+  and the commands, and the package never imports the paper benchmarks and peer harnesses in
+  benchmarks/ (the CLI finds them by path); the simulate commands use moeflow.cases, not the
+  benchmarks' code; moeflow/bench (the generic harness) stays under 2.5k lines;
 - the measurement core moeflow.measure imports nothing above it."""
 
 from __future__ import annotations
@@ -232,3 +234,19 @@ def test_simulate_imports_only_the_model_inputs():
                      "moeflow.commands: what it needs from them belongs in moeflow.measure)")
     reached = _closure(_modules("moeflow.simulate"))
     assert not any(_in(m, ("moeflow.bench", "moeflow.commands")) for m in reached)
+
+
+def test_simulate_commands_plan_from_the_cases_not_the_benchmarks():
+    sims = [m for m in _modules("moeflow.commands") if m.rpartition(".")[2].startswith("simulate")]
+    reached = _closure(sims)
+    bad = sorted(m for m in reached if _in(m, ("moeflow.bench",))
+                 and m not in ("moeflow.bench", "moeflow.bench.a2a_count"))   # "counting"
+    assert not bad, (f"moeflow simulate reaches {bad}; the configs, inputs and routing it shares "
+                     "with a benchmark belong in moeflow.cases")
+
+
+def test_bench_harness_stays_small():
+    lines = sum(len(f.read_text().splitlines()) for f in (ROOT / "moeflow" / "bench").glob("*.py"))
+    assert lines < 2500, (f"moeflow/bench has {lines} lines; a paper's reproduction belongs in "
+                          "benchmarks/<paper>/ (registered by its commands.py)")
+

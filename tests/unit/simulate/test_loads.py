@@ -16,7 +16,7 @@ from moeflow.simulate.costs import KINDS
 from moeflow.simulate.loads import (parse_trace_spec, sample_routing, trace_popularity,
                                     zipf_popularity)
 
-TRACE = "docs/results/hf/deepseek_aux_free_balance.json"     # python -m benchmarks.training.router_load
+TRACE = "docs/results/hf/deepseek_aux_free_balance.json"     # moeflow bench router-load
 
 
 def _costs() -> CostModel:
