@@ -254,8 +254,12 @@ def rank_steps(spec: ParmSpec, rank: int, counts: dict[int, np.ndarray]
             # Eq. 1: the ESP peers' inputs gathered; EP rank i's buffer: its ESP group's rows
             sizes = [int(counts[q].sum()) for q in peers]
             tokens = [len(gated_tokens(spec, spec.topology(q))) for q in peers]
-            gather_in = (_coll("ESP-AllGather/maps", "all_gather", peers, max(sizes) + 1,
-                               key("forward/esp-maps", peers), dtype="int64")
+            # the peers' token counts (host integers; a call under MoEConfig.equal_rank_tokens
+            # after its first skips it: modelled as without the promise), then the row maps
+            gather_in = (_coll("ESP-AllGather/tokens", "all_gather", peers, 1,
+                               key("forward/esp-tokens", peers), dtype="int64")
+                         + _coll("ESP-AllGather/maps", "all_gather", peers, max(sizes),
+                                 key("forward/esp-maps", peers), dtype="int64")
                          + _coll("ESP-AllGather", "all_gather", peers, max(tokens) * M,
                                  key("forward/esp-ag", peers)))
             merged = {}

@@ -51,7 +51,7 @@ def hooks_worker() -> dict:
     out = {}
     try:
         for name, (case, kw) in CASES.items():
-            layer = parity.make_layer(case, topo, a2a="node_dedup", pipeline_degree=2,
+            layer = parity.make_layer(case, topo, placement="node_dedup", pipeline_degree=2,
                                       schedule="optsche", **kw)
             x, _ = parity.make_batch(case, topo.rank)
             x = x[:1] if topo.rank == 0 else x
@@ -67,7 +67,7 @@ def hooks_worker() -> dict:
 def padded_gather_worker(equal: bool) -> dict:
     """Host gathers of the padded mode's ``[T_q, C_q]`` over ``SIZES``, and the outputs."""
     topo = Topology.from_env(local_size=1)
-    layer = parity.make_layer("capacity_k2", topo, a2a="node_dedup", capacity_padding="pad",
+    layer = parity.make_layer("capacity_k2", topo, placement="node_dedup", capacity_padding="pad",
                               equal_rank_tokens=equal)
     real, calls = padded_mod.gather_host_ints, []
 
@@ -89,7 +89,7 @@ def padded_gather_worker(equal: bool) -> dict:
 def broken_promise_worker() -> str:
     """Padded node_dedup under ``equal_rank_tokens`` with 6 tokens on rank 0, 4 on rank 1."""
     topo = Topology.from_env(local_size=1)
-    layer = parity.make_layer("capacity_k2", topo, a2a="node_dedup", capacity_padding="pad",
+    layer = parity.make_layer("capacity_k2", topo, placement="node_dedup", capacity_padding="pad",
                               equal_rank_tokens=True)
     x, _ = parity.make_batch("capacity_k2", topo.rank)
     try:

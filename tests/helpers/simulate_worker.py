@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import MoEConfig, MoELayer, Topology
+from moeflow.cases.layer_grid import exchange_fields
 from moeflow.schedule.executor import Timeline
 
 TOKENS, D, H, EXPERTS, TOP_K = 24, 8, 16, 4, 2
@@ -30,7 +31,7 @@ def run_case(topo: Topology, cap, schedule: str, r: int, codec: str = "none",
              codec_backward: bool = False, a2a: str = "direct") -> dict:
     cfg = MoEConfig(d_model=D, d_expert=H, num_experts=EXPERTS, top_k=TOP_K,
                     capacity_factor=cap, schedule=schedule, pipeline_degree=r, seed=3,
-                    codec=codec, codec_backward=codec_backward, a2a=a2a)
+                    codec=codec, codec_backward=codec_backward, **exchange_fields(a2a))
     layer = MoELayer(cfg, topo)
     got = {}
 

@@ -1,4 +1,4 @@
-"""``a2a="node_dedup"`` on 2 gloo ranks as 2 nodes x 1 (worker:
+"""``placement="node_dedup"`` on 2 gloo ranks as 2 nodes x 1 (worker:
 tests/helpers/node_dedup_hooks_cases.py).
 
 * Under saved-tensor hooks (non-reentrant checkpoint, ``save_on_cpu``) at ``pipeline_degree``
