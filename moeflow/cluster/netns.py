@@ -24,6 +24,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from moeflow.cluster.quota import pid_alive
 from moeflow.cluster.shaping import LinkShape
 
 NAME_RE = re.compile(r"^mf-(\d+)-([0-9a-f]{6})-(n\d+|sw)$")
@@ -220,23 +221,13 @@ def kill_namespace_processes(ns: str, grace_s: float = 0.0) -> None:
         kill_namespace_processes(ns)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def leftover_namespaces(include_live: bool = False) -> list[str]:
     """Namespaces of emulated runs whose creating process is gone (all of them with include_live)."""
     names = [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line]
     out = []
     for name in names:
         m = NAME_RE.match(name)
-        if m and (include_live or not _alive(int(m.group(1)))):
+        if m and (include_live or not pid_alive(int(m.group(1)))):
             out.append(name)
     return out
 

@@ -191,7 +191,8 @@ def _remove_group(path: str, parent: str, wait_s: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a launcher whose stale groups or namespaces are left)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -211,7 +212,7 @@ def cleanup_stale(include_live: bool = False, root: str | None = None) -> list[s
     removed = []
     for name in sorted(os.listdir(hierarchy)):
         m = GROUP_RE.match(name)
-        if m and (include_live or not _alive(int(m.group(1)))):
+        if m and (include_live or not pid_alive(int(m.group(1)))):
             path = os.path.join(hierarchy, name)
             _remove_group(path, hierarchy)
             removed.append(path)
