@@ -174,7 +174,7 @@ class MoEConfig:
     DeepSpeed-MoE, Tutel); see ``moeflow/routing/losses.py``. With ``router="bilevel"`` it
     applies per level of SMILE's Eq. (4), whose ``f`` is the first choice (argmax).
 
-    ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/parallel/parm``,
+    ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/strategies/parm``,
     used when the topology has ``mp_size`` or ``esp_size`` > 1): ``"baseline"`` is
     DeepSpeed-MoE's order (Parm Fig. 3a); ``"s1"`` pauses MP before the gate (Fig. 3b),
     ``"s2"`` after it (Fig. 3c), both with the EP&ESP-AlltoAll; ``"auto"`` picks S1 or S2 per
