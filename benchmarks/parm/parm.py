@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import statistics
 
-import torch
 
 from benchmarks.parm.parm_collectives import (
     ab_json, format_case, grid_elements, measure_baseline_fits, messages, time_case)

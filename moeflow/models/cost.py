@@ -26,7 +26,6 @@ this gives 3.73B / 3.78B parameters, 3500 / 3658 TFLOPs and 1536 GiB / 384 GiB o
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from moeflow.config import DEFAULT_DOWNSCALE_FACTOR, ConfigError, ModelConfig, config_error
