@@ -129,24 +129,33 @@ def exchange_counts(plan: DispatchPlan, topo: Topology) -> None:
     plan.ep_rank = topo.ep_rank
 
 
+def gather_known(plan: DispatchPlan, values: list[int], group, size: int, name: str,
+                 what: str) -> np.ndarray:
+    """Every rank's host integers ``values`` over ``group``, ``(size, len(values))``: one
+    gather per call; with ``plan.known`` (``MoEConfig.equal_rank_tokens``) one per distinct
+    call key, remembered under ``(name, key)``, whose first gather also checks that every
+    rank's token count is equal (a :class:`ConfigError` on every rank alike if not: they all
+    see the same gathered values). ``what``: what the ranks skip gathering, for the error."""
+    known = plan.known
+    if known is None:
+        return gather_host_ints(values, group, size)
+    got = known.table.get((name, known.key))
+    if got is None:
+        both = gather_host_ints([known.tokens, *values], group, size)
+        if (both[:, 0] != both[0, 0]).any():
+            raise ConfigError(
+                f"MoEConfig.equal_rank_tokens=True is invalid: the ranks called the layer "
+                f"with different token counts ({both[:, 0].tolist()} over the {name} "
+                f"group), so they cannot skip the gather of {what}; set "
+                "equal_rank_tokens=False, or give every rank batches of the same shape")
+        got = known.table[(name, known.key)] = both[:, 1:]
+    return got
+
+
 def capacity_counts(plan: DispatchPlan, group, size: int, name: str) -> np.ndarray:
     """Untrimmed capacity mode's ``(size, E)`` count matrix over ``group`` (``name`` tells the
     layer's groups apart): rank p sends ``C_p`` rows to every expert. One gather of the
-    ranks' ``C_p`` per call; with ``plan.known`` (``MoEConfig.equal_rank_tokens``) one per
-    distinct call key, which also checks that every rank's token count is equal (a
-    :class:`ConfigError` on every rank alike if not: they all see the same gathered values)."""
-    known = plan.known
-    if known is None:
-        caps = gather_host_ints([plan.capacity], group, size)[:, 0]
-    else:
-        caps = known.table.get((name, known.key))
-        if caps is None:
-            got = gather_host_ints([known.tokens, plan.capacity], group, size)
-            if (got[:, 0] != got[0, 0]).any():
-                raise ConfigError(
-                    f"MoEConfig.equal_rank_tokens=True is invalid: the ranks called the layer "
-                    f"with different token counts ({got[:, 0].tolist()} over the {name} "
-                    "group), so they cannot skip the gather of their capacities; set "
-                    "equal_rank_tokens=False, or give every rank batches of the same shape")
-            caps = known.table[(name, known.key)] = got[:, 1]
+    ranks' ``C_p`` per call, or per distinct call key under ``equal_rank_tokens``
+    (:func:`gather_known`)."""
+    caps = gather_known(plan, [plan.capacity], group, size, name, "their capacities")[:, 0]
     return np.repeat(caps.reshape(-1, 1), plan.num_experts, axis=1)

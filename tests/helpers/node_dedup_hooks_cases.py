@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import moeflow.strategies.node_dedup.padded as padded_mod
+import moeflow.dispatch.plan as plan_mod
 from moeflow import Topology
 from moeflow.strategies.node_dedup import backward as backward_mod
 from tests.helpers import parity
@@ -69,20 +69,20 @@ def padded_gather_worker(equal: bool) -> dict:
     topo = Topology.from_env(local_size=1)
     layer = parity.make_layer("capacity_k2", topo, placement="node_dedup", capacity_padding="pad",
                               equal_rank_tokens=equal)
-    real, calls = padded_mod.gather_host_ints, []
+    real, calls = plan_mod.gather_host_ints, []      # padded_counts gathers through it
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    padded_mod.gather_host_ints = counted
+    plan_mod.gather_host_ints = counted
     ys = []
     try:
         for i, t in enumerate(SIZES):
             x, _ = parity.make_batch("capacity_k2", topo.rank)
             ys += _step(layer, x[:t] * (1 + i), "none")
     finally:
-        padded_mod.gather_host_ints = real
+        plan_mod.gather_host_ints = real
     return {"gathers": len(calls), "tensors": ys}
 
 

@@ -80,7 +80,7 @@ def counting(layer, counts: dict):
     # Parm's EP&ESP block counts; node_dedup's counts (trimmed) or token counts and
     # capacities (padded), gathered inside its exchange
     gathers = [(ep_esp, "gather_device_counts"), (ep_esp, "capacity_counts"),
-               (node_dedup, "gather_device_counts"), (node_dedup_padded, "gather_host_ints")]
+               (node_dedup, "gather_device_counts"), (node_dedup_padded, "gather_known")]
     gathers = {(mod, n): getattr(mod, n) for mod, n in gathers}
     for (mod, name), fn in gathers.items():
         setattr(mod, name, lambda *a, _fn=fn, **k: (bump("count_exchanges"), _fn(*a, **k))[1])

@@ -25,9 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeflow.comm.exchange import gather_host_ints
 from moeflow.devices import to_device_async
-from moeflow.errors import ConfigError
+from moeflow.dispatch.plan import gather_known
 from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.schedule.executor import Stage
 from moeflow.strategies.node_dedup.steps import (AllToAll, CodedAllToAll, DedupStage, Hop,
@@ -38,25 +37,9 @@ from moeflow.strategies.node_dedup.steps import (AllToAll, CodedAllToAll, DedupS
 def padded_counts(plan, group, size: int) -> np.ndarray:
     """Every rank's ``[T_q, C_q]`` (``(size, 2)`` host integers): one host all-gather per call,
     or with ``plan.known`` (``MoEConfig.equal_rank_tokens``) one per distinct call key, the
-    first checking the promise in the same gather, as
-    :func:`~moeflow.dispatch.plan.capacity_counts` does for ``C_p`` (a :class:`ConfigError`
-    on every rank alike when the ranks' token counts differ)."""
-    T, cap = plan.num_tokens, plan.capacity
-    known = plan.known
-    if known is None:
-        return gather_host_ints([T, cap], group, size)
-    key = ("node_dedup_padded", known.key)
-    TC = known.table.get(key)
-    if TC is None:
-        got = gather_host_ints([known.tokens, T, cap], group, size)
-        if (got[:, 0] != got[0, 0]).any():
-            raise ConfigError(
-                f"MoEConfig.equal_rank_tokens=True is invalid: the ranks called the layer with "
-                f"different token counts ({got[:, 0].tolist()}), so the node-deduplicated "
-                "exchange cannot skip the gather of their tokens and capacities; set "
-                "equal_rank_tokens=False, or give every rank batches of the same shape")
-        TC = known.table[key] = got[:, 1:]
-    return TC
+    first checking the promise (:func:`~moeflow.dispatch.plan.gather_known`)."""
+    return gather_known(plan, [plan.num_tokens, plan.capacity], group, size,
+                        "node_dedup_padded", "their tokens and capacities")
 
 
 def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
