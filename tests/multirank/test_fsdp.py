@@ -94,6 +94,7 @@ def test_fsdp_ep2_matches_one_process_across_checkpoint_layouts(tmp_path_factory
     _check(root, results, ref, "ep2")
 
 
+@pytest.mark.slow          # FSDP2 itself: the ep2 case above; Parm MP's dense mesh: tests/unit/cuda/test_cuda_review2_fsdp.py
 @pytest.mark.multirank
 def test_fsdp_with_mp_matches_one_process_across_checkpoint_layouts(tmp_path_factory):
     """Parm's MP 2 with S1 (the router's MP ranks hold different partial gradients), FSDP2

@@ -107,6 +107,7 @@ def test_a_read_only_package_directory_works(tmp_path):
             p.chmod(p.stat().st_mode | stat.S_IWUSR)
 
 
+@pytest.mark.slow          # the lock's single-process paths: the damaged / read-only cache tests above
 def test_two_processes_compiling_at_once_compile_once_and_leave_a_valid_cache(tmp_path):
     procs = [_child(str(tmp_path)) for _ in range(2)]
     results = sorted(_result(p)[1:] for p in procs)
