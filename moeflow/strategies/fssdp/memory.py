@@ -22,7 +22,9 @@ tensor of ``S_slot`` rows (every FSSDP layer's owned experts in the GPT, which s
 4. the zeroed whole-slot gradient the stacking's backward returns (``S_slot`` rows), beside the
    held tensor, its gradient and the owner's sums -- ``2 H + A + S_slot``.
 
-The layer's peak is the largest of the four (:func:`layer_peak_rows`). A replica carries no
+The layer's peak is the largest of the four (:func:`layer_peak_rows`); rows are costed in the
+slot tensor's dtype (an upper bound where HECATE-RM under autocast holds the stacked tensor in a
+narrower one). A replica carries no
 optimizer state (Section 3.2: the state stays with the owner; the optimizer sees only
 ``slots``), so none is counted.
 
