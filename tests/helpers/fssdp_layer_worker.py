@@ -14,7 +14,7 @@ from moeflow import Topology, sync_gradients
 from moeflow.experts.ffn import EXPERT_PARAM_ATTR
 from moeflow.init import seeded_normal
 from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
-from moeflow.strategies.fssdp.memory import slot_bytes
+from moeflow.strategies.fssdp.memory import worst_peak_rows
 from tests.helpers import parity
 
 WORLD, LOCAL, STEPS, LR = 4, 2, 3, 0.02
@@ -92,12 +92,15 @@ def run(name: str, topo: Topology, variant: dict) -> list[dict]:
     variant = dict(variant)
     holders = variant.pop("holders", None)
     budget_slots = variant.pop("budget_slots", None)
-    if budget_slots is not None:        # this rank's budget: its slots and half a slot more
-        probe = parity.make_layer(name, Topology.single()).experts
+    if budget_slots is not None:        # this rank's budget: its extra experts' worst-case
+        probe = parity.make_layer(name, Topology.single()).experts      # peak and half a row
         numel = sum(p[0].numel() for p in probe.parameters())
-        per_slot = slot_bytes(numel, torch.float64.itemsize)
+        owned = parity.make_config(name).num_experts // topo.world_size   # even shard map
+        k = budget_slots[topo.rank]
+        rows = (worst_peak_rows(k, owned, topo.world_size, owned)
+                - worst_peak_rows(0, owned, topo.world_size, owned))
         variant["fssdp"] = dict(variant["fssdp"], memory_budget_bytes=int(
-            (budget_slots[topo.rank] + 0.5) * per_slot))
+            (rows + 0.5) * numel * torch.float64.itemsize))
     layer = parity.make_layer(name, topo, **variant)
     opt = torch.optim.AdamW(layer.parameters(), lr=LR)
     steps = []

@@ -62,7 +62,7 @@ from moeflow.experts.ffn import EXPERT_PARAM_ATTR, ExpertFFN
 from moeflow.strategies.fssdp.optimizers import mark_slots
 from moeflow.strategies.fssdp.materialize import (LoadWindow, algorithm1_branch, calibrate,
                                            link_bandwidth, overlap_degree, sparse_materialize)
-from moeflow.strategies.fssdp.memory import capacity_from_budget, free_bytes, slot_bytes
+from moeflow.strategies.fssdp.memory import capacity_from_budget, free_at_start, free_bytes
 from moeflow.strategies.fssdp.options import FSSDPOptions
 from moeflow.strategies.fssdp.placement import Placement
 from moeflow.strategies.fssdp import regather
@@ -286,7 +286,7 @@ class FSSDPExperts(nn.Module):
                          or options.memory_budget_fraction is not None)
         self.memory_capacity = (options.memory_capacity if options.memory_capacity is not None
                                 else None if self.budgeted else len(self.slot_index))
-        self.memory_free: int | None = None  # this rank's last free-memory measurement
+        self.memory_free: int | None = None  # this rank's free memory at start (budgets)
         self.last_branch: str | None = None  # Algorithm 1's branch for the last sparse P'
         self.non_moe = LazyInterval()       # block start (prefetch) -> layer start
         self.expert_phase = LazyInterval()  # the exchange + experts of the forward
@@ -481,7 +481,7 @@ class FSSDPExperts(nn.Module):
         extras = [round(self.non_moe.seconds() * 1e6), round(self.expert_phase.seconds() * 1e9
                                                              / max(1, self._my_load()))]
         if self.budgeted:                # this rank's m from its budget, agreed below
-            extras.append(self._budget_capacity(got))
+            extras.append(self._budget_capacity())
         kept = KeptChoices(experts, self.num_experts, capacity, self.group, self.world, extras)
         self.non_moe_s = float(kept.extras[:, 0].mean()) / 1e6
         self.token_s = float(kept.extras[:, 1].mean()) / 1e9
@@ -516,23 +516,24 @@ class FSSDPExperts(nn.Module):
         self.expert_phase.start(self.slots.device)
         return plan
 
-    def _budget_capacity(self, received: dict) -> int:
-        """This rank's ``m`` from its memory budget (:mod:`moeflow.strategies.fssdp.memory`): the
-        free memory is measured now, before the held experts are stacked, plus this
-        iteration's received replicas (freed before the next iteration's arrive)."""
+    def _budget_capacity(self) -> int:
+        """This rank's ``m`` from its memory budget (:mod:`moeflow.strategies.fssdp.memory`):
+        the device's free memory at start (one measurement per process and device, before any
+        layer stacks held experts, so every layer gets the same ``m`` whatever its depth) and
+        the worst-case peak of this layer's held experts, gradients and transport buffers."""
         o = self.options
-        free = free_bytes(self.slots.device)
+        free = free_at_start(self.slots.device, free_bytes)
         if free is None and o.memory_budget_fraction is not None:
             raise ConfigError(f"MoEConfig.fssdp.memory_budget_fraction="
                               f"{o.memory_budget_fraction!r} needs the free memory, which "
                               f"cannot be measured on {self.slots.device}: give "
                               "memory_budget_bytes instead")
-        if free is not None:
-            free += sum(t.numel() * t.element_size() for t in received.values())
         self.memory_free = free
-        m = capacity_from_budget(o.memory_budget_bytes, o.memory_budget_fraction, free,
-                                 slot_bytes(self.numel, self.slots.element_size()))
-        return min(m, self.num_experts)     # Algorithm 1 line 1 caps m at t <= |E| anyway
+        return capacity_from_budget(o.memory_budget_bytes, o.memory_budget_fraction, free,
+                                    self.expert_bytes, owned=len(self.slot_index),
+                                    world=self.world, slot_rows=self.slots.shape[0],
+                                    num_experts=self.num_experts,
+                                    transport=self.options.transport)
 
     def _held_dtype(self) -> torch.dtype:
         """The dtype of the materialized held experts. HECATE-RM under autocast (e.g. bf16):

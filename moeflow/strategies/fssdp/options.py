@@ -55,9 +55,11 @@ class FSSDPOptions:
     between the block's start and the layer, and ``bw`` = ``bandwidth_Bps``, or the inter-node
     point-to-point fit of the ``links`` JSON of ``moeflow bench links``); ``memory_capacity``
     is ``m``, the replicas a rank may hold, given directly; ``memory_budget_bytes`` (bytes)
-    or ``memory_budget_fraction`` (of the measured free memory) derive ``m`` instead, at each
-    count exchange, as the extra experts that fit in the budget, the minimum over the ranks
-    (:mod:`moeflow.strategies.fssdp.memory`); with none of the three, ``m`` is the number of experts
+    or ``memory_budget_fraction`` (of the device's free memory at start, measured once per
+    process and device) derive ``m`` instead, as the replicas whose worst-case peak of held
+    rows, gradient copies and transport buffers adds at most the budget per layer, the minimum
+    over the ranks (:mod:`moeflow.strategies.fssdp.memory`); with none of the three, ``m`` is
+    the number of experts
     a rank owns. ``window`` is ``w``
     (HECATE: 5); ``calibrate`` re-plans after the gate with the real loads and keeps the new
     plan only if its predicted latency, extra spAG included, is lower.
@@ -113,8 +115,8 @@ class FSSDPOptions:
         v = self.memory_budget_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ConfigError(f"{o}.memory_budget_bytes={v!r} is invalid: give the bytes each "
-                              "rank may spend on materialized experts per layer (an integer "
-                              ">= 0), or None")
+                              "rank may add per layer for materialized experts (held rows, "
+                              "gradient copies, transport buffers; an integer >= 0), or None")
         v = self.memory_budget_fraction
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or not 0 < v <= 1):

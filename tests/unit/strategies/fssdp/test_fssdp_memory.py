@@ -1,7 +1,9 @@
 """Algorithm 1's ``m`` from a memory budget (HECATE Section 4.2; moeflow/strategies/fssdp/memory.py):
-the arithmetic, the free-memory reading, the option's refusals, and a one-process layer that
-derives ``m`` from mocked free memory. The 4-rank parity with ``t > m`` from a budget is
-tests/multirank/test_fssdp_layer.py's ``fssdp_sparse_budget`` variant."""
+the worst-case peak of every buffer a replica costs, the free-memory reading profiled once at
+start (the same for every layer depth), the option's refusals, and one-process layers.
+The measured peak is tests/multirank/test_fssdp_memory_peak.py; the 4-rank parity with
+``t > m`` from a budget is tests/multirank/test_fssdp_layer.py's ``fssdp_sparse_budget``
+variant."""
 
 from __future__ import annotations
 
@@ -16,21 +18,49 @@ from moeflow.strategies.fssdp.options import FSSDPOptions
 from tests.helpers import parity
 
 
+def _cap(budget, fraction, free, row=100, **kw):
+    kw = {"owned": 2, "world": 4, "slot_rows": 2, "num_experts": 8, **kw}
+    return memory.capacity_from_budget(budget, fraction, free, row, **kw)
+
+
+def test_worst_peak_counts_every_buffer():
+    # 2 owned, 4 ranks, 2 slot rows: P' = P peaks at the held tensor + 3 gradient copies (8)
+    assert memory.worst_peak_rows(0, 2, 4, 2) == 8
+    # one replica: H = 3 -> 12 rows; the owner's receive buffers (3) + sums (2) -> 2H + 5 = 11
+    assert memory.worst_peak_rows(1, 2, 4, 2) == 12
+    # a hot owner on 8 ranks: the 7 others' replicas' gradient copies + 2 sums beat the held
+    # tensor's 4H = 12
+    assert memory.worst_peak_rows(1, 2, 8, 2) == 2 * 3 + 7 + 2
+    assert memory.worst_peak_rows(2, 2, 8, 2) == max(2 + 4, 16, 8 + 14 + 2, 8 + 2 + 2)
+    assert memory.worst_peak_rows(2, 2, 8, 2, "broadcast") == 16
+    assert memory.worst_peak_rows(2, 2, 8, 2, "auto") == 24
+
+
 def test_capacity_from_a_byte_budget_is_capped_by_free_memory():
-    per = memory.slot_bytes(100, 8)
-    assert per == 1600                                  # held row + its gradient
-    assert memory.capacity_from_budget(5 * per + 1, None, 10**9, per) == 5
-    assert memory.capacity_from_budget(5 * per, None, 2 * per + 7, per) == 2   # free is less
-    assert memory.capacity_from_budget(5 * per - 1, None, None, per) == 4      # not measurable
-    assert memory.capacity_from_budget(0, None, 10**9, per) == 0
+    # each replica adds 4 rows (its held row and three gradient copies) on 4 ranks
+    assert _cap(4 * 100 * 3, None, 10**9) == 3
+    assert _cap(4 * 100 * 3 - 1, None, 10**9) == 2
+    assert _cap(4 * 100 * 3, None, 4 * 100 + 7) == 1               # free is less
+    assert _cap(4 * 100 * 2, None, None) == 2                       # not measurable
+    assert _cap(0, None, 10**9) == 0
+    assert _cap(10**12, None, None) == 6                            # the experts not owned
 
 
 def test_capacity_from_a_fraction_of_free_memory():
-    per = memory.slot_bytes(10, 4)
-    assert memory.capacity_from_budget(None, 0.5, 10 * per, per) == 5
-    assert memory.capacity_from_budget(None, 0.25, 10 * per, per) == 2
+    assert _cap(None, 0.5, 4 * 100 * 6) == 3
+    assert _cap(None, 0.25, 4 * 100 * 6) == 1
     with pytest.raises(RuntimeError, match="memory_budget_bytes"):
-        memory.capacity_from_budget(None, 0.5, None, per)
+        _cap(None, 0.5, None)
+
+
+def test_hot_owner_receive_buffers_lower_m():
+    """On 8 ranks a rank owning 2 experts receives up to 7 gradient copies of each: the first
+    replicas cost more than the held rows alone (p2p), less with the broadcast transport."""
+    row = 100
+    budget = (24 - 8) * row                 # worst_peak_rows(2, 2, 8, 2) - floor
+    assert _cap(budget, None, None, world=8, num_experts=16) == 2
+    assert _cap(budget - 1, None, None, world=8, num_experts=16) == 1
+    assert _cap(budget, None, None, world=8, num_experts=16, transport="broadcast") == 4
 
 
 def test_free_bytes_reads_memavailable_on_cpu(tmp_path, monkeypatch):
@@ -76,29 +106,58 @@ def _forward(layer):
     parity.local_loss(layer(x), g, layer).backward()
 
 
-def test_layer_derives_m_from_mocked_free_memory(monkeypatch):
-    free = {"bytes": 0}
-    monkeypatch.setattr("moeflow.strategies.fssdp.layer_experts.free_bytes",
-                        lambda device: free["bytes"])
+@pytest.fixture(autouse=True)
+def _fresh_start_profile():
+    """Each test profiles the free memory at start again (mocked values must not leak)."""
+    memory.forget_start()
+    yield
+    memory.forget_start()
+
+
+def test_layer_profiles_free_memory_once_at_start(monkeypatch):
+    free = {"bytes": 0, "calls": 0}
+
+    def measure(device):
+        free["calls"] += 1
+        return free["bytes"]
+
+    monkeypatch.setattr("moeflow.strategies.fssdp.layer_experts.free_bytes", measure)
     layer = _layer(memory_budget_fraction=0.5)
     ex = layer.experts
-    per = memory.slot_bytes(ex.numel, 8)
     assert ex.memory_capacity is None                   # not measured before a forward
-    free["bytes"] = 6 * per + 3
+    free["bytes"] = 10**9
     _forward(layer)
-    assert (ex.memory_capacity, ex.memory_free) == (3, 6 * per + 3)
-    free["bytes"] = 2 * per                             # memory got tight: m follows
+    assert (ex.memory_capacity, ex.memory_free, free["calls"]) == (0, 10**9, 1)
+    free["bytes"] = 10                                  # later readings are not the start
     _forward(layer)
-    assert ex.memory_capacity == 1
-    free["bytes"] = 10**12                              # capped at the number of experts
-    _forward(layer)
-    assert ex.memory_capacity == 8
-    layer = _layer(memory_budget_bytes=2 * per + 5)     # bytes: min(budget, free)
-    _forward(layer)
-    assert layer.experts.memory_capacity == 2
-    free["bytes"] = per
-    _forward(layer)
-    assert layer.experts.memory_capacity == 1
+    assert (ex.memory_free, free["calls"]) == (10**9, 1)
+    # one rank owns every expert: nothing to materialize, m = 0 whatever the budget
+    assert ex.memory_capacity == 0
+
+
+def test_gpt_layers_get_the_same_m_at_every_depth(monkeypatch):
+    """Measured per layer, each deeper layer would see less free memory (the earlier layers'
+    held experts and activations, kept for the backward without re-materialization): the
+    start profile gives every layer the same reading."""
+    from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
+    from tests.helpers.fssdp_layer_worker import small_gpt
+
+    calls = {"n": 0}
+
+    def shrinking(device):
+        calls["n"] += 1
+        return 10**9 - calls["n"] * 10**6
+
+    monkeypatch.setattr("moeflow.strategies.fssdp.layer_experts.free_bytes", shrinking)
+    model = small_gpt(Topology.single(), placement="fssdp",
+                      fssdp=dict(materialize="sparse", overlap_degree=2,
+                                 memory_budget_fraction=0.5))
+    for _ in range(2):
+        model(torch.randint(0, 32, (2, 8)))[0].sum().backward()
+    layers = [m for m in model.modules() if isinstance(m, FSSDPExperts)]
+    assert len(layers) == 2
+    assert [m.memory_free for m in layers] == [10**9 - 10**6] * 2
+    assert calls["n"] == 1
 
 
 def test_fraction_without_measurable_memory_is_refused(monkeypatch):
@@ -108,7 +167,7 @@ def test_fraction_without_measurable_memory_is_refused(monkeypatch):
         _forward(layer)
     layer = _layer(memory_budget_bytes=10**9)           # a byte budget is used as given
     _forward(layer)
-    assert layer.experts.memory_capacity == 8
+    assert (layer.experts.memory_capacity, layer.experts.memory_free) == (0, None)
 
 
 def test_explicit_memory_capacity_still_works():
@@ -135,8 +194,9 @@ def test_cli_budget_reaches_every_gpt_layer():
     model(torch.randint(0, 32, (2, 8)))[0].sum().backward()
     layers = [m for m in model.modules() if isinstance(m, FSSDPExperts)]
     assert len(layers) == 2
-    for ex in layers:      # float64 experts of 2 x 16 x 12 elements: 6144 bytes a replica
-        assert ex.memory_capacity == 20000 // memory.slot_bytes(ex.numel, 8) == 3
+    for ex in layers:      # one rank owns every expert: m = 0 (the 4-rank m is in
+        assert ex.options.memory_budget_bytes == 20000      # tests/multirank/test_fssdp_layer.py)
+        assert ex.memory_capacity == 0
 
 
 def test_checkpoint_keeps_the_agreed_m(tmp_path):
@@ -161,5 +221,5 @@ def test_checkpoint_keeps_the_agreed_m(tmp_path):
     assert before == [None, None]
     checkpoint.load(str(tmp_path / "ckpt"), fresh, torch.optim.AdamW(fresh.parameters()))
     after = [m for m in fresh.modules() if isinstance(m, FSSDPExperts)]
-    assert [m.memory_capacity for m in after] == [3, 3]
+    assert [m.memory_capacity for m in after] == [0, 0]     # the agreed m, not None
     assert all(len(m.window) == 1 for m in after)
