@@ -31,6 +31,7 @@ from moeflow.bench.schedule_bench import time_variants
 from moeflow.cases.parm_grid import case_config, case_input
 from moeflow.devices import resolve_device
 from moeflow.strategies.parm.algorithm1 import algorithm1, use_fits
+from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates
 from moeflow.strategies.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
 from moeflow.topology import Topology
 
@@ -73,7 +74,8 @@ def crossing(topo: Topology) -> dict[str, bool]:
     """Which of this rank's Parm groups span more than one node (their traffic crosses the
     inter-node link; a group inside a node never sees the link's bandwidth): ``mp``, ``ep``,
     ``esp`` and ``ep_esp``, and what that means per schedule: the baseline moves the MoE
-    traffic on EP and ESP (Eq. 1), S1 / S2 on EP&ESP and MP (Eq. 11 / 14)."""
+    traffic on EP and ESP (Eq. 1; with MP and whole experts also MP, 0.8.1's gather_tokens),
+    S1 / S2 on EP&ESP and MP (Eq. 11 / 14)."""
     import torch.distributed as dist
 
     def spans(group) -> bool:
@@ -83,7 +85,7 @@ def crossing(topo: Topology) -> dict[str, bool]:
 
     out = {name: spans(getattr(topo, f"{name}_group"))
            for name in ("mp", "ep", "esp", "ep_esp")}
-    out["baseline"] = out["ep"] or out["esp"]
+    out["baseline"] = out["ep"] or out["esp"] or (drops_mp_duplicates(topo) and out["mp"])
     out["s1_s2"] = out["ep_esp"] or out["mp"]
     return out
 

@@ -36,15 +36,18 @@ def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
             f"mp_size={topo.mp_size}, parallel_schedule={sched!r}: SMILE's node-level routing "
             "assumes one expert group per node of the EP group; use router='topk', or "
             "esp_size=1 (with S1 / S2 also mp_size=1, or parallel_schedule='baseline')")
-    if (sched == "baseline" and topo.mp_size > 1 and topo.esp_size > 1 and cfg.gate_noise > 0
+    if (sched == "baseline" and topo.mp_size > 1 and cfg.gate_noise > 0
             and esp_peers_share_tokens(topo)):
+        why = ("the ESP peers send their own copies of the MP group's tokens to their shards, "
+               "whose partial outputs are summed" if topo.esp_size > 1 else
+               "the MP ranks split one dispatch plan (each sends its share of every expert's "
+               "rows, DeepSpeed-MoE's duplicate-token drop)")
         raise ConfigError(
             f"MoEConfig.gate_noise={cfg.gate_noise} is not supported with "
             f"parallel_schedule='baseline', mp_size={topo.mp_size}, esp_size={topo.esp_size} "
-            "and the ESP groups inside the MP groups: the ESP peers send their own copies of "
-            "the MP group's tokens to their shards, whose partial outputs are summed, so they "
-            "must route identically, and the noise is drawn per rank; use gate_noise=0, or a "
-            "layout whose ESP groups cross the MP groups")
+            f"and the ESP groups inside the MP groups: {why}, so the MP ranks must route "
+            "identically, and the noise is drawn per rank; use gate_noise=0, or a layout whose "
+            "ESP groups cross the MP groups")
     if not paused or sched == "s1":
         return
     if topo.mp_size > 1 and cfg.gate_noise > 0:
