@@ -79,6 +79,7 @@ from moeflow.topology import Topology
 MOEFLOW_VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
                     ("s1", dict(parallel_schedule="s1")),
                     ("s2", dict(parallel_schedule="s2")),
+                    ("ted", dict(parallel_schedule="ted")),
                     ("auto", dict(parallel_schedule="auto"))]
 ORDER_081 = "deepspeed-0.8.1-order"
 TOLERANCE = 1e-5      # float32: |y_moeflow - y_deepspeed| <= 1e-5 max(1, max|y|), and of dL/dx

@@ -4,9 +4,10 @@ For every layout (N_MP, N_EP, N_ESP) that fits the world (N_MP, N_ESP in {1, 2} 
 or the ``layouts`` given, e.g. N_MP = 4 across two nodes, each row recording which groups
 cross the nodes, :func:`crossing`) and every MoE case (tokens per rank
 ``B L``, width ``M`` with ``H = 2 M``, capacity factor ``f``), one MoE layer per variant --
-``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas`` and ``auto``
-(Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
-hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
+``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas``, ``ted``
+(DeepSpeed-TED's order with the node-once exchange, beyond the paper) and ``auto`` (Algorithm 1,
+with ``ted`` as a third candidate) -- runs forward + backward round-robin on the same input
+(an MP group's ranks hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
 are reported. Per layout, the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the
 running cluster first (:func:`moeflow.strategies.parm.fits.measure_parm_fits`), twice: at the
 default 16 Ki-256 Ki elements and at sizes spanning the messages this grid sends on the layout
@@ -39,6 +40,7 @@ VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
             ("s1", dict(parallel_schedule="s1")),
             ("s2", dict(parallel_schedule="s2")),
             ("s2-aas", dict(parallel_schedule="s2", parm_saa=False)),
+            ("ted", dict(parallel_schedule="ted")),
             ("auto", dict(parallel_schedule="auto"))]
 
 
@@ -126,7 +128,7 @@ def bench_worker(opts: dict) -> dict:
                 base = case_config(M, E, k, f)
                 x = case_input(tokens, M, topo.rank // mp).to(device)
                 got = time_variants(base, list(VARIANTS), topo, x, opts["warmup"], opts["reps"])
-                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp)
+                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp, ep)
                          for lab, fs in fit_sets.items()}
                 pred = preds[opts.get("fit_sizes", "grid")]
                 row = {"n_mp": mp, "n_ep": ep, "n_esp": esp, "esp_in_node": in_node,
@@ -136,9 +138,13 @@ def bench_worker(opts: dict) -> dict:
                        "step_ms": {r["variant"]: r["step_ms"] for r in got},
                        "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
                        "auto_choice": pred.schedule,
-                       "predicted_comm_ms": {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2},
+                       "predicted_comm_ms": {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2,
+                                             "ted": None if pred.t_ted is None
+                                             else 1e3 * pred.t_ted},
                        "algorithm1": {lab: {"choice": p.schedule, "t_d1_ms": 1e3 * p.t_d1,
-                                            "t_d2_ms": 1e3 * p.t_d2}
+                                            "t_d2_ms": 1e3 * p.t_d2,
+                                            "t_ted_ms": None if p.t_ted is None
+                                            else 1e3 * p.t_ted}
                                       for lab, p in preds.items()}}
                 if opts.get("collectives"):
                     msgs = messages(topo, tokens, M, E, k, f)
@@ -216,7 +222,8 @@ def format_result(res: dict) -> str:
         t = r["step_ms"]
         lay = f"{r['n_mp']},{r['n_ep']},{r['n_esp']}" + ("" if r.get("esp_in_node", True) else "e")
         lines.append(f"{lay:<9} {r['tokens_per_rank']:>5} "
-                     f"{r['capacity_factor']:>4} " + " ".join(f"{t[v]:>9.1f}" for v, _ in VARIANTS)
+                     f"{r['capacity_factor']:>4} "       # results from before ted: "-"
+                     + " ".join(f"{t[v]:>9.1f}" if v in t else f"{'-':>9}" for v, _ in VARIANTS)
                      + f" {r['auto_choice']:>5} {r['predicted_comm_ms']['s1']:>8.2f} "
                      f"{r['predicted_comm_ms']['s2']:>8.2f}")
     s = res["summary"]

@@ -22,7 +22,8 @@ AUTO = "auto"      # a2a / schedule / pipeline_degree measured on the cluster (S
 AUTO_LOSSY = "auto:lossy"   # the codec measured too, lossy ones within their error budget
 DEFAULT_LOSSY_ERROR_BUDGET = 1e-2   # what lossy_error_budget=None means with codec auto:lossy
 DEFAULT_AUTOTUNE_BUDGET_S = 30.0    # MoEConfig.autotune_budget_s's default
-PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
+PARM_SCHEDULES = ("baseline", "s1", "s2", "auto", "ted")   # Parm Fig. 3a/3b/3c, Algorithm 1;
+# "ted": DeepSpeed-TED's order with a node-once EP&ESP exchange (strategies/parm/ted.py)
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # built in (the "activation"

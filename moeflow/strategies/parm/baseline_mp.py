@@ -41,10 +41,11 @@ def drops_mp_duplicates(topo: Topology) -> bool:
 
 
 def mp_shares(plan: DispatchPlan, topo: Topology) -> tuple[np.ndarray, list[np.ndarray]]:
-    """``(C, rows)``: ``C[q][e]``, the rows EP rank q sends to expert e after the drop (its MP
-    rank's share of its whole buffer), and ``rows[m]``, the rows of this rank's buffer MP rank
-    m keeps (every MP rank holds the same plan, so each knows the others' shares)."""
-    full = block_counts(plan, topo)           # (N_EP, E): the whole buffers (N_ESP = 1)
+    """``(C, rows)``: ``C[q][e]``, the rows slot q of the EP&ESP block (the EP rank q when
+    ``N_ESP = 1``) sends to expert e after the drop (its MP rank's share of its whole buffer),
+    and ``rows[m]``, the rows of this rank's buffer MP rank m keeps (every MP rank holds the
+    same plan, so each knows the others' shares)."""
+    full = block_counts(plan, topo)           # (u, E): the block's whole buffers
     mp, u, me = topo.mp_size, topo.expert_slots, topo.expert_slot
     shares = chunk_counts(full, mp)           # shares[m][q]: MP rank m's share of q's buffer
     first = topo.rank - me

@@ -18,7 +18,7 @@ def uses_parm(topo: Topology) -> bool:
 def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
     """Refuse, with the fix, what the chosen schedule with this layout cannot run."""
     sched = cfg.parallel_schedule
-    paused = sched != "baseline" and uses_parm(topo)       # S1, S2, auto: EP&ESP-AlltoAll
+    paused = sched != "baseline" and uses_parm(topo)       # S1, S2, auto, ted
     if topo.esp_size > 1 and hidden % topo.esp_size:
         raise ConfigError(
             f"MoEConfig.d_expert={cfg.d_expert} (expert hidden width {hidden}) is invalid for "
@@ -56,7 +56,20 @@ def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
             f"parallel_schedule={sched!r} and mp_size={topo.mp_size}: S2 splits one plan "
             "over the MP group, so its ranks must route identically, and the noise is drawn "
             "per rank; use gate_noise=0 or parallel_schedule='s1'")
+    if sched == "ted":
+        check_ted(cfg, cfg.pipeline_degree)
+        return
     check_saa(cfg, cfg.pipeline_degree)
+
+
+def check_ted(cfg: MoEConfig, pipeline_degree: int) -> None:
+    """The ``ted`` schedule's exchange runs its own collectives: no codecs, no chunks."""
+    if cfg.codec != "none" or pipeline_degree > 1:
+        raise ConfigError(
+            f"MoEConfig.parallel_schedule='ted' is not supported with codec={cfg.codec!r}, "
+            f"pipeline_degree={pipeline_degree}: its node-once exchange (EP-AlltoAll, "
+            "ESP-AllGather, ESP-ReduceScatter) runs without codecs or chunks; set codec='none' "
+            "and pipeline_degree=1, or use parallel_schedule='s1' / 's2' with parm_saa=False")
 
 
 def check_saa(cfg: MoEConfig, pipeline_degree: int) -> None:

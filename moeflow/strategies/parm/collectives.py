@@ -152,6 +152,12 @@ def esp_split(y: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor
     return _Split.apply(y, list(sizes), me, group)
 
 
+def esp_reduce_scatter(x: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor:
+    """ESP-ReduceScatter of rows: the sum over ``group`` of every rank's ``x`` (blocks of
+    ``sizes`` rows, the same on every rank), this rank's block. Backward: AllGather."""
+    return _ReduceScatter.apply(x, list(sizes), me, group)
+
+
 def esp_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """ESP-AllReduce (sum) of partial outputs. Backward: identity (the sum is replicated).
     Called inside a scheduled task (task E), it is issued by the schedule's communication lane
@@ -166,6 +172,17 @@ def _reduce_scatter_rows(g: torch.Tensor, sizes: list[int], me: int, group) -> t
     out = g.new_empty((top,) + tuple(g.shape[1:]))
     _reduce_scatter(out, padded, group=group)
     return out[:sizes[me]]
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, me, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_rows(x, sizes, me, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g.contiguous(), ctx.sizes, ctx.group), None, None, None
 
 
 class _MPGatherReplicated(torch.autograd.Function):

@@ -74,6 +74,10 @@ class Parm(ExpertStrategy):
         # 3a); shared experts run after, not overlapped
         return baseline_experts(send, plan, runner, topo), None
 
+    def stats(self) -> dict[str, float]:
+        # the ted schedule's forward bytes to other nodes (schedules.ParmParts.stats)
+        return {} if self.parts is None else dict(self.parts.stats)
+
     def finish(self, y, aux_loss, call):
         if call.sched == "s1":            # MP-AllGather after the layer; MP parts' mean loss
             topo = self.layer.topo
