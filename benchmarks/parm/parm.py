@@ -160,6 +160,7 @@ def summarize(rows: list[dict]) -> dict:
     table: dict[str, dict] = {}
     beat = {"s1": 0, "s2": 0, "any": 0}
     decided = correct = 0
+    ted = {"beats_baseline": 0, "decided": 0, "picked_fastest": 0}   # rows with a ted column
     saa_vs_aas = []
     for r in rows:
         t = r["step_ms"]
@@ -174,6 +175,13 @@ def summarize(rows: list[dict]) -> dict:
         if abs(t["s1"] - t["s2"]) > 0.1 * min(t["s1"], t["s2"]):
             decided += 1
             correct += r["auto_choice"] == ("s1" if t["s1"] < t["s2"] else "s2")
+        if "ted" in t:                  # Algorithm 1 with the ted schedule (beyond the paper)
+            sp.setdefault("ted", []).append(t["baseline"] / t["ted"])
+            ted["beats_baseline"] += t["ted"] < t["baseline"]
+            first, second = sorted(("s1", "s2", "ted"), key=t.get)[:2]
+            if t[second] > 1.1 * t[first]:
+                ted["decided"] += 1
+                ted["picked_fastest"] += r["auto_choice"] == first
     n = len(rows)
     return {"algorithm1_accuracy": accuracy(rows),
             "mean_speedup_over_baseline": {k: {v: statistics.mean(s) for v, s in d.items()}
@@ -182,6 +190,9 @@ def summarize(rows: list[dict]) -> dict:
             "s1_or_s2_beats_baseline": beat["any"],
             "algorithm1_cases_differing_by_10pct": decided,
             "algorithm1_picked_faster": correct,
+            "ted_beats_baseline": ted["beats_baseline"],
+            "algorithm1_three_way_cases_differing_by_10pct": ted["decided"],
+            "algorithm1_three_way_picked_fastest": ted["picked_fastest"],
             "saa_speedup_over_aas_mean": statistics.mean(saa_vs_aas) if saa_vs_aas else None}
 
 
