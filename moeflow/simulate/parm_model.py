@@ -40,7 +40,8 @@ backward, minus the count gather (the plan record keeps the counts, Parm's EP&ES
 included: :mod:`moeflow.plan_record`), and its backward task E reruns the experts too.
 
 Not modelled: chunks (``pipeline_degree`` > 1) and codecs on the EP&ESP payloads, ``auto``
-(Algorithm 1 picks S1 or S2 per call: simulate both), BigMac's widths.
+(Algorithm 1 picks S1 or S2 per call: simulate both), the ``ted`` schedule
+(``strategies/parm/ted.py``), BigMac's widths.
 """
 
 from __future__ import annotations
