@@ -79,6 +79,7 @@ from moeflow.topology import Topology
 MOEFLOW_VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
                     ("s1", dict(parallel_schedule="s1")),
                     ("s2", dict(parallel_schedule="s2")),
+                    ("ted", dict(parallel_schedule="ted")),
                     ("auto", dict(parallel_schedule="auto"))]
 ORDER_081 = "deepspeed-0.8.1-order"
 TOLERANCE = 1e-5      # float32: |y_moeflow - y_deepspeed| <= 1e-5 max(1, max|y|), and of dL/dx
@@ -214,6 +215,18 @@ class ShardFFN(nn.Module):
         return reduce_from_mp(h @ self.w2, topo)
 
 
+class WholeFFN(nn.Module):
+    """One whole expert, gelu(x W1) W2: DeepSpeed's expert when the experts are not tensor
+    parallel (N_ESP = 1; the MP duplicates are then dropped around the all-to-alls)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(w1.clone()), nn.Parameter(w2.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ self.w1) @ self.w2
+
+
 def patch_gather_tokens() -> None:
     """Work around DeepSpeed 0.19.8's flat all_gather_into_tensor output (gloo rejects it).
     Versions whose ``_gather_tokens`` gathers into a list (0.8.1) are left as they are."""
@@ -252,7 +265,9 @@ def patch_gather_tokens() -> None:
 
 
 def build_deepspeed_layer(ref: MoELayer, topo: Topology):
-    """DeepSpeed-MoE's layer holding ``ref``'s gate and this rank's expert shards."""
+    """DeepSpeed-MoE's layer holding ``ref``'s gate and this rank's expert shards: tensor
+    parallel over the MP group (the ESP group) when ``topo.esp_size > 1``, whole experts
+    (``enable_expert_tensor_parallelism=False``) when ``topo.esp_size == 1``."""
     import deepspeed
     from deepspeed.moe.layer import MoE
     from deepspeed.utils import groups
@@ -263,11 +278,13 @@ def build_deepspeed_layer(ref: MoELayer, topo: Topology):
     patch_gather_tokens()
     w1, w2 = ref.experts.w1.detach(), ref.experts.w2.detach()      # (E_l, M, H/esp), (E_l, H/esp, M)
     extra = dict(top2_2nd_expert_sampling=False) if has_sampling_switch() else {}
-    layer = MoE(cfg.d_model, ShardFFN(w1[0], w2[0], topo), num_experts=cfg.num_experts,
+    sharded = topo.esp_size > 1
+    expert = ShardFFN(w1[0], w2[0], topo) if sharded else WholeFFN(w1[0], w2[0])
+    layer = MoE(cfg.d_model, expert, num_experts=cfg.num_experts,
                 ep_size=topo.ep_size, k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                 eval_capacity_factor=cfg.capacity_factor, min_capacity=0,
                 noisy_gate_policy=None, drop_tokens=True, use_rts=False,
-                enable_expert_tensor_parallelism=True, **extra)
+                enable_expert_tensor_parallelism=sharded, **extra)
     layer.set_deepspeed_parallelism()
     moe = layer.deepspeed_moe
     ep_group = moe.ep_group

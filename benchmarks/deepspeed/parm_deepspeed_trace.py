@@ -1,16 +1,18 @@
 """Which collectives DeepSpeed-MoE's layer runs, in order: the MP order of Parm's baseline.
 
 The question is which DeepSpeed version's MP-collective order the Parm paper's baseline (Fig. 3a,
-Section IV-A, Eq. 1) matches. This records it by running, not by reading: on 4 gloo ranks in
-Parm's Fig. 2 layout (N_MP = N_EP = N_ESP = 2, the MP group is the ESP group), one forward and
-one backward of the installed ``deepspeed.moe.layer.MoE`` (built by
+Section IV-A, Eq. 1) matches. This records it by running, not by reading: on gloo ranks in a
+layout ``--layout N_MP,N_EP,N_ESP`` (default Parm's Fig. 2, 2,2,2: the MP group is the ESP
+group, DeepSpeed's tensor-parallel experts; with N_ESP = 1 the experts are whole, and DeepSpeed
+drops the MP duplicates around the all-to-alls), one forward and one backward of the installed
+``deepspeed.moe.layer.MoE`` (built by
 :func:`benchmarks.deepspeed.parm_deepspeed.build_deepspeed_layer`) and of moeflow's ``baseline``
 layer on the same weights, with every ``torch.distributed`` collective wrapped to log its name,
 its group's ranks and the number of elements this rank sends. Run it once per DeepSpeed
-install, e.g. ``python -m benchmarks.deepspeed.parm_deepspeed_trace`` (0.19.8, system) and
-``/opt/ds081/bin/python -m benchmarks.deepspeed.parm_deepspeed_trace`` (0.8.1,
-docs/benchmarks/install_deepspeed_081.sh). Results: docs/benchmarks/parm.md, "DeepSpeed 0.8.1
-itself".
+install and layout, e.g. ``python -m benchmarks.deepspeed.parm_deepspeed_trace`` (0.19.8,
+system) and ``/opt/ds081/bin/python -m benchmarks.deepspeed.parm_deepspeed_trace --layout
+2,4,1`` (0.8.1, docs/benchmarks/install_deepspeed_081.sh; N_MP x N_EP ranks). Results:
+docs/benchmarks/parm.md, "DeepSpeed 0.8.1 itself".
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def trace_worker(opts: dict) -> dict:
     from benchmarks.deepspeed import parm_deepspeed as pd
     import deepspeed
 
-    topo = Topology.from_env(ep_size=2, mp_size=2, esp_size=2, esp_in_node=True)
+    mp, ep, esp = opts.get("layout", (2, 2, 2))
+    topo = Topology.from_env(ep_size=ep, mp_size=mp, esp_size=esp, esp_in_node=True)
     M, T = opts["d_model"], opts["tokens"]
     cfg = MoEConfig(d_model=M, d_expert=2 * M, num_experts=4, top_k=2, capacity_factor=2.0,
                     parallel_schedule="baseline", seed=1)
@@ -107,7 +110,8 @@ def trace_worker(opts: dict) -> dict:
     x = torch.randn(T, M, generator=gen)
     ref = MoELayer(cfg, topo)
     ds = pd.build_deepspeed_layer(ref, topo)
-    out = {"deepspeed_version": deepspeed.__version__, "tokens_per_rank": T, "d_model": M,
+    out = {"deepspeed_version": deepspeed.__version__, "layout": [mp, ep, esp],
+           "tokens_per_rank": T, "d_model": M,
            "num_experts": 4, "top_k": 2, "capacity_factor": 2.0,
            "capacity_elements_per_rank": 4 * T * M}   # E x C x M, C = k f T / E = T
     for name, run in (("deepspeed", lambda xi: ds(xi)[0]), ("moeflow-baseline", ref)):
@@ -128,14 +132,26 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16, help="tokens per rank (even)")
     p.add_argument("--d-model", type=int, default=8)
+    p.add_argument("--layout", default="2,2,2",
+                   help="N_MP,N_EP,N_ESP with N_ESP = N_MP or 1 (DeepSpeed's layouts); "
+                        "runs N_MP x N_EP ranks")
     p.add_argument("--out", default=None, help="JSON file for the traces (rank 0's)")
     args = p.parse_args(argv)
-    if args.tokens < 2 or args.tokens % 2:
-        p.error(f"--tokens {args.tokens}: pick an even number >= 2 (DeepSpeed 0.19.8 splits the "
-                "capacity, here the tokens, over N_MP = 2)")
-    res = launch_local(trace_worker, 4, {"tokens": args.tokens, "d_model": args.d_model},
-                       backend="gloo")[0]
-    print(f"deepspeed {res['deepspeed_version']}: rank 0, one forward + backward, "
+    try:
+        mp, ep, esp = (int(v) for v in args.layout.split(","))
+    except ValueError:
+        p.error(f"--layout {args.layout!r}: give three integers N_MP,N_EP,N_ESP, e.g. 2,4,1")
+    if esp not in (1, mp) or min(mp, ep) < 1:
+        p.error(f"--layout {args.layout}: DeepSpeed's experts are whole (N_ESP = 1) or tensor "
+                f"parallel over the MP group (N_ESP = N_MP = {mp}); pick one of those")
+    if args.tokens < mp or args.tokens % mp:
+        p.error(f"--tokens {args.tokens}: pick a multiple of N_MP = {mp} (DeepSpeed splits the "
+                f"capacity, here the tokens, over the MP group)")
+    res = launch_local(trace_worker, mp * ep,
+                       {"tokens": args.tokens, "d_model": args.d_model,
+                        "layout": (mp, ep, esp)}, backend="gloo")[0]
+    print(f"deepspeed {res['deepspeed_version']}, (N_MP, N_EP, N_ESP) = {tuple(res['layout'])}: "
+          "rank 0, one forward + backward, "
           f"E x C x M = {res['capacity_elements_per_rank']} elements per rank")
     for name in ("deepspeed", "moeflow-baseline"):
         print(f"-- {name}")

@@ -4,9 +4,10 @@ For every layout (N_MP, N_EP, N_ESP) that fits the world (N_MP, N_ESP in {1, 2} 
 or the ``layouts`` given, e.g. N_MP = 4 across two nodes, each row recording which groups
 cross the nodes, :func:`crossing`) and every MoE case (tokens per rank
 ``B L``, width ``M`` with ``H = 2 M``, capacity factor ``f``), one MoE layer per variant --
-``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas`` and ``auto``
-(Algorithm 1) -- runs forward + backward round-robin on the same input (an MP group's ranks
-hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
+``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas``, ``ted``
+(DeepSpeed-TED's order with the node-once exchange, beyond the paper) and ``auto`` (Algorithm 1,
+with ``ted`` as a third candidate) -- runs forward + backward round-robin on the same input
+(an MP group's ranks hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
 are reported. Per layout, the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the
 running cluster first (:func:`moeflow.strategies.parm.fits.measure_parm_fits`), twice: at the
 default 16 Ki-256 Ki elements and at sizes spanning the messages this grid sends on the layout
@@ -31,6 +32,7 @@ from moeflow.bench.schedule_bench import time_variants
 from moeflow.cases.parm_grid import case_config, case_input
 from moeflow.devices import resolve_device
 from moeflow.strategies.parm.algorithm1 import algorithm1, use_fits
+from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates
 from moeflow.strategies.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
 from moeflow.topology import Topology
 
@@ -38,6 +40,7 @@ VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
             ("s1", dict(parallel_schedule="s1")),
             ("s2", dict(parallel_schedule="s2")),
             ("s2-aas", dict(parallel_schedule="s2", parm_saa=False)),
+            ("ted", dict(parallel_schedule="ted")),
             ("auto", dict(parallel_schedule="auto"))]
 
 
@@ -73,7 +76,8 @@ def crossing(topo: Topology) -> dict[str, bool]:
     """Which of this rank's Parm groups span more than one node (their traffic crosses the
     inter-node link; a group inside a node never sees the link's bandwidth): ``mp``, ``ep``,
     ``esp`` and ``ep_esp``, and what that means per schedule: the baseline moves the MoE
-    traffic on EP and ESP (Eq. 1), S1 / S2 on EP&ESP and MP (Eq. 11 / 14)."""
+    traffic on EP and ESP (Eq. 1; with MP and whole experts also MP, 0.8.1's gather_tokens),
+    S1 / S2 on EP&ESP and MP (Eq. 11 / 14)."""
     import torch.distributed as dist
 
     def spans(group) -> bool:
@@ -83,7 +87,7 @@ def crossing(topo: Topology) -> dict[str, bool]:
 
     out = {name: spans(getattr(topo, f"{name}_group"))
            for name in ("mp", "ep", "esp", "ep_esp")}
-    out["baseline"] = out["ep"] or out["esp"]
+    out["baseline"] = out["ep"] or out["esp"] or (drops_mp_duplicates(topo) and out["mp"])
     out["s1_s2"] = out["ep_esp"] or out["mp"]
     return out
 
@@ -124,7 +128,7 @@ def bench_worker(opts: dict) -> dict:
                 base = case_config(M, E, k, f)
                 x = case_input(tokens, M, topo.rank // mp).to(device)
                 got = time_variants(base, list(VARIANTS), topo, x, opts["warmup"], opts["reps"])
-                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp)
+                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp, ep)
                          for lab, fs in fit_sets.items()}
                 pred = preds[opts.get("fit_sizes", "grid")]
                 row = {"n_mp": mp, "n_ep": ep, "n_esp": esp, "esp_in_node": in_node,
@@ -134,9 +138,13 @@ def bench_worker(opts: dict) -> dict:
                        "step_ms": {r["variant"]: r["step_ms"] for r in got},
                        "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
                        "auto_choice": pred.schedule,
-                       "predicted_comm_ms": {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2},
+                       "predicted_comm_ms": {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2,
+                                             "ted": None if pred.t_ted is None
+                                             else 1e3 * pred.t_ted},
                        "algorithm1": {lab: {"choice": p.schedule, "t_d1_ms": 1e3 * p.t_d1,
-                                            "t_d2_ms": 1e3 * p.t_d2}
+                                            "t_d2_ms": 1e3 * p.t_d2,
+                                            "t_ted_ms": None if p.t_ted is None
+                                            else 1e3 * p.t_ted}
                                       for lab, p in preds.items()}}
                 if opts.get("collectives"):
                     msgs = messages(topo, tokens, M, E, k, f)
@@ -152,6 +160,7 @@ def summarize(rows: list[dict]) -> dict:
     table: dict[str, dict] = {}
     beat = {"s1": 0, "s2": 0, "any": 0}
     decided = correct = 0
+    ted = {"beats_baseline": 0, "decided": 0, "picked_fastest": 0}   # rows with a ted column
     saa_vs_aas = []
     for r in rows:
         t = r["step_ms"]
@@ -166,6 +175,13 @@ def summarize(rows: list[dict]) -> dict:
         if abs(t["s1"] - t["s2"]) > 0.1 * min(t["s1"], t["s2"]):
             decided += 1
             correct += r["auto_choice"] == ("s1" if t["s1"] < t["s2"] else "s2")
+        if "ted" in t:                  # Algorithm 1 with the ted schedule (beyond the paper)
+            sp.setdefault("ted", []).append(t["baseline"] / t["ted"])
+            ted["beats_baseline"] += t["ted"] < t["baseline"]
+            first, second = sorted(("s1", "s2", "ted"), key=t.get)[:2]
+            if t[second] > 1.1 * t[first]:
+                ted["decided"] += 1
+                ted["picked_fastest"] += r["auto_choice"] == first
     n = len(rows)
     return {"algorithm1_accuracy": accuracy(rows),
             "mean_speedup_over_baseline": {k: {v: statistics.mean(s) for v, s in d.items()}
@@ -174,6 +190,9 @@ def summarize(rows: list[dict]) -> dict:
             "s1_or_s2_beats_baseline": beat["any"],
             "algorithm1_cases_differing_by_10pct": decided,
             "algorithm1_picked_faster": correct,
+            "ted_beats_baseline": ted["beats_baseline"],
+            "algorithm1_three_way_cases_differing_by_10pct": ted["decided"],
+            "algorithm1_three_way_picked_fastest": ted["picked_fastest"],
             "saa_speedup_over_aas_mean": statistics.mean(saa_vs_aas) if saa_vs_aas else None}
 
 
@@ -214,7 +233,8 @@ def format_result(res: dict) -> str:
         t = r["step_ms"]
         lay = f"{r['n_mp']},{r['n_ep']},{r['n_esp']}" + ("" if r.get("esp_in_node", True) else "e")
         lines.append(f"{lay:<9} {r['tokens_per_rank']:>5} "
-                     f"{r['capacity_factor']:>4} " + " ".join(f"{t[v]:>9.1f}" for v, _ in VARIANTS)
+                     f"{r['capacity_factor']:>4} "       # results from before ted: "-"
+                     + " ".join(f"{t[v]:>9.1f}" if v in t else f"{'-':>9}" for v, _ in VARIANTS)
                      + f" {r['auto_choice']:>5} {r['predicted_comm_ms']['s1']:>8.2f} "
                      f"{r['predicted_comm_ms']['s2']:>8.2f}")
     s = res["summary"]

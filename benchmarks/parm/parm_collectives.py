@@ -10,7 +10,9 @@ collectives each schedule runs, with the sizes this code actually moves (capacit
   row maps gathered beside it are not timed), EP-AlltoAll x 2 (``E T M N_ESP`` sent) and
   ESP-AllReduce (``E T M N_ESP``); where the ESP group lies inside the MP group (DeepSpeed-MoE
   0.8.1's layout), no gather and ``E T M`` in the EP-AlltoAlls and the ESP-AllReduce, as 0.8.1
-  moves; ESP-Split is local in forward;
+  moves; ESP-Split is local in forward; with MP and whole experts (``N_ESP = 1``), 0.8.1's
+  duplicate-token drop: ``E T M / N_MP`` in the EP-AlltoAlls and the MP-AllGather of the
+  experts' outputs (``E T M`` gathered, ``baseline_mp.py``);
 * S1 (Fig. 3b, Eq. 11): EP&ESP-AlltoAll x 2 over the block (``E T M N_ESP / N_MP``, ``T`` from
   the ``B L / N_MP`` tokens S1 gates), MP-AllGather of the outputs (``B L M``);
 * S2 (Fig. 3c, Eq. 14): EP&ESP-AlltoAll (MP rank m's share of every expert's ``C`` rows), then
@@ -42,6 +44,7 @@ from moeflow.measure.linkmodel import AlphaBeta, fit_alpha_beta
 from moeflow.measure.timing import time_aligned
 from moeflow.dispatch.capacity import capacity
 from moeflow.strategies.parm.baseline import esp_peers_share_tokens
+from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates
 from moeflow.strategies.parm.collectives import _all_gather
 from moeflow.strategies.parm.s1 import token_rows
 from moeflow.strategies.parm.saa import saa
@@ -49,12 +52,12 @@ from moeflow.schedule.chunks import chunk_counts
 from moeflow.topology import Topology
 
 # forward chains, in issue order (Fig. 3); "saa" is the all-to-all back with the AllGather
-CHAINS = {"baseline": ["ag_esp", "a2a_ep", "ar_esp", "a2a_ep_back"],
+CHAINS = {"baseline": ["ag_esp", "a2a_ep", "ar_esp", "a2a_ep_back", "ag_mp"],
           "s1": ["a2a", "a2a_back", "ag_mp"],
           "s2": ["a2a", "saa"],
           "s2-aas": ["a2a", "a2a_back", "ag_mp"]}
 # the equation each schedule's prediction comes from, and which pieces it sums
-EQUATIONS = {"baseline": ("Eq. 1", ["ag_esp", "a2a_ep", "ar_esp", "a2a_ep_back"]),
+EQUATIONS = {"baseline": ("Eq. 1", ["ag_esp", "a2a_ep", "ar_esp", "a2a_ep_back", "ag_mp"]),
              "s1": ("Eq. 11 (line 4)", ["a2a", "a2a_back", "ag_mp"]),
              "s2": ("Alg. 1 line 5", ["a2a", "saa"]),
              "s2-aas": ("Eq. 7 bound", ["a2a", "a2a_back", "ag_mp"])}
@@ -102,11 +105,26 @@ def messages(topo: Topology, tokens: int, M: int, E: int, k: int, f: float) -> d
     if esp > 1:
         base["ar_esp"] = Message("ar_esp", "ESP-AllReduce", "ar_esp", "esp", rows * M,
                                  rows * M, f"AR_ESP({term})")
-    if ep > 1:
+    if ep > 1 and not drops_mp_duplicates(topo):
         split = (copies * e_local * cap,) * ep
         for key in ("a2a_ep", "a2a_ep_back"):
             base[key] = Message(key, "EP-AlltoAll", "a2a_ep", "ep", rows * M, rows * M,
                                 f"A2A_EP({term})", split, split)
+    if drops_mp_duplicates(topo):      # 0.8.1's drop_tokens / gather_tokens (baseline_mp.py)
+        share = [int(s[0]) for s in chunk_counts(np.array([cap]), mp)]
+        r = _slot_rows(share, topo)                  # rows per expert, per EP rank (N_ESP 1)
+        send = (e_local * r[topo.expert_slot],) * ep
+        recv = tuple(e_local * v for v in r)
+        if ep > 1:
+            base["a2a_ep"] = Message("a2a_ep", "EP-AlltoAll", "a2a_ep", "ep", sum(send) * M,
+                                     sum(send) * M, "A2A_EP(ETM / N_MP)", send, recv)
+            base["a2a_ep_back"] = Message("a2a_ep_back", "EP-AlltoAll", "a2a_ep", "ep",
+                                          sum(recv) * M, sum(recv) * M, "A2A_EP(ETM / N_MP)",
+                                          recv, send)
+        gathered = E * sum(share) * M
+        base["ag_mp"] = Message("ag_mp", "MP-AllGather (gather_tokens)", "ag_mp", "mp",
+                                gathered, gathered, "AG_MP(ETM)",
+                                ag_rows=tuple(E * v for v in share))
     out["baseline"] = base
     if mp == 1 and u == 1:
         return out

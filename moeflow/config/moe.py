@@ -22,7 +22,8 @@ AUTO = "auto"      # a2a / schedule / pipeline_degree measured on the cluster (S
 AUTO_LOSSY = "auto:lossy"   # the codec measured too, lossy ones within their error budget
 DEFAULT_LOSSY_ERROR_BUDGET = 1e-2   # what lossy_error_budget=None means with codec auto:lossy
 DEFAULT_AUTOTUNE_BUDGET_S = 30.0    # MoEConfig.autotune_budget_s's default
-PARM_SCHEDULES = ("baseline", "s1", "s2", "auto")   # Parm Fig. 3a/3b/3c and Algorithm 1
+PARM_SCHEDULES = ("baseline", "s1", "s2", "auto", "ted")   # Parm Fig. 3a/3b/3c, Algorithm 1;
+# "ted": DeepSpeed-TED's order with a node-once EP&ESP exchange (strategies/parm/ted.py)
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # built in (the "activation"
@@ -177,8 +178,10 @@ class MoEConfig:
     ``parallel_schedule`` orders Parm's MP+EP+ESP communication (``moeflow/strategies/parm``,
     used when the topology has ``mp_size`` or ``esp_size`` > 1): ``"baseline"`` is
     DeepSpeed-MoE's order (Parm Fig. 3a); ``"s1"`` pauses MP before the gate (Fig. 3b),
-    ``"s2"`` after it (Fig. 3c), both with the EP&ESP-AlltoAll; ``"auto"`` picks S1 or S2 per
-    call by Algorithm 1. ``parm_saa`` runs S2's second all-to-all and MP-AllGather at once
+    ``"s2"`` after it (Fig. 3c), both with the EP&ESP-AlltoAll; ``"ted"`` (beyond the paper)
+    drops the MP duplicates and sends each row once to its expert's EP rank, fanned out to the
+    ESP shards inside their group (DeepSpeed-TED's order, ``strategies/parm/ted.py``); ``"auto"``
+    picks S1 or S2 per call by Algorithm 1, or ted where its fits are measured. ``parm_saa`` runs S2's second all-to-all and MP-AllGather at once
     (SAA, Section III-D; ``False``: sequentially, AAS). See docs/parm.md.
     """
 
@@ -301,7 +304,8 @@ class MoEConfig:
                  "their own capacity layouts); use 'auto' or 'pad'")
         _require(self.parallel_schedule in PARM_SCHEDULES, o, "parallel_schedule",
                  self.parallel_schedule, "unknown schedule; use one of "
-                 f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1)")
+                 f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1; ted: "
+                 "DeepSpeed-TED's order, docs/parm.md)")
         _require(isinstance(self.parm_check_plan, bool), o, "parm_check_plan",
                  self.parm_check_plan, "must be True (compare the MP ranks' plans in S2) or "
                  "False")

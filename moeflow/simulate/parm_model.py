@@ -7,7 +7,9 @@ under MP + EP + ESP (Parm Section III; ``moeflow/strategies/parm/``).
   input gradients), EP-AlltoAll back; where the ESP peers hold other tokens, Eq. 1's
   ESP-AllGather of the input (with the int64 row maps), the merged buffers' EP-AlltoAll,
   ESP-AllReduce, ESP-Split, and in backward ESP-Split's AllGather and the gather's
-  ReduceScatter.
+  ReduceScatter; with MP and whole experts (``N_ESP = 1``), 0.8.1's duplicate-token drop: MP
+  rank m's share of every expert's rows through the EP-AlltoAlls, the MP-AllGather after
+  (backward: the drop's AllGather of the input gradient's parts; ``baseline_mp.py``).
 * ``s1`` (Fig. 3b, Eq. 11): MP-Split before the gate (backward: an AllGather), the EP&ESP
   exchange of the dumped buffer (Fig. 4c, :class:`moeflow.strategies.parm.ep_esp.Dump`), the
   local combine, the MP-AllGather of the outputs and of the MP parts' balancing losses.
@@ -38,7 +40,8 @@ backward, minus the count gather (the plan record keeps the counts, Parm's EP&ES
 included: :mod:`moeflow.plan_record`), and its backward task E reruns the experts too.
 
 Not modelled: chunks (``pipeline_degree`` > 1) and codecs on the EP&ESP payloads, ``auto``
-(Algorithm 1 picks S1 or S2 per call: simulate both), BigMac's widths.
+(Algorithm 1 picks S1 or S2 per call: simulate both), the ``ted`` schedule
+(``strategies/parm/ted.py``), BigMac's widths.
 """
 
 from __future__ import annotations
@@ -246,10 +249,17 @@ def rank_steps(spec: ParmSpec, rank: int, counts: dict[int, np.ndarray]
         epg = ep_group(topo)
         e_l = E // spec.ep
         me = epg.index(rank)
+        drop_sizes = None
         if esp_peers_share_tokens(topo):
             # DeepSpeed 0.8.1's case: each rank's own E C M buffer into the EP-AlltoAll
             merged = {q: counts[q] for q in epg}
             gather_in = []
+            if spec.mp > 1 and spec.esp == 1:
+                # whole experts: 0.8.1's drop_tokens, each EP peer sends its MP rank's share
+                # of its buffer (strategies/parm/baseline_mp.py), gather_tokens after
+                shares = chunk_counts(np.stack([counts[q] for q in epg]), spec.mp)
+                merged = {q: shares[q % spec.mp][i] for i, q in enumerate(epg)}
+                drop_sizes = [int(shares[m][me].sum()) for m in range(spec.mp)]
         else:
             # Eq. 1: the ESP peers' inputs gathered; EP rank i's buffer: its ESP group's rows
             sizes = [int(counts[q].sum()) for q in peers]
@@ -280,6 +290,9 @@ def rank_steps(spec: ParmSpec, rank: int, counts: dict[int, np.ndarray]
         fwd += [ef] + _coll("ESP-AllReduce", "all_reduce", peers, R * M,
                             key("forward/esp-ar", peers))
         fwd += _coll("A2", "all_to_all", epg, R * M, key("forward/A2", epg))
+        if drop_sizes is not None:
+            fwd += _coll("MP-AllGather", "all_gather", mp_group(topo), max(drop_sizes) * M,
+                         key("forward/mp-ag", mp_group(topo)))
         fwd += [Step("combine", kind="elementwise", work=el(sent) + n * M * B)]
         bwd += [Step("combine", kind="elementwise", work=el(sent) + n * M * B)]
         if gather_in:
@@ -291,6 +304,9 @@ def rank_steps(spec: ParmSpec, rank: int, counts: dict[int, np.ndarray]
             bwd += _coll("ESP-AllReduce", "all_reduce", peers, R * M,
                          key("backward/esp-ar", peers))
         bwd += _coll("A1", "all_to_all", epg, R * M, key("backward/A1", epg))
+        if drop_sizes is not None:      # drop_tokens' backward: the parts' gradients gathered
+            bwd += _coll("MP-Split/AllGather", "all_gather", mp_group(topo),
+                         max(drop_sizes) * M, key("backward/mp-split", mp_group(topo)))
         if gather_in:
             bwd += _coll("ESP-AllGather/ReduceScatter", "reduce_scatter", peers,
                          len(peers) * max(tokens) * M, key("backward/esp-rs", peers))

@@ -30,9 +30,11 @@ SCHEDULES = {
 #: 8 ranks as 2 nodes x 4: (N_MP, N_EP, N_ESP) = (2, 2, 2), both placements (Section IV-A)
 LAYOUTS_8 = {"mp2_ep2_esp2_esp_in_node": (2, 2, 2, True),
              "mp2_ep2_esp2_ep_in_node": (2, 2, 2, False)}
-#: the baseline beside the schedules, on the 4-rank cases (tiny tensors: the cases take a few
+#: the baseline and the ted schedule (beyond the paper, tests/multirank/test_parm_ted.py on 4
+#: ranks) beside the schedules, on the 4-rank cases (tiny tensors: the cases take a few
 #: seconds, the spawn of 8 ranks the rest)
-SCHEDULES_8 = {"baseline": {}, **SCHEDULES}
+SCHEDULES_8 = {"baseline": {}, **SCHEDULES,
+               "ted": dict(parallel_schedule="ted", parm_check_plan=True)}
 # composability on one layout: BigMac (exact), a lossy codec with chunks and OptSche on the
 # EP&ESP payloads (close to the reference: bf16 rounding)
 EXTRAS_LAYOUT = "mp2_esp2_esp_in_node"
@@ -57,7 +59,7 @@ def schedule_cases(schedule: str) -> list[str]:
 
 def overrides(schedule: str, case: str) -> dict:
     kw = {**CASES[case], **SCHEDULES_8[schedule]}
-    if schedule == "s2_saa":             # SAA takes no chunks (refused, see test_refusals)
+    if schedule in ("s2_saa", "ted"):    # SAA and ted take no chunks (refused)
         kw.pop("pipeline_degree", None)
     return kw
 
@@ -185,7 +187,7 @@ def reference_parts(name: str, world: int, mp: int, parts_per_batch: int, **kw) 
 
 
 def check_eight_ranks() -> None:
-    """Baseline, S1, S2 (SAA) and S2 (AAS) at (N_MP, N_EP, N_ESP) = (2, 2, 2) on 8 ranks as
+    """Baseline, S1, S2 (SAA), S2 (AAS) and ted at (N_MP, N_EP, N_ESP) = (2, 2, 2) on 8 ranks as
     2 nodes x 4, both placements, the cases of ``schedule_cases`` (capacity and dropless, top-2,
     biases and SwiGLU, 2 chunks, shared experts), against the single-process references;
     SAA == AAS (outputs and input gradients) bit for bit with 4 phases.

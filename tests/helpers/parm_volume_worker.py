@@ -23,10 +23,12 @@ LAYOUTS = {
     "1,2,2": (1, 2, 2, True),      # ESP peers with different tokens: Eq. 1's ESP-AllGather
     "2,2,2-ep-in-node": (2, 2, 2, False),   # ESP groups across MP groups: likewise
 }
+#: the same on 8 ranks (worker_8)
+LAYOUTS_8 = {"2,4,1": (2, 4, 1, True)}     # MP without ESP, EP across the MP groups' nodes
 
 
 def topology(layout: str) -> Topology:
-    mp, ep, esp, in_node = LAYOUTS[layout]
+    mp, ep, esp, in_node = {**LAYOUTS, **LAYOUTS_8}[layout]
     return Topology.from_env(ep_size=ep, local_size=2, mp_size=mp, esp_size=esp,
                              esp_in_node=in_node)
 
@@ -79,3 +81,7 @@ def worker() -> dict:
     out["checked_plans"] = checked_plans()
     out["esp_ranks"] = {layout: esp_ranks(layout) for layout in LAYOUTS}
     return out
+
+
+def worker_8() -> dict:
+    return {layout: trace(layout) for layout in LAYOUTS_8}

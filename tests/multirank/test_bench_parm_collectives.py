@@ -44,6 +44,14 @@ def test_message_sizes_follow_the_equations():
     assert m["s2"]["saa"].fit_x == 2 * m["s2"]["saa"].elements          # y = z N_MP (line 5)
     assert m["s2"]["ag_mp"].elements == E * cap * M                     # the partials, ETM
     assert "ag_esp" not in m["baseline"]                                # N_ESP = 1
+    # the baseline drops the MP duplicates (0.8.1, whole experts): MP rank 1's share of
+    # every expert's C rows out, the EP ranks' (slots 0, 1: MP ranks 0, 1) shares back, and
+    # the MP-AllGather of the whole E C M
+    assert m["baseline"]["a2a_ep"].send == (2 * share[1],) * 2
+    assert m["baseline"]["a2a_ep"].recv == m["baseline"]["a2a_ep_back"].send == (
+        2 * share[0], 2 * share[1])
+    assert m["baseline"]["ag_mp"].elements == E * cap * M
+    assert m["baseline"]["ag_mp"].ag_rows == (E * share[0], E * share[1])
     # (2, 1, 2): a block of one EP rank: S1 / S2 all-to-all over the 2 ESP shards; the
     # baseline's ESP group is the MP group: no gather, the all-reduce of one copy (0.8.1)
     m = messages(_topo(0, 2, 1, 2), n, M, E, k, f)
@@ -110,11 +118,12 @@ def test_every_piece_timed_with_a_prediction(results):
             assert d["sum_of_pieces_ms"] == pytest.approx(
                 sum(p["measured_ms"] for p in d["pieces"]))
     # the pieces each layout's schedules run (groups of one rank have none)
-    assert [p["piece"] for p in got["1,2,2"]["baseline"]["pieces"]] == CHAINS["baseline"]
+    assert [p["piece"] for p in got["1,2,2"]["baseline"]["pieces"]] == [
+        k for k in CHAINS["baseline"] if k != "ag_mp"]
     assert [p["piece"] for p in got["2,2,1"]["s2"]["pieces"]] == ["a2a", "saa"]
     assert [p["piece"] for p in got["2,2,1"]["s1"]["pieces"]] == ["a2a", "a2a_back", "ag_mp"]
-    assert [p["piece"] for p in got["2,2,1"]["baseline"]["pieces"]] == ["a2a_ep",
-                                                                      "a2a_ep_back"]
+    assert [p["piece"] for p in got["2,2,1"]["baseline"]["pieces"]] == [   # 0.8.1's drop
+        "a2a_ep", "a2a_ep_back", "ag_mp"]
 
 
 @pytest.mark.multirank

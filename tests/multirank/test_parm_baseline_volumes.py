@@ -8,10 +8,13 @@ and compares the floating-point collectives over groups of more than one rank, i
 * (N_MP, N_EP, N_ESP) = (2, 2, 2), ESP groups = MP groups (Parm's Fig. 2): equal, group by
   group, to the trace of DeepSpeed 0.8.1's own layer recorded on the same configuration
   (docs/results/parm/parm_deepspeed_trace_081.json, rank 0);
-* (2, 1, 2) and (2, 2, 1): 0.8.1's volumes for those layouts, from its ``MOELayer.forward``
-  (with an mpu, experts tensor parallel over the MP group or whole, no ``drop_tokens``): the
-  EP-AlltoAll of the ``E C M`` dispatch buffer (none over an EP group of one rank) and, with
-  shards, Megatron's all-reduces of ``E C M`` in forward and backward;
+* (2, 2, 1) and, on 8 ranks (``slow``), (2, 4, 1): equal, group by group, to the traces of
+  0.8.1's own layer with whole experts (docs/results/parm/parm_deepspeed_trace_081_2x2x1.json,
+  ``..._2x4x1.json``): ``drop_tokens`` keeps ``E C M / N_MP`` for the EP-AlltoAlls and
+  ``gather_tokens`` all-gathers it over the MP group, forward and backward;
+* (2, 1, 2): 0.8.1's volumes for that layout, from its ``MOELayer.forward`` (experts tensor
+  parallel over the MP group, no ``drop_tokens``): no EP-AlltoAll (an EP group of one rank),
+  Megatron's all-reduces of ``E C M`` in forward and backward;
 * (1, 2, 2) and (2, 2, 2) with ESP groups across MP groups (no DeepSpeed version has them):
   Eq. 1, the input gathered (``B L M`` per peer), ``N_ESP E C M`` exchanged and reduced.
 
@@ -37,6 +40,9 @@ from tests.helpers import parm_volume_worker as worker
 # the repository root: the first parent holding docs/ (the tests may move into sub-folders)
 _ROOT = next(p for p in Path(__file__).resolve().parents if (p / "docs" / "results").is_dir())
 TRACE_081 = _ROOT / "docs/results/parm/parm_deepspeed_trace_081.json"
+#: 0.8.1's traces with whole experts (N_ESP = 1), per layout
+TRACES_081_WHOLE = {layout: _ROOT / f"docs/results/parm/parm_deepspeed_trace_081_{name}.json"
+                    for layout, name in (("2,2,1", "2x2x1"), ("2,4,1", "2x4x1"))}
 KIND = {"all_to_all_single": "A2A", "all_to_all": "A2A", "all_reduce": "AR",
         "all_gather": "AG", "all_gather_into_tensor": "AG", "all_gather_single": "AG",
         "reduce_scatter": "RS", "reduce_scatter_tensor": "RS", "reduce_scatter_single": "RS"}
@@ -64,10 +70,11 @@ def expected(layout: str) -> list[tuple]:
     """Group size and elements per collective, rank 0, from 0.8.1's code / Eq. 1."""
     mp, ep, esp, _ = worker.LAYOUTS[layout]
     a2a = [] if ep == 1 else [("A2A", ep)]
-    if layout in ("2,1,2", "2,2,1"):                 # 0.8.1: each rank its own copy
-        ar = [("AR", esp, ECM)] if esp > 1 else []
-        fwd = [(k, n, ECM) for k, n in a2a] + ar + [(k, n, ECM) for k, n in a2a]
-        bwd = fwd
+    if layout == "2,1,2":                            # 0.8.1: each rank its own copy
+        fwd = bwd = [("AR", esp, ECM)]
+    elif esp == 1:                                   # 0.8.1: the MP duplicates dropped
+        part = ECM // mp
+        fwd = bwd = [(k, n, part) for k, n in a2a] * 2 + [("AG", mp, part)]
     else:                                            # Eq. 1: the peers' inputs gathered
         rows = esp * ECM
         fwd = [("AG", esp, BLM)] + [(k, n, rows) for k, n in a2a] + [("AR", esp, rows)] + [
@@ -99,6 +106,38 @@ def test_the_recorded_081_trace_tells_the_old_baseline_apart():
 def test_fig2_layout_moves_deepspeed_081s_volumes(traces):
     rec = json.loads(TRACE_081.read_text())
     assert volumes(traces[0]["2,2,2"]) == volumes(rec["deepspeed"])
+
+
+def test_the_recorded_whole_expert_traces_drop_the_mp_duplicates():
+    """0.8.1 with whole experts and an mpu: E C M / N_MP per EP-AlltoAll, then gather_tokens
+    over the MP group (forward and backward), as its sharded_moe.py reads."""
+    for layout, path in TRACES_081_WHOLE.items():
+        rec = json.loads(path.read_text())
+        mp, ep, esp = rec["layout"]
+        assert (rec["deepspeed_version"], f"{mp},{ep},{esp}") == ("0.8.1", layout)
+        ep_ranks, mp_ranks = tuple(range(ep)), tuple(range(mp))
+        part = rec["capacity_elements_per_rank"] // mp
+        one = [("A2A", ep_ranks, part)] * 2 + [("AG", mp_ranks, part)]
+        assert volumes(rec["deepspeed"]) == [("forward",) + v for v in one] + [
+            ("backward",) + v for v in one]
+
+
+@pytest.mark.multirank
+def test_mp_without_esp_moves_081s_collectives(traces):
+    rec = json.loads(TRACES_081_WHOLE["2,2,1"].read_text())
+    assert volumes(traces[0]["2,2,1"]) == volumes(rec["deepspeed"])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_mp_without_esp_on_8_ranks_moves_081s_collectives():
+    """(2, 4, 1): the EP group of 4 holds two MP groups (0.8.1's and moeflow's alike)."""
+    got = launch_local(worker.worker_8, 8, timeout_s=300)
+    rec = json.loads(TRACES_081_WHOLE["2,4,1"].read_text())
+    assert volumes(got[0]["2,4,1"]) == volumes(rec["deepspeed"])
+    first = [(p, k, e) for p, k, _, e in volumes(got[0]["2,4,1"], ranks=False)]
+    for rank in range(1, 8):
+        assert [(p, k, e) for p, k, _, e in volumes(got[rank]["2,4,1"], ranks=False)] == first
 
 
 @pytest.mark.multirank

@@ -1,9 +1,10 @@
 """Parm (``docs/parm.md``): MP+EP+ESP layouts and their communication schedules.
 
 ``collectives``: the differentiable ESP / MP data movements and the all-to-all; ``baseline``:
-DeepSpeed-MoE's order (Fig. 3a); ``ep_esp``: the EP&ESP-AlltoAll with local dump and combine
-(Section III-C); ``s1`` / ``s2``: the schedules of Fig. 3b / 3c; ``saa``: SAA and AAS (Section
-III-D); ``fits`` / ``algorithm1``: the alpha-beta models and Algorithm 1 (Section V);
+DeepSpeed-MoE's order (Fig. 3a), with ``baseline_mp`` its duplicate-token drop under MP;
+``ep_esp``: the EP&ESP-AlltoAll with local dump and combine (Section III-C); ``s1`` /
+``s2``: the schedules of Fig. 3b / 3c; ``saa``: SAA and AAS (Section III-D); ``ted``: DeepSpeed-TED's order with a node-once EP&ESP exchange (beyond the paper);
+``fits`` / ``algorithm1``: the alpha-beta models and Algorithm 1 (Section V);
 ``schedules``: how the layer runs them; ``checks``: what is refused.
 """
 

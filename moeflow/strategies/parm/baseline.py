@@ -2,10 +2,11 @@
 
 ESP-AllGather -> EP-AlltoAll -> expert shards -> ESP-AllReduce -> EP-AlltoAll -> ESP-Split,
 with the ESP-AllGather only where the ESP peers hold different tokens. Two cases, fixed by the
-layout (:func:`esp_peers_share_tokens`):
+layout (:func:`esp_peers_share_tokens`), and a third, MP with whole experts (``N_MP > 1``,
+``N_ESP = 1``: DeepSpeed-MoE 0.8.1's duplicate-token drop), in :mod:`.baseline_mp`:
 
-* **The ESP group lies inside the MP group** (``N_ESP = 1``, or DeepSpeed-MoE's only ESP
-  layout: its experts are tensor parallel over the MP group). The peers already hold the same
+* **The ESP group lies inside the MP group** (``N_ESP = 1`` without MP, or DeepSpeed-MoE's only
+  ESP layout: its experts are tensor parallel over the MP group). The peers already hold the same
   (MP-replicated) tokens, so nothing is gathered, as in DeepSpeed-MoE 0.8.1
   (``MOELayer.forward`` skips ``drop_tokens`` / ``gather_tokens`` with tensor-parallel
   experts): each rank gates and dispatches its own copy, its ``E C M`` send buffer goes
@@ -32,8 +33,9 @@ layout (:func:`esp_peers_share_tokens`):
 
 With ``mp_size > 1`` an MP group's tokens go through the experts once per ESP group holding a
 copy of them: ``N_MP / N_ESP`` times where the ESP group lies inside the MP group (once in
-DeepSpeed's ``N_ESP = N_MP``, each shard computing its slice), ``N_MP`` times otherwise: the
-duplicated work of Section III-A that S1 / S2 remove.
+DeepSpeed's ``N_ESP = N_MP``, each shard computing its slice; once with whole experts, whose
+duplicates are dropped), ``N_MP`` times otherwise: the duplicated work of Section III-A that
+S1 / S2 remove.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ def uses_parm(topo: Topology) -> bool:
 def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
     """Refuse, with the fix, what the chosen schedule with this layout cannot run."""
     sched = cfg.parallel_schedule
-    paused = sched != "baseline" and uses_parm(topo)       # S1, S2, auto: EP&ESP-AlltoAll
+    paused = sched != "baseline" and uses_parm(topo)       # S1, S2, auto, ted
     if topo.esp_size > 1 and hidden % topo.esp_size:
         raise ConfigError(
             f"MoEConfig.d_expert={cfg.d_expert} (expert hidden width {hidden}) is invalid for "
@@ -36,15 +36,18 @@ def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
             f"mp_size={topo.mp_size}, parallel_schedule={sched!r}: SMILE's node-level routing "
             "assumes one expert group per node of the EP group; use router='topk', or "
             "esp_size=1 (with S1 / S2 also mp_size=1, or parallel_schedule='baseline')")
-    if (sched == "baseline" and topo.mp_size > 1 and topo.esp_size > 1 and cfg.gate_noise > 0
+    if (sched == "baseline" and topo.mp_size > 1 and cfg.gate_noise > 0
             and esp_peers_share_tokens(topo)):
+        why = ("the ESP peers send their own copies of the MP group's tokens to their shards, "
+               "whose partial outputs are summed" if topo.esp_size > 1 else
+               "the MP ranks split one dispatch plan (each sends its share of every expert's "
+               "rows, DeepSpeed-MoE's duplicate-token drop)")
         raise ConfigError(
             f"MoEConfig.gate_noise={cfg.gate_noise} is not supported with "
             f"parallel_schedule='baseline', mp_size={topo.mp_size}, esp_size={topo.esp_size} "
-            "and the ESP groups inside the MP groups: the ESP peers send their own copies of "
-            "the MP group's tokens to their shards, whose partial outputs are summed, so they "
-            "must route identically, and the noise is drawn per rank; use gate_noise=0, or a "
-            "layout whose ESP groups cross the MP groups")
+            f"and the ESP groups inside the MP groups: {why}, so the MP ranks must route "
+            "identically, and the noise is drawn per rank; use gate_noise=0, or a layout whose "
+            "ESP groups cross the MP groups")
     if not paused or sched == "s1":
         return
     if topo.mp_size > 1 and cfg.gate_noise > 0:
@@ -53,7 +56,20 @@ def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
             f"parallel_schedule={sched!r} and mp_size={topo.mp_size}: S2 splits one plan "
             "over the MP group, so its ranks must route identically, and the noise is drawn "
             "per rank; use gate_noise=0 or parallel_schedule='s1'")
+    if sched == "ted":
+        check_ted(cfg, cfg.pipeline_degree)
+        return
     check_saa(cfg, cfg.pipeline_degree)
+
+
+def check_ted(cfg: MoEConfig, pipeline_degree: int) -> None:
+    """The ``ted`` schedule's exchange runs its own collectives: no codecs, no chunks."""
+    if cfg.codec != "none" or pipeline_degree > 1:
+        raise ConfigError(
+            f"MoEConfig.parallel_schedule='ted' is not supported with codec={cfg.codec!r}, "
+            f"pipeline_degree={pipeline_degree}: its node-once exchange (EP-AlltoAll, "
+            "ESP-AllGather, ESP-ReduceScatter) runs without codecs or chunks; set codec='none' "
+            "and pipeline_degree=1, or use parallel_schedule='s1' / 's2' with parm_saa=False")
 
 
 def check_saa(cfg: MoEConfig, pipeline_degree: int) -> None:

@@ -10,7 +10,9 @@ part of a tensor replicated over the MP group; its backward is the AllGather of 
 gradients, averaged over the group (each MP rank's loss counts, so the AllGather's backward, a
 reduce-scatter sum, hands a part N_MP replicas' gradients; the mean gives back one replica's,
 what the replicated input of a tensor-parallel layer expects). MP-AllGather's backward is the
-reduce-scatter (sum). The EP&ESP-AlltoAll's backward is the all-to-all the other way.
+reduce-scatter (sum); the baseline's MP-AllGather (DeepSpeed-MoE's ``gather_tokens``) takes
+this rank's block of the replicated gradient instead, scaled by N_MP (the same value without
+the collective). The EP&ESP-AlltoAll's backward is the all-to-all the other way.
 Row counts may differ per rank (dropless, or capacity from unequal local batches): blocks are
 padded to the largest and cut after the collective.
 """
@@ -150,6 +152,12 @@ def esp_split(y: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor
     return _Split.apply(y, list(sizes), me, group)
 
 
+def esp_reduce_scatter(x: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor:
+    """ESP-ReduceScatter of rows: the sum over ``group`` of every rank's ``x`` (blocks of
+    ``sizes`` rows, the same on every rank), this rank's block. Backward: AllGather."""
+    return _ReduceScatter.apply(x, list(sizes), me, group)
+
+
 def esp_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """ESP-AllReduce (sum) of partial outputs. Backward: identity (the sum is replicated).
     Called inside a scheduled task (task E), it is issued by the schedule's communication lane
@@ -164,6 +172,29 @@ def _reduce_scatter_rows(g: torch.Tensor, sizes: list[int], me: int, group) -> t
     out = g.new_empty((top,) + tuple(g.shape[1:]))
     _reduce_scatter(out, padded, group=group)
     return out[:sizes[me]]
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, me, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_rows(x, sizes, me, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g.contiguous(), ctx.sizes, ctx.group), None, None, None
+
+
+class _MPGatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, me, group):
+        ctx.sizes, ctx.me = sizes, me
+        return _gather(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        sizes, me = ctx.sizes, ctx.me
+        return g.narrow(0, sum(sizes[:me]), sizes[me]) * len(sizes), None, None, None
 
 
 class _MPSplit(torch.autograd.Function):
@@ -209,6 +240,16 @@ def mp_split(x: torch.Tensor, rows: list[torch.Tensor], me: int, group) -> torch
 def mp_all_gather(x: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor:
     """MP-AllGather of rows (``sizes[m]`` from MP rank m). Backward: ReduceScatter (sum)."""
     return _AllGather.apply(x, list(sizes), me, group)
+
+
+def mp_gather_replicated(x: torch.Tensor, sizes: list[int], me: int, group) -> torch.Tensor:
+    """MP-AllGather of rows whose output stays replicated over the MP group, as DeepSpeed-MoE's
+    ``gather_tokens`` (backward: this rank's block of the gradient, no collective). The
+    output gradient is the same on every MP rank (the group's tensor-parallel invariant) and
+    each MP rank's loss counts, so the block is scaled by ``N_MP``: the ReduceScatter (sum) of
+    the MP ranks' equal gradients, without the collective (as :class:`EspReduce` does for
+    replicated ESP rows)."""
+    return _MPGatherReplicated.apply(x, list(sizes), me, group)
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:

@@ -10,6 +10,13 @@ placement and the concurrent groups are those the layer will see):
 * ``overlap``: SAA (the all-to-all with the MP-AllGather of its slices, :mod:`.saa`), fitted
   against ``y = z N_MP``, the variable of Algorithm 1 line 5 (``alpha_o + beta_o y``).
 
+Beyond the Parm paper, for the ``ted`` schedule (:mod:`.ted`, DeepSpeed-TED's order) that
+:mod:`.algorithm1` weighs beside S1 and S2 (None where the group has one rank):
+
+* ``a2a_ep``: EP-AlltoAll over the EP group, elements of one rank's send buffer;
+* ``ag_esp``: ESP-AllGather, elements of the gathered output;
+* ``rs_esp``: ESP-ReduceScatter, elements of one rank's input (the whole gathered rows).
+
 ``beta`` is seconds per element of the measured dtype. Every rank measures together and gets
 the same fits (each time is the slowest rank's).
 
@@ -31,11 +38,12 @@ import torch.distributed as dist
 
 from moeflow.measure.linkmodel import AlphaBeta, fit_alpha_beta
 from moeflow.measure.timing import time_aligned
-from moeflow.strategies.parm.collectives import _all_gather
+from moeflow.strategies.parm.collectives import _all_gather, _reduce_scatter
 from moeflow.strategies.parm.saa import saa
 from moeflow.topology import Topology
 
 DEFAULT_ELEMENTS = (1 << 14, 1 << 16, 1 << 18)
+TED_FITS = ("a2a_ep", "ag_esp", "rs_esp")
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,9 @@ class ParmFits:
     a2a: AlphaBeta
     overlap: AlphaBeta
     points: dict | None = None       # {"ag_mp": [[elements, seconds], ...], ...}
+    a2a_ep: AlphaBeta | None = None  # the ted schedule's pieces (module docstring)
+    ag_esp: AlphaBeta | None = None
+    rs_esp: AlphaBeta | None = None
 
     def to_json(self) -> dict:
         def ab(v: AlphaBeta) -> dict:
@@ -51,8 +62,12 @@ class ParmFits:
                 return None if math.isnan(q) else q
             return {"alpha_s": v.alpha, "beta_s_per_element": v.beta, "r2": num(v.r2),
                     "max_rel_err": num(v.max_rel_err)}
-        return {"ag_mp": ab(self.ag_mp), "a2a": ab(self.a2a), "overlap": ab(self.overlap),
-                "points": self.points}
+        out = {"ag_mp": ab(self.ag_mp), "a2a": ab(self.a2a), "overlap": ab(self.overlap),
+               "points": self.points}
+        for name in TED_FITS:
+            if getattr(self, name) is not None:
+                out[name] = ab(getattr(self, name))
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "ParmFits":
@@ -60,7 +75,8 @@ class ParmFits:
             return AlphaBeta(v["alpha_s"], v["beta_s_per_element"], 0,
                              math.nan if v.get("r2") is None else v["r2"],
                              math.nan if v.get("max_rel_err") is None else v["max_rel_err"])
-        return cls(ab(d["ag_mp"]), ab(d["a2a"]), ab(d["overlap"]), d.get("points"))
+        return cls(ab(d["ag_mp"]), ab(d["a2a"]), ab(d["overlap"]), d.get("points"),
+                   **{n: ab(d[n]) for n in TED_FITS if d.get(n) is not None})
 
 
 def elements_around(tokens: int, M: int, k: int, f: float, n_esp: int, n_mp: int,
@@ -93,7 +109,8 @@ def measure_parm_fits(topo: Topology, elements=DEFAULT_ELEMENTS, width: int = 64
     me, first = topo.expert_slot, topo.rank - topo.expert_slot
     mp_first = topo.rank - topo.mp_rank
     slots = [(mp_first + m) % u for m in range(mp)]
-    pts: dict[str, list] = {"ag_mp": [], "a2a": [], "overlap": []}
+    pts: dict[str, list] = {"ag_mp": [], "a2a": [], "overlap": [], "a2a_ep": [],
+                            "ag_esp": [], "rs_esp": []}
     for z in elements:
         per = max(1, z // width // u)                 # rows to each slot
         y = torch.randn(per * u, width, dtype=dtype, device=device)
@@ -119,6 +136,36 @@ def measure_parm_fits(topo: Topology, elements=DEFAULT_ELEMENTS, width: int = 64
 
             pts["ag_mp"].append([gathered.numel(),
                                  _median_time(ag, topo, device, warmup, reps)])
+        _measure_ted(pts, topo, z, width, dtype, device, warmup, reps)
     fit = {k: fit_alpha_beta([p[0] for p in v], [p[1] for p in v]) if len(v) >= 2
            else AlphaBeta(0.0, 0.0) for k, v in pts.items()}
-    return ParmFits(fit["ag_mp"], fit["a2a"], fit["overlap"], pts)
+    ted = {k: fit[k] for k in TED_FITS if pts[k]}
+    return ParmFits(fit["ag_mp"], fit["a2a"], fit["overlap"], pts, **ted)
+
+
+def _measure_ted(pts: dict, topo: Topology, z: int, width: int, dtype, device, warmup: int,
+                 reps: int) -> None:
+    """The ted schedule's EP-AlltoAll (``z`` elements sent) and ESP-AllGather /
+    ReduceScatter (``z`` elements each rank contributes), where the group has > 1 rank."""
+    ep, esp = topo.ep_size, topo.esp_size
+    if ep > 1:
+        per = max(1, z // width // ep)
+        x = torch.randn(per * ep, width, dtype=dtype, device=device)
+        out = torch.empty_like(x)
+
+        def a2a():
+            dist.all_to_all_single(out, x, [per] * ep, [per] * ep, group=topo.ep_group)
+
+        pts["a2a_ep"].append([x.numel(), _median_time(a2a, topo, device, warmup, reps)])
+    if esp > 1:
+        part = torch.randn(max(1, z // width), width, dtype=dtype, device=device)
+        whole = part.new_empty((esp * part.shape[0], width))
+
+        def ag():
+            _all_gather(whole, part, group=topo.esp_group)
+
+        def rs():
+            _reduce_scatter(part, whole, group=topo.esp_group)
+
+        pts["ag_esp"].append([whole.numel(), _median_time(ag, topo, device, warmup, reps)])
+        pts["rs_esp"].append([whole.numel(), _median_time(rs, topo, device, warmup, reps)])

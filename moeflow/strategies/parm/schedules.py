@@ -1,4 +1,5 @@
-"""How MoELayer runs Parm's schedules S1, S2 and ``auto`` (the baseline is in :mod:`.baseline`).
+"""How MoELayer runs Parm's schedules S1, S2, ``ted`` and ``auto`` (the baseline is in
+:mod:`.baseline`).
 
 :class:`ParmParts` holds what the EP&ESP exchange needs (the local experts as shard partials,
 the all-to-all algorithm over the EP&ESP block) and, for ``parallel_schedule="auto"``, the
@@ -9,6 +10,7 @@ S1's MP-Split / MP-AllGather around the layer itself (:mod:`.s1`) and hands the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,11 +19,12 @@ from moeflow.comm.alltoall import ALLTOALLS
 from moeflow.config import MoEConfig
 from moeflow.dispatch.plan import DispatchPlan
 from moeflow.strategies.parm.algorithm1 import AutoSchedule
-from moeflow.strategies.parm.checks import check_saa, uses_parm
+from moeflow.strategies.parm.checks import check_saa, check_ted, uses_parm
 from moeflow.strategies.parm.plan_agreement import check_plan_agrees
 from moeflow.strategies.parm.ep_esp import ShardPartials, ep_esp_experts, ep_esp_view
 from moeflow.strategies.parm.s1 import mp_gather_tokens, mp_mean_loss, mp_split_tokens
 from moeflow.strategies.parm.s2 import s2_experts
+from moeflow.strategies.parm.ted import ted_experts
 from moeflow.schedule.pipeline import ScheduledExperts
 from moeflow.topology import Topology
 
@@ -34,6 +37,7 @@ class ParmParts:
     partials: ShardPartials        # not a submodule of the layer: it wraps layer.experts
     algo: object                   # the all-to-all algorithm over the EP&ESP block
     auto: AutoSchedule | None
+    stats: dict = dataclasses.field(default_factory=dict)   # the last call's (ted: bytes)
 
     @classmethod
     def build(cls, experts, cfg: MoEConfig, topo: Topology) -> "ParmParts | None":
@@ -61,8 +65,14 @@ class ParmParts:
                                   runner.scheduler, runner.r, runner.lane, runner.timeline,
                                   runner.nonfinite, recompute=runner.recompute,
                                   can_recompute=runner.can_recompute)
+        self.stats.clear()
         if sched == "s1":
             return ep_esp_experts(send, plan, ep_esp, self.topo)
+        if sched == "ted":               # one plan split over the MP group, as S2
+            check_ted(cfg, runner.r)     # the degree may have changed since construction
+            if cfg.parm_check_plan:
+                check_plan_agrees(plan, self.topo)
+            return ted_experts(send, plan, self.partials, self.topo, self.stats)
         check_saa(cfg, runner.r)         # the degree may have changed since construction
         if cfg.parm_check_plan:          # S2 splits one plan over the MP group
             check_plan_agrees(plan, self.topo)

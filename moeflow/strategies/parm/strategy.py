@@ -13,6 +13,7 @@ import torch
 from moeflow.strategies.base import Call, ExpertStrategy, register_strategy
 from moeflow.strategies.parm import schedules as parm
 from moeflow.strategies.parm.baseline import baseline_experts, esp_peers_share_tokens, esp_reduce
+from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates, mp_dropped_experts
 from moeflow.strategies.parm.checks import check_parm_layer
 from moeflow.strategies.parm.plan_agreement import check_plan_agrees
 
@@ -61,13 +62,21 @@ class Parm(ExpertStrategy):
         if call.sched is not None:        # S1 / S2: EP&ESP-AlltoAll (Section III-C)
             return self.parts.experts(layer.cfg, call.sched, send, plan, runner), None
         topo = layer.topo
+        if layer.cfg.parm_check_plan and topo.mp_size > 1 and esp_peers_share_tokens(topo):
+            check_plan_agrees(plan, topo)  # one plan split over MP, or shards of the same rows
+        if drops_mp_duplicates(topo):     # the baseline, MP and whole experts: 0.8.1's drop
+            if runner.shared is not None:
+                return mp_dropped_experts(send, plan, runner, topo, tokens)
+            return mp_dropped_experts(send, plan, runner, topo), None
         if esp_peers_share_tokens(topo):  # the baseline, ESP inside MP: DeepSpeed-MoE 0.8.1's
-            if layer.cfg.parm_check_plan and topo.mp_size > 1 and topo.esp_size > 1:
-                check_plan_agrees(plan, topo)    # the ESP peers' shards sum the same rows
             return super().exchange(send, runner, tokens, call)
         # the baseline, ESP peers with other tokens: Eq. 1's ESP-AllGather of the input (Fig.
         # 3a); shared experts run after, not overlapped
         return baseline_experts(send, plan, runner, topo), None
+
+    def stats(self) -> dict[str, float]:
+        # the ted schedule's forward bytes to other nodes (schedules.ParmParts.stats)
+        return {} if self.parts is None else dict(self.parts.stats)
 
     def finish(self, y, aux_loss, call):
         if call.sched == "s1":            # MP-AllGather after the layer; MP parts' mean loss

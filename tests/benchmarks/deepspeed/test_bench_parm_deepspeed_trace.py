@@ -61,4 +61,13 @@ def test_odd_or_empty_token_counts_are_rejected(tokens, capsys):
     with pytest.raises(SystemExit) as err:
         tr.main(["--tokens", tokens])
     assert err.value.code == 2
-    assert f"--tokens {tokens}: pick an even number" in capsys.readouterr().err
+    assert f"--tokens {tokens}: pick a multiple of N_MP = 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout, says", [("2,2", "give three integers"),
+                                           ("2,2,4", "N_ESP = 1) or tensor parallel")])
+def test_layouts_deepspeed_cannot_express_are_rejected(layout, says, capsys):
+    with pytest.raises(SystemExit) as err:
+        tr.main(["--layout", layout])
+    assert err.value.code == 2
+    assert says in capsys.readouterr().err

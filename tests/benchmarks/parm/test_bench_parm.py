@@ -76,3 +76,18 @@ def test_accuracy_per_fit_set_and_n_mp():
     rows[2]["collectives"] = {"s1": {"chain_ms": 2.0}, "s2": {"chain_ms": 2.1}}   # within 10 %
     acc = summarize(rows)["algorithm1_accuracy"]
     assert acc["comm_chain:grid"]["all"] == [1, 1] and acc["comm_chain:default"]["all"] == [0, 1]
+
+
+def test_summary_scores_the_three_way_choice_where_ted_ran():
+    """Rows with a ted column: its speedup, and Algorithm 1 scored among S1, S2 and ted where
+    the fastest leads the next by more than 10 %; rows without one (older results) are not."""
+    rows = [_row(2, 2, [10, 5, 6, 6, 4], "ted"), _row(2, 2, [10, 5, 6, 6, 5], "s1"),
+            _row(2, 2, [10, 5, 6, 6, 5], "s2")]
+    rows[0]["step_ms"]["ted"] = 4.0          # fastest by 25 %: right
+    rows[1]["step_ms"]["ted"] = 5.2          # within 10 % of S1: not counted
+    s = summarize(rows)
+    assert s["ted_beats_baseline"] == 2
+    assert (s["algorithm1_three_way_cases_differing_by_10pct"],
+            s["algorithm1_three_way_picked_fastest"]) == (1, 1)
+    assert s["mean_speedup_over_baseline"]["N_MP=2,N_ESP=2"]["ted"] == pytest.approx(
+        (10 / 4 + 10 / 5.2) / 2)
