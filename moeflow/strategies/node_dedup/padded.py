@@ -7,9 +7,12 @@ Every split follows from the ranks' token counts ``T_q`` and capacities ``C_q`` 
 integers, one host all-gather per call, as padded ``direct`` gathers its ``C_q``; under
 ``MoEConfig.equal_rank_tokens`` once per distinct token count, :func:`padded_counts`):
 
-* inter-node hop: rank q sends ``B_q = min(t_q, E_node * C_q)`` rows to every node (t_q: its
-  chunk's tokens); a token with a kept choice on node m takes the next row of m's block, in
-  token order; the rest are padding (expert id E: no node; gates 0);
+* inter-node hop: rank q sends ``B_q = min(t_q, C_node(C_q))`` rows to every node (t_q: its
+  chunk's tokens; ``C_node = ceil(E_node C_q p / k)``, the capacity per destination node of
+  :mod:`moeflow.strategies.node_dedup.node_capacity`, ``E_node C_q`` unless the router limits a
+  token to ``p < k`` nodes); a token with a kept choice on node m takes the next row of m's
+  block, in token order (the plan dropped the copies past ``C_node``); the rest are padding
+  (expert id E: no node; gates 0);
 * fan-out: the relay places each kept choice for a local expert e of its node at slot
   ``position`` (GShard's slot, sent beside the ids) of the block (source node, e), ``C_q``
   rows per (source rank q, expert); the experts compute the empty slots, as padded ``direct``;
@@ -29,6 +32,7 @@ from moeflow.devices import to_device_async
 from moeflow.dispatch.plan import gather_known
 from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.schedule.executor import Stage
+from moeflow.strategies.node_dedup.node_capacity import node_capacity
 from moeflow.strategies.node_dedup.steps import (AllToAll, CodedAllToAll, DedupStage, Hop,
                                                  exchange_rows, gated_sum_backward,
                                                  hop_backward, take_in_graph)
@@ -67,7 +71,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
 
     def rows_to_node(q: int, i: int) -> int:      # B_q of chunk i
         t = (i + 1) * int(Tq[q]) // r - i * int(Tq[q]) // r
-        return min(t, En * int(Cq[q]))
+        return min(t, node_capacity(En, int(Cq[q]), k, plan.nodes_per_token))
 
     # the relay's sources are (s, l) for every node s; its fan-out block per local rank l2:
     # [source node s][local expert e][slot], C_(s,l) rows each

@@ -39,7 +39,9 @@ forward's all-to-alls and nothing else.
 Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
 ``direct``), trimmed (only kept pairs and choices travel: the count exchange above) or padded
 (``capacity_padding``: fixed splits from the ranks' token counts and capacities, no host read
-of device values: :mod:`moeflow.strategies.node_dedup.padded`), every codec (on the inter-node
+of device values, blocks sized by a capacity per destination node that drops the copies
+past it under node-limited routing: :mod:`moeflow.strategies.node_dedup.padded`,
+:mod:`moeflow.strategies.node_dedup.node_capacity`), every codec (on the inter-node
 hops: one encoding per (token, node) in dispatch, per partial sum in combine;
 ``codec_backward`` for the gradients), any ``pipeline_degree`` and scheduler, every router,
 shared experts, BigMac and the other structures, and the auto-tuner (``schedule`` /
@@ -61,6 +63,8 @@ from moeflow.errors import ConfigError
 from moeflow.schedule.executor import Stage
 from moeflow.strategies.base import ExpertStrategy, register_strategy
 from moeflow.strategies.node_dedup.backward import scheduled_dedup
+from moeflow.strategies.node_dedup.node_capacity import (drop_past_node_capacity,
+                                                         node_capacity, nodes_per_token)
 from moeflow.strategies.node_dedup.padded import padded_stage
 from moeflow.strategies.node_dedup.steps import (AllToAll, ChunkLayout, CodedAllToAll,
                                                  DedupStage, Hop, exchange_rows,
@@ -105,6 +109,8 @@ class NodeDedupPlan(DispatchPlan):
     # key r (the pipeline degree) with every rank's choices per expert and pairs per node per
     # chunk (trimmed), key "padded" with every rank's tokens and capacity (padded)
     gathered: tuple[object, np.ndarray] | None = None
+    # the most distinct nodes a token's choices reach (node_capacity.py; same on every rank)
+    nodes_per_token: int = 1
 
     def gathered_for(self, key) -> np.ndarray | None:
         """What the first forward gathered under ``key`` (None: nothing, gather now)."""
@@ -130,15 +136,26 @@ class NodeDedup(ExpertStrategy):
     def _plan(self, expert_ids, cap, device, call) -> NodeDedupPlan:
         """Dropless: every choice. Capacity: GShard's slots decide on this rank's tokens, as
         with ``direct``; a dropped choice gets the id E (no node) and travels nowhere."""
-        E = self.layer.cfg.num_experts
+        E, topo = self.layer.cfg.num_experts, self.layer.topo
         p = make_plan(expert_ids, E, cap)
+        per_token = nodes_per_token(self.layer.router, expert_ids.shape[1], topo.num_nodes)
         if cap is not None:
             T, k = expert_ids.shape
+            En = E // topo.num_nodes
             positions = (p.slot - expert_ids.t().reshape(-1) * cap).view(k, T).t()
             expert_ids, p.local_counts = kept_choices(expert_ids, p.slot, p.send_rows, E)
+            if per_token < k and self._pads(device):
+                # padded: fixed blocks per destination node, the node capacity binds
+                # (node_capacity.py); trimmed sends each node the copies it has
+                expert_ids, more = drop_past_node_capacity(
+                    expert_ids, En, topo.num_nodes, E, node_capacity(En, cap, k, per_token))
+                p.dropped = p.dropped + more
+                p.local_counts = expert_ids.new_zeros(E + 1).index_add_(
+                    0, expert_ids.reshape(-1), torch.ones_like(expert_ids.reshape(-1)))[:E]
         return NodeDedupPlan(**{f: getattr(p, f) for f in p.__dataclass_fields__},
                              experts=expert_ids,
-                             positions=positions if cap is not None else None)
+                             positions=positions if cap is not None else None,
+                             nodes_per_token=per_token)
 
     def _pads(self, device: torch.device) -> bool:
         """Capacity mode's layout (``MoEConfig.capacity_padding``): padded, fixed splits and
