@@ -5,7 +5,7 @@ the topology given its ranks per node), dropless and in padded capacity mode, wh
 per destination node are the node capacity of
 :mod:`moeflow.strategies.node_dedup.node_capacity`; on 2 x 2, padded mode's inter-node bytes
 next to trimmed mode's and the tokens the node capacity leaves alone computed as trimmed
-mode computes them."""
+mode computes them; the intra-node bytes of one copy per (token, destination rank)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def _bytes_worker(local_size: int, E: int, cases: list[tuple[int, int]]) -> dict
             x = seeded_normal((T, D), 1.0, "nl", topo.rank, dtype=torch.float64)
             layer(x.requires_grad_()).square().sum().backward()
             out[(k, M, mode)] = dict(stat=int(layer.stats["inter_node_bytes"]),
+                                     intra=int(layer.stats["intra_node_bytes"]),
                                      ids=layer.router(x.detach()).experts)
     return out
 
@@ -61,6 +62,21 @@ def _dropless_bytes(res: dict, key, rank: int, N: int, L: int, E: int, k: int) -
     out_pairs = sum(pairs(rank, m) for m in range(N) if m != n)
     in_pairs = sum(pairs(m * L + l, n) for m in range(N) if m != n)
     return out_pairs * ((2 * D + k) * EL + 4 * k) + in_pairs * (2 * D + k) * EL
+
+
+def _dropless_intra_bytes(res: dict, key, rank: int, N: int, L: int, E: int, k: int) -> int:
+    """One copy per (token, other rank of the node with one of its experts) each way: out the
+    token with its k gates and k int32 ids, back its rank's partial sum; in backward the
+    partial sum's gradient, and the token's and gates'."""
+    El = E // (N * L)
+
+    def copies(src: int, dst: int) -> int:
+        return int(token_nodes(res[src][key]["ids"], El, N * L)[:, dst].sum())
+
+    n, l = divmod(rank, L)
+    out = sum(copies(m * L + l, n * L + j) for m in range(N) for j in range(L) if j != l)
+    back = sum(copies(m * L + j, rank) for m in range(N) for j in range(L) if j != l)
+    return out * ((2 * D + k) * EL + 4 * k) + back * (2 * D + k) * EL
 
 
 def _padded_bytes(N: int, E: int, k: int, M: int) -> int:
@@ -81,6 +97,8 @@ def _check_bytes(results: dict, N: int, L: int, E: int, cases) -> None:
             assert res[(k, M, "dropless")]["stat"] == _dropless_bytes(
                 results, (k, M, "dropless"), rank, N, L, E, k), (k, M, rank)
             assert res[(k, M, "pad")]["stat"] == _padded_bytes(N, E, k, M), (k, M, rank)
+            assert res[(k, M, "dropless")]["intra"] == _dropless_intra_bytes(
+                results, (k, M, "dropless"), rank, N, L, E, k), (k, M, rank)
 
 
 CASES_4X2 = [(4, 1), (4, 2), (4, 4)]            # 16 experts, 4 per node
