@@ -7,17 +7,22 @@ Dispatch
   1. For every token, the distinct nodes holding one of its k experts. The token goes once to
      each such node m, to rank (m, l), with its k expert ids and k gate weights (an
      inter-node all-to-all among the ranks of local rank l).
-  2. The relay (m, l) fans each received token out to the ranks of node m holding its experts
-     there (an intra-node all-to-all), expert-major, and the experts run.
+  2. The relay (m, l) forwards each received token once to each rank of node m holding one
+     of its experts (an intra-node all-to-all; DeepEP's normal mode: one copy per (token,
+     rank), not per choice), and that rank makes its choices' rows locally; the experts run.
 Combine (the mirror)
-  3. The expert outputs go back to the relay (intra-node), which weights them by their gates
-     and sums them per received token: one partial sum per (token, node).
+  3. Each expert rank weights its own choices' outputs by their gates and sums them per copy
+     (one partial row per (token, rank)); they go back to the relay (intra-node), which sums
+     its node's: one partial sum per (token, node).
   4. The partial sums cross back (inter-node) and each token sums its nodes' partials.
 Inter-node rows per dispatch and per combine are (tokens x distinct destination nodes)
-instead of (tokens x k). The split sizes of the two exchanges are
-:func:`moeflow.comm.alltoall.phases.node_dedup_phases` (which the step simulator models too). The
-backward is the mirror: the gradients of the partial sums cross once per (token, node), and
-the gradients of the tokens and gates once per (token, node) the other way.
+instead of (tokens x k); intra-node rows (tokens x distinct destination ranks). This is the
+counted layout (:mod:`moeflow.strategies.node_dedup.trimmed`); padded capacity mode
+(:mod:`moeflow.strategies.node_dedup.padded`) fans out one row per choice into GShard's slots
+and sums at the relay. The backward is the mirror: the gradients of the partial sums cross
+once per (token, node), and the gradients of the tokens and gates once per (token, node) the
+other way. (The step simulator, :func:`moeflow.comm.alltoall.phases.node_dedup_phases`, models
+the intra-node hop per choice.)
 
 Pipelining (``pipeline_degree`` r > 1, any scheduler; ScheMoE section 4): the tokens are cut
 into r chunks of consecutive tokens and each chunk runs the whole exchange above as the seven
@@ -28,8 +33,8 @@ scheduler's order, its hops on the lane beside other chunks' expert backward
 then saved as they are; at r = 1 under hooks, autograd's mirror of the chunk's graph).
 
 Trimmed: one count exchange per call (one host synchronisation, as dropless ``direct``):
-every rank all-gathers, per chunk, its choices per expert and its tokens per destination node, from
-which every split size follows on the host. It runs on the computing thread before the
+every rank all-gathers, per chunk, its choices per expert, its tokens per destination node
+and its tokens per destination rank, from which every split size follows on the host. It runs on the computing thread before the
 schedule; while the schedule runs, every collective is a lane task, in the schedule's order
 (docs/design.md, "One collective order per rank"), in forward and in backward. The gathered
 counts stay on the plan (``NodeDedupPlan.gathered``), so a checkpoint's recomputation, which

@@ -17,7 +17,8 @@ Per chunk of consecutive tokens (:mod:`moeflow.strategies.node_dedup.steps`' sev
   and per node before RDMA).
 
 Every split size comes from one count exchange per call (per chunk: choices per expert,
-tokens per destination node and tokens per destination rank, all in one all-gather), the
+tokens per destination node and, with several ranks per node, tokens per destination rank,
+all in one all-gather), the
 host synchronisation that DeepEP's normal mode also makes (its CPU waits for the received
 counts). The lane tasks' backward is explicit (:class:`~.steps.DedupStage`); the bytes the
 intra-node hops carry go to the strategy's ``intra_node_bytes``.
@@ -61,11 +62,14 @@ class RankLayout:
         g = lambda node, local: node * L + local        # noqa: E731
         me = g(n, l)
         NE, C, R = G[:, :E], G[:, E:E + N], G[:, E + N:]
-        return cls(lo, hi, int(C[me].sum()),
-                   send_a=[int(c) for c in C[me]],
-                   recv_a=[int(C[g(s, l), n]) for s in range(N)],
-                   send_b=[sum(int(R[g(s, l), g(n, l2)]) for s in range(N)) for l2 in range(L)],
-                   recv_b=[sum(int(R[g(s, l1), me]) for s in range(N)) for l1 in range(L)],
+        recv_a = [int(C[g(s, l), n]) for s in range(N)]
+        if L == 1:          # the relay is the expert rank: it keeps every copy it received
+            send_b = recv_b = [sum(recv_a)]
+        else:
+            send_b = [sum(int(R[g(s, l), g(n, l2)]) for s in range(N)) for l2 in range(L)]
+            recv_b = [sum(int(R[g(s, l1), me]) for s in range(N)) for l1 in range(L)]
+        return cls(lo, hi, int(C[me].sum()), send_a=[int(c) for c in C[me]], recv_a=recv_a,
+                   send_b=send_b, recv_b=recv_b,
                    counts=[sum(int(NE[p, me * El + e]) for p in range(P)) for e in range(El)])
 
 
@@ -93,14 +97,16 @@ def trimmed_stage(strategy, send: torch.Tensor, plan, runner) -> "DedupStage":
     hit = token_nodes(ids, En, N)                   # (T, N); dropped choices reach no node
     got = plan.gathered_for(r)      # a recomputation: the first forward's, not again
     if got is None:
-        on_rank = token_nodes(ids, El, P)           # (T, P): a choice on rank q
+        # per chunk: choices per expert, tokens per node and (several ranks per node: the
+        # forwarding inside it) tokens per rank
+        on_rank = token_nodes(ids, El, P) if L > 1 else hit[:, :0]   # (T, P): on rank q
         mine = []
         for lo, hi in zip(bounds, bounds[1:]):
             flat = ids[lo:hi].reshape(-1)
             mine += [flat.new_zeros(E + 1).index_add_(0, flat, torch.ones_like(flat))[:E],
                      hit[lo:hi].sum(0).to(flat.dtype), on_rank[lo:hi].sum(0).to(flat.dtype)]
         got = gather_device_counts(torch.cat(mine), topo.world_group,
-                                   P).reshape(P, r, E + N + P)
+                                   P).reshape(P, r, E + N + on_rank.shape[1])
         plan.gathered = (r, got)
     plan.counts, plan.ep_rank = got[:, :, :E].sum(1), topo.ep_rank
     lays = [RankLayout.build(got[:, i], bounds[i], bounds[i + 1], topo, El, E)
@@ -152,9 +158,10 @@ def trimmed_stage(strategy, send: torch.Tensor, plan, runner) -> "DedupStage":
         state[i] += (gate_r, row_b, R, mine, sel, gate_b)
         return x_b, x_r.numel() * x_r.element_size()
 
-    def d1(i, x_b):
+    def d1(i, x_b):                 # size: the rows it makes (one per choice)
         sel = state[i][5]
-        return x_b.index_select(0, torch.div(sel, k, rounding_mode="floor")), x_b.numel()
+        grouped = x_b.index_select(0, torch.div(sel, k, rounding_mode="floor"))
+        return grouped, grouped.numel()
 
     def experts(i, grouped):
         counts = lays[i].counts
