@@ -1,7 +1,8 @@
 """Inter-node bytes and step time of node-limited routing vs plain top-k, per all-to-all.
 
 DeepSeek-V3's node-limited routing against plain top-k under moeflow's all-to-alls,
-``node_dedup`` included.
+``node_dedup`` included, for each node limit M of ``--topk-group`` (DeepSeek-V3 uses M = 4 of
+8 nodes).
 
 DeepSeek-V3 (section 2.1.2 / 3.2.2, "node-limited routing") makes the expert groups the nodes
 (``n_group`` = nodes) so that each token reaches at most ``topk_group`` nodes; SMILE's
@@ -51,11 +52,25 @@ from moeflow.topology import Topology
 ALGORITHMS = ("counting", "direct", "node_dedup")
 
 
-def variants(nodes: int) -> list[tuple[str, dict]]:
+def variants(nodes: int, limits: tuple[int, ...] = (1,)) -> list[tuple[str, dict]]:
+    """Plain top-k, then node-limited routing with each node limit M (``topk_group``) in
+    ``limits``."""
     ds = dict(router="deepseek_v3", aux_loss_coef=0.0)
-    return [("top-k (n_group=1)", dict(ds, router_options=dict(n_group=1, topk_group=1))),
-            (f"group-limited (n_group={nodes}, topk_group=1)",
-             dict(ds, router_options=dict(n_group=nodes, topk_group=1)))]
+    return [("top-k (n_group=1)", dict(ds, router_options=dict(n_group=1, topk_group=1)))] + [
+        (f"group-limited (n_group={nodes}, topk_group={m})",
+         dict(ds, router_options=dict(n_group=nodes, topk_group=m))) for m in limits]
+
+
+def parse_limits(text: str) -> tuple[int, ...]:
+    """``--topk-group``: distinct positive node limits, comma-separated."""
+    try:
+        limits = tuple(int(a) for a in str(text).split(",") if a.strip())
+    except ValueError:
+        limits = ()
+    if not limits or min(limits) < 1 or len(set(limits)) != len(limits):
+        raise ConfigError(f"--topk-group={text!r} is invalid: list distinct positive node "
+                          "limits M (DeepSeek-V3's topk_group), e.g. 1,2,4")
+    return limits
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -111,7 +126,12 @@ def bench(opts: dict) -> dict:
     gen = torch.Generator().manual_seed(4000 + topo.rank)
     x = torch.randn(opts["tokens"], opts["d_model"], generator=gen, requires_grad=True)
     runs = []
-    for label, v in variants(topo.num_nodes):
+    limits = parse_limits(opts.get("topk_group") or "1")
+    if max(limits) > topo.num_nodes:
+        raise ConfigError(f"--topk-group={opts.get('topk_group')!r} is invalid on "
+                          f"{topo.num_nodes} nodes: a token can reach at most every node; "
+                          f"use limits up to {topo.num_nodes}")
+    for label, v in variants(topo.num_nodes, limits):
         for algo in algos:
             layer = MoELayer(base.replace(**exchange_fields(algo), **v), topo)
             name = label if len(algos) == 1 else f"{label} @ {algo}"
@@ -160,7 +180,7 @@ def bench(opts: dict) -> dict:
                      "step_ms_min": min(step_ms), "step_ms_max": max(step_ms)})
     ratios = []
     if "direct" in algos and "node_dedup" in algos:
-        for label, _ in variants(topo.num_nodes):
+        for label, _ in variants(topo.num_nodes, limits):
             a, b = (next(w for w in rows if w["routing"] == label and w["algorithm"] == n)
                     for n in ("direct", "node_dedup"))
             paired = [s / t for s, t in zip(a["step_ms"], b["step_ms"])]
@@ -186,6 +206,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="all-to-alls to run each routing under, comma-separated, out of "
                         f"{', '.join(ALGORITHMS)} (default counting: direct + byte counts); "
                         "direct,node_dedup adds their paired step-time ratio")
+    p.add_argument("--topk-group", default="1",
+                   help="node limits M to run node-limited routing with (DeepSeek-V3's "
+                        "topk_group, the expert groups being the nodes), comma-separated, "
+                        "e.g. 1,2,4 (default 1)")
     p.add_argument("--inter-bw", default=None,
                    help="inter-node link rate for the link bound, e.g. 100mbit (default: the "
                         "emulated cluster's setting)")
@@ -196,7 +220,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
-OPTS = ("tokens", "d_model", "d_expert", "experts_per_rank", "top_k", "algorithms", "inter_bw",
+OPTS = ("tokens", "d_model", "d_expert", "experts_per_rank", "top_k", "algorithms", "topk_group",
+        "inter_bw",
         "local_size", "warmup", "reps", "out")
 
 
@@ -216,6 +241,7 @@ def report(res: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     """Under torchrun or ``moeflow cluster run``: the variants side by side, rank 0 reports."""
     parse_algorithms(args.algorithms)                 # a bad name fails before the ranks meet
+    parse_limits(args.topk_group)
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=300))
     res = bench({k: v for k, v in vars(args).items() if k in OPTS})
     if torch.distributed.get_rank() == 0:

@@ -78,6 +78,13 @@ class Router(nn.Module):
     def check_topology(cls, cfg, topo) -> None:
         """Raise ConfigError if this router cannot place its experts on ``topo``."""
 
+    def nodes_per_token(self, num_nodes: int) -> int | None:
+        """The most distinct nodes (``num_nodes`` equal blocks of consecutive experts) one
+        token's choices can reach, when the router limits it below ``top_k``
+        (node-limited routing); None: no limit of its own. The node-deduplicated exchange
+        sizes its capacity per node by it (:mod:`moeflow.strategies.node_dedup.node_capacity`)."""
+        return None
+
 
 ROUTERS = Registry("router", Router)
 register_router = ROUTERS.register

@@ -55,6 +55,11 @@ class BiLevelRouter(Router):
                 f"{topo.ep_size}; set bilevel_nodes={topo.num_nodes} and keep expert "
                 "parallelism over all ranks (ep_size=None)")
 
+    def nodes_per_token(self, num_nodes: int) -> int | None:
+        """The node router's ``node_top_k`` nodes per token (group i is node i:
+        :meth:`check_topology`)."""
+        return self.cfg.node_top_k if num_nodes == self.n else None
+
     @classmethod
     def check_top_k(cls, cfg, k: int) -> None:
         from moeflow.errors import ConfigError

@@ -84,6 +84,18 @@ class DeepSeekV3Router(Router):
 
     replays_choices = True
 
+    def nodes_per_token(self, num_nodes: int) -> int | None:
+        """Section 2.1.2's node limit: a token reaches its ``topk_group`` groups only; a node
+        holding whole groups (``n_group`` a multiple of the nodes) is reached by at most that
+        many, a group spread over ``num_nodes / n_group`` nodes reaches that many each. Groups
+        that straddle nodes otherwise: no bound given."""
+        g, tg = self.opts["n_group"], self.opts["topk_group"]
+        if g % num_nodes == 0:
+            return tg
+        if num_nodes % g == 0:
+            return tg * (num_nodes // g)
+        return None
+
     def forward(self, x: torch.Tensor, chosen: torch.Tensor | None = None) -> Routing:
         """``chosen``: the choices of a checkpoint's first forward, replayed by its
         recomputation (:mod:`moeflow.plan_record`): the gates are computed at them and the

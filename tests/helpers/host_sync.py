@@ -47,6 +47,12 @@ def layer_cases(topo) -> list[dict]:
                     cases.append(dict(placement="node_dedup", codec=codec, schedule=schedule,
                                       pipeline_degree=r, capacity_factor=cf,
                                       capacity_padding=padding))
+        # padded with node-limited routing (DeepSeek-V3's topk_group = 1 of 2 nodes): its
+        # capacity per destination node binds (node_dedup/node_capacity.py), still no sync
+        for r in (1, 2):
+            cases.append(dict(placement="node_dedup", codec="none", schedule="optsche",
+                              pipeline_degree=r, capacity_factor=1.25, capacity_padding="pad",
+                              node_limit=1))
     except ConfigError:
         pass
     return cases
@@ -73,7 +79,11 @@ def hot_path_worker(local_size: int | None) -> dict:
     dense = torch.nn.Linear(16, 16)
     out = {}
     for case in layer_cases(topo):
-        cfg = MoEConfig(d_model=16, d_expert=32, num_experts=4, top_k=2, seed=1, **case)
+        opts = dict(case)
+        if "node_limit" in opts:            # DeepSeek-V3's node-limited routing
+            opts.update(router="deepseek_v3", aux_loss_coef=0.0, router_options=dict(
+                n_group=topo.num_nodes, topk_group=opts.pop("node_limit")))
+        cfg = MoEConfig(d_model=16, d_expert=32, num_experts=4, top_k=2, seed=1, **opts)
         layer = MoELayer(cfg, topo)
         syncs = None
         if case["codec"] not in HOST_CODECS:

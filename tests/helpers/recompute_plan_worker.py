@@ -24,7 +24,7 @@ import torch.utils.checkpoint as ckpt
 import moeflow.strategies.parm.ep_esp as ep_esp
 import moeflow.strategies.fssdp.layer_experts as layer_experts
 import moeflow.schedule.pipeline as pipeline
-import moeflow.strategies.node_dedup.strategy as node_dedup
+import moeflow.strategies.node_dedup.trimmed as node_dedup_trimmed
 import moeflow.strategies.node_dedup.padded as node_dedup_padded
 from moeflow import Topology, sync_gradients, update_router_biases
 from moeflow.strategies.fssdp.layer_experts import FSSDPExperts
@@ -80,7 +80,7 @@ def counting(layer, counts: dict):
     # Parm's EP&ESP block counts; node_dedup's counts (trimmed) or token counts and
     # capacities (padded), gathered inside its exchange
     gathers = [(ep_esp, "gather_device_counts"), (ep_esp, "capacity_counts"),
-               (node_dedup, "gather_device_counts"), (node_dedup_padded, "gather_known")]
+               (node_dedup_trimmed, "gather_device_counts"), (node_dedup_padded, "gather_known")]
     gathers = {(mod, n): getattr(mod, n) for mod, n in gathers}
     for (mod, name), fn in gathers.items():
         setattr(mod, name, lambda *a, _fn=fn, **k: (bump("count_exchanges"), _fn(*a, **k))[1])

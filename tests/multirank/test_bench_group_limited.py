@@ -65,3 +65,13 @@ def test_bad_algorithm_is_refused():
     with pytest.raises(ConfigError, match="--algorithms='direct,hier9'.*node_dedup"):
         group_limited.parse_algorithms("direct,hier9")
     assert group_limited.parse_algorithms("direct, node_dedup") == ["direct", "node_dedup"]
+
+
+def test_node_limits_are_checked():
+    assert group_limited.parse_limits("1, 2,4") == (1, 2, 4)
+    for bad in ("", "0", "1,1", "two"):
+        with pytest.raises(ConfigError, match="--topk-group=.*topk_group"):
+            group_limited.parse_limits(bad)
+    labels = [label for label, _ in group_limited.variants(8, (1, 4))]
+    assert labels == ["top-k (n_group=1)", "group-limited (n_group=8, topk_group=1)",
+                      "group-limited (n_group=8, topk_group=4)"]

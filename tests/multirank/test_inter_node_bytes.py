@@ -75,7 +75,8 @@ def _worker() -> dict:
                 dist.all_to_all_single = real
             ids = layer.router(x.detach()).experts          # the same routing, again
             out[(mode, algo)] = dict(stat=int(layer.stats["inter_node_bytes"]),
-                                     wire=tally[0], ids=ids, T=T)
+                                     wire=tally[0], ids=ids, T=T,
+                                     intra=int(layer.stats.get("intra_node_bytes", -1)))
     return out
 
 
@@ -119,6 +120,33 @@ def _expected_node_dedup(res: dict, rank: int) -> int:
     out_pairs = sum(pairs(rank, m) for m in range(2) if m != n)
     in_pairs = sum(pairs(m * L + l, n) for m in range(2) if m != n)
     return out_pairs * (((M + K) + M) * el + K * 4) + in_pairs * (M + (M + K)) * el
+
+
+def _expected_node_dedup_intra(res: dict, rank: int) -> int:
+    """Bytes ``rank`` (node n, local rank l) sends to the other ranks of its node with
+    ``node_dedup`` (DeepEP's forwarding: one copy per (token, destination rank), reduced per
+    rank on the way back): as the relay, per (token of a rank (m, l), other rank (n, l2) with
+    one of its experts) the token with its k gates and k int32 ids, and in backward the
+    gradient of that rank's partial sum; as the expert rank, per (token of a rank (m, l1),
+    l1 != l, with an expert here) its partial sum, and in backward the gradient of the token
+    and its gates."""
+    L, El, M, el = 2, E // 4, D_MODEL, 8
+
+    def copies(src: int, dst: int) -> int:
+        ids = res[src][("dropless", "node_dedup")]["ids"]
+        return int(((ids // El) == dst).any(1).sum())
+
+    n, l = divmod(rank, L)
+    out = sum(copies(m * L + l, n * L + l2) for m in range(2) for l2 in range(L) if l2 != l)
+    back = sum(copies(m * L + l1, rank) for m in range(2) for l1 in range(L) if l1 != l)
+    return out * ((2 * M + K) * el + K * 4) + back * (2 * M + K) * el
+
+
+@pytest.mark.multirank
+def test_node_dedup_intra_node_bytes_are_one_copy_per_rank(results):
+    for rank, res in results.items():
+        assert res[("dropless", "node_dedup")]["intra"] == _expected_node_dedup_intra(
+            results, rank), rank
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ build no graph and keep the few tensors their backward needs. Its backward runs,
 same scheduler order and executor, the stage
 
   C1  <- D2's backward: the chunk's output gradient to its partial sums'   (computing lane)
-  A1  <- A2's: the partial sums' gradients cross back (backward codec), the gated sum's
-         backward, the fan-in's reverse inside the node                   (communication lane)
+  A1  <- A2's: the partial sums' gradients cross back (backward codec), the gated sums'
+         backward and the fan-in's reverse inside the node, in the reverse of their forward
+         order (per rank then per node: trimmed.py; at the relay: padded.py) (comm. lane)
   D1  <- C2's backward
   E   <- the experts' backward (input and parameter gradients)
   C2  <- D1's backward

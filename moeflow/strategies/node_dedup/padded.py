@@ -7,9 +7,12 @@ Every split follows from the ranks' token counts ``T_q`` and capacities ``C_q`` 
 integers, one host all-gather per call, as padded ``direct`` gathers its ``C_q``; under
 ``MoEConfig.equal_rank_tokens`` once per distinct token count, :func:`padded_counts`):
 
-* inter-node hop: rank q sends ``B_q = min(t_q, E_node * C_q)`` rows to every node (t_q: its
-  chunk's tokens); a token with a kept choice on node m takes the next row of m's block, in
-  token order; the rest are padding (expert id E: no node; gates 0);
+* inter-node hop: rank q sends ``B_q = min(t_q, C_node(C_q))`` rows to every node (t_q: its
+  chunk's tokens; ``C_node = ceil(E_node C_q p / k)``, the capacity per destination node of
+  :mod:`moeflow.strategies.node_dedup.node_capacity`, ``E_node C_q`` unless the router limits a
+  token to ``p < k`` nodes); a token with a kept choice on node m takes the next row of m's
+  block, in token order (the plan dropped the copies past ``C_node``); the rest are padding
+  (expert id E: no node; gates 0);
 * fan-out: the relay places each kept choice for a local expert e of its node at slot
   ``position`` (GShard's slot, sent beside the ids) of the block (source node, e), ``C_q``
   rows per (source rank q, expert); the experts compute the empty slots, as padded ``direct``;
@@ -29,6 +32,7 @@ from moeflow.devices import to_device_async
 from moeflow.dispatch.plan import gather_known
 from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.schedule.executor import Stage
+from moeflow.strategies.node_dedup.node_capacity import node_capacity
 from moeflow.strategies.node_dedup.steps import (AllToAll, CodedAllToAll, DedupStage, Hop,
                                                  exchange_rows, gated_sum_backward,
                                                  hop_backward, take_in_graph)
@@ -67,7 +71,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
 
     def rows_to_node(q: int, i: int) -> int:      # B_q of chunk i
         t = (i + 1) * int(Tq[q]) // r - i * int(Tq[q]) // r
-        return min(t, En * int(Cq[q]))
+        return min(t, node_capacity(En, int(Cq[q]), k, plan.nodes_per_token))
 
     # the relay's sources are (s, l) for every node s; its fan-out block per local rank l2:
     # [source node s][local expert e][slot], C_(s,l) rows each
@@ -81,7 +85,8 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
     back_order = np.argsort(to_experts, kind="stable").tolist()
     counts = [sum(int(Cq[g(s, l1)]) for l1 in range(L) for s in range(N))] * El
     inter, intra = topo.inter_node_group, topo.intra_node_group
-    remote_a, remote_b = [m != n for m in range(N)], [False] * L
+    remote_a, other_b = [m != n for m in range(N)], [j != l for j in range(L)]
+    counter = strategy.intra_node_bytes      # bytes to the other ranks of this node
     grad_on = torch.is_grad_enabled()
     state: dict[int, tuple] = {}
 
@@ -127,7 +132,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
             if L > 1:
                 fan = AllToAll.apply(fan, [blk] * L,
                                      [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                      for l1 in range(L)], intra, remote_b, None)
+                                      for l1 in range(L)], intra, other_b, counter)
         state[i] += (gate_r, on, at, R)
         return fan, x_r.numel() * x_r.element_size()
 
@@ -149,8 +154,8 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
         with torch.set_grad_enabled(grad_on):
             if L > 1:
                 out = AllToAll.apply(out, [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                           for l1 in range(L)], [blk] * L, intra, remote_b,
-                                     None)
+                                           for l1 in range(L)], [blk] * L, intra, other_b,
+                                     counter)
             full = torch.cat([out, out.new_zeros(1, out.shape[1])]).index_select(0, at)
             gates = (gate_r * on.to(gate_r.dtype)).to(full.dtype)
             partial = (full.view(R, k, full.shape[1]) * gates.unsqueeze(-1)).sum(1)
@@ -168,8 +173,8 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
         gate_r, on, at, R = state[i][2:6]
         if L > 1:
             g_fan = exchange_rows(g_fan, [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                          for l1 in range(L)], [blk] * L, intra, remote_b,
-                                  None)
+                                          for l1 in range(L)], [blk] * L, intra, other_b,
+                                  counter)
         g_rows = torch.cat([g_fan, g_fan.new_zeros(1, M)]).index_select(0, at)
         g_x = g_rows.view(R, k, M).sum(1)
         g_x, g_gates = hop_backward(hop(i), g_x, [g_gate])      # once per (token, node)
@@ -183,7 +188,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
         if L > 1:
             g_out = exchange_rows(g_out, [blk] * L,
                                   [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                   for l1 in range(L)], intra, remote_b, None)
+                                   for l1 in range(L)], intra, other_b, counter)
         return (g_out, g_gate), g_back.numel() * g_back.element_size()
 
     return DedupStage(Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2, "A2": a2,

@@ -10,9 +10,15 @@ the schedulers' orders (sequential, pipelined, OptSche) apply unchanged:
   A1  inter-node hop (encoded), fan-out inside the node (raw)             (communication lane)
   D1  the received rows grouped by local expert                           (computing lane)
   E   the experts
-  C2  their outputs back in the fan-out's order
-  A2  back to the relay (raw), gated partial sum, inter-node hop (encoded) (communication lane)
+  C2  their outputs in the order A2 gathers from
+  A2  gated partial sums, back to the relay (raw), inter-node hop (encoded) (communication lane)
   D2  each token sums its nodes' partial sums
+
+With split sizes from exchanged counts (:mod:`moeflow.strategies.node_dedup.trimmed`) the
+fan-out sends one copy of a token per destination rank and the expert rank sums its own
+choices before the way back (DeepEP's normal mode); padded
+(:mod:`moeflow.strategies.node_dedup.padded`) it sends one row per choice into GShard's slots
+and the relay sums.
 
 Every step is differentiable. The backward is scheduled too
 (:mod:`moeflow.strategies.node_dedup.backward`, ScheMoE section 4): the computing tasks keep
@@ -38,12 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from moeflow.comm.alltoall.blocks import take
-from moeflow.comm.alltoall.phases import node_dedup_phases
 from moeflow.schedule.pipeline import pack, unpack
 
 
@@ -168,33 +172,3 @@ def take_in_graph(x: torch.Tensor, sizes: list[int], order: list[int]) -> torch.
     """:func:`~moeflow.comm.alltoall.blocks.take` that stays in ``x``'s graph when empty: every
     rank must run the same backward collectives, so no exchange may drop out of the graph."""
     return take(x, sizes, order) if any(sizes) else x.narrow(0, 0, 0)
-
-
-@dataclass
-class ChunkLayout:
-    """Host splits of one chunk (tokens ``[lo, hi)`` of this rank), from every rank's counts
-    per chunk: ``NE[p, e]`` choices of rank p for expert e, ``C[p, m]`` pairs for node m."""
-    lo: int
-    hi: int
-    n_pairs: int
-    send_a: list[int]       # pairs to each node (inter-node hop, among ranks of local rank l)
-    recv_a: list[int]
-    send_b: list[int]       # fan-out rows to each local rank of this node
-    recv_b: list[int]
-    sizes: list[int]        # received rows per (relay l1, local expert e)
-    counts: list[int]       # rows per local expert
-
-    @classmethod
-    def build(cls, NE: np.ndarray, C: np.ndarray, lo: int, hi: int, topo, El: int
-              ) -> "ChunkLayout":
-        N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
-        g = lambda node, local: node * L + local        # noqa: E731
-        me = g(n, l)
-
-        sizes = [sum(int(NE[g(s, l1), me * El + e]) for s in range(N))
-                 for l1 in range(L) for e in range(El)]
-        inter, intra = node_dedup_phases(NE, C, N, L, El, n, l)
-        return cls(lo, hi, int(C[me].sum()),
-                   send_a=inter.send, recv_a=inter.recv, send_b=intra.send, recv_b=intra.recv,
-                   sizes=sizes,
-                   counts=[sum(sizes[l1 * El + e] for l1 in range(L)) for e in range(El)])

@@ -7,17 +7,22 @@ Dispatch
   1. For every token, the distinct nodes holding one of its k experts. The token goes once to
      each such node m, to rank (m, l), with its k expert ids and k gate weights (an
      inter-node all-to-all among the ranks of local rank l).
-  2. The relay (m, l) fans each received token out to the ranks of node m holding its experts
-     there (an intra-node all-to-all), expert-major, and the experts run.
+  2. The relay (m, l) forwards each received token once to each rank of node m holding one
+     of its experts (an intra-node all-to-all; DeepEP's normal mode: one copy per (token,
+     rank), not per choice), and that rank makes its choices' rows locally; the experts run.
 Combine (the mirror)
-  3. The expert outputs go back to the relay (intra-node), which weights them by their gates
-     and sums them per received token: one partial sum per (token, node).
+  3. Each expert rank weights its own choices' outputs by their gates and sums them per copy
+     (one partial row per (token, rank)); they go back to the relay (intra-node), which sums
+     its node's: one partial sum per (token, node).
   4. The partial sums cross back (inter-node) and each token sums its nodes' partials.
 Inter-node rows per dispatch and per combine are (tokens x distinct destination nodes)
-instead of (tokens x k). The split sizes of the two exchanges are
-:func:`moeflow.comm.alltoall.phases.node_dedup_phases` (which the step simulator models too). The
-backward is the mirror: the gradients of the partial sums cross once per (token, node), and
-the gradients of the tokens and gates once per (token, node) the other way.
+instead of (tokens x k); intra-node rows (tokens x distinct destination ranks). This is the
+counted layout (:mod:`moeflow.strategies.node_dedup.trimmed`); padded capacity mode
+(:mod:`moeflow.strategies.node_dedup.padded`) fans out one row per choice into GShard's slots
+and sums at the relay. The backward is the mirror: the gradients of the partial sums cross
+once per (token, node), and the gradients of the tokens and gates once per (token, node) the
+other way. (The step simulator, :func:`moeflow.comm.alltoall.phases.node_dedup_phases`, models
+the intra-node hop per choice.)
 
 Pipelining (``pipeline_degree`` r > 1, any scheduler; ScheMoE section 4): the tokens are cut
 into r chunks of consecutive tokens and each chunk runs the whole exchange above as the seven
@@ -28,8 +33,8 @@ scheduler's order, its hops on the lane beside other chunks' expert backward
 then saved as they are; at r = 1 under hooks, autograd's mirror of the chunk's graph).
 
 Trimmed: one count exchange per call (one host synchronisation, as dropless ``direct``):
-every rank all-gathers, per chunk, its choices per expert and its tokens per destination node, from
-which every split size follows on the host. It runs on the computing thread before the
+every rank all-gathers, per chunk, its choices per expert, its tokens per destination node
+and its tokens per destination rank, from which every split size follows on the host. It runs on the computing thread before the
 schedule; while the schedule runs, every collective is a lane task, in the schedule's order
 (docs/design.md, "One collective order per rank"), in forward and in backward. The gathered
 counts stay on the plan (``NodeDedupPlan.gathered``), so a checkpoint's recomputation, which
@@ -39,7 +44,9 @@ forward's all-to-alls and nothing else.
 Supported: dropless and capacity mode (GShard's drops decided on the source rank, as with
 ``direct``), trimmed (only kept pairs and choices travel: the count exchange above) or padded
 (``capacity_padding``: fixed splits from the ranks' token counts and capacities, no host read
-of device values: :mod:`moeflow.strategies.node_dedup.padded`), every codec (on the inter-node
+of device values, blocks sized by a capacity per destination node that drops the copies
+past it under node-limited routing: :mod:`moeflow.strategies.node_dedup.padded`,
+:mod:`moeflow.strategies.node_dedup.node_capacity`), every codec (on the inter-node
 hops: one encoding per (token, node) in dispatch, per partial sum in combine;
 ``codec_backward`` for the gradients), any ``pipeline_degree`` and scheduler, every router,
 shared experts, BigMac and the other structures, and the auto-tuner (``schedule`` /
@@ -54,18 +61,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeflow.comm.exchange import gather_device_counts
 from moeflow.dispatch import DispatchPlan, make_plan
-from moeflow.comm.alltoall.phases import kept_choices, token_nodes
+from moeflow.comm.alltoall.phases import kept_choices
 from moeflow.errors import ConfigError
-from moeflow.schedule.executor import Stage
 from moeflow.strategies.base import ExpertStrategy, register_strategy
 from moeflow.strategies.node_dedup.backward import scheduled_dedup
+from moeflow.strategies.node_dedup.node_capacity import (drop_past_node_capacity,
+                                                         node_capacity, nodes_per_token)
 from moeflow.strategies.node_dedup.padded import padded_stage
-from moeflow.strategies.node_dedup.steps import (AllToAll, ChunkLayout, CodedAllToAll,
-                                                 DedupStage, Hop, exchange_rows,
-                                                 gated_sum_backward, hop_backward,
-                                                 take_in_graph)
+from moeflow.strategies.node_dedup.steps import DedupStage
+from moeflow.strategies.node_dedup.trimmed import trimmed_stage
 
 _FIX = "or use placement='ep'"
 
@@ -105,6 +110,8 @@ class NodeDedupPlan(DispatchPlan):
     # key r (the pipeline degree) with every rank's choices per expert and pairs per node per
     # chunk (trimmed), key "padded" with every rank's tokens and capacity (padded)
     gathered: tuple[object, np.ndarray] | None = None
+    # the most distinct nodes a token's choices reach (node_capacity.py; same on every rank)
+    nodes_per_token: int = 1
 
     def gathered_for(self, key) -> np.ndarray | None:
         """What the first forward gathered under ``key`` (None: nothing, gather now)."""
@@ -122,6 +129,7 @@ class NodeDedup(ExpertStrategy):
     combines_in_exchange = True
     # its own two hops: no all-to-all algorithm to choose (a2a is not used)
     tunable_fields = ("schedule", "pipeline_degree", "codec")
+    intra_node_bytes: torch.Tensor | None = None
 
     @classmethod
     def check_config(cls, cfg, topo) -> None:
@@ -130,15 +138,26 @@ class NodeDedup(ExpertStrategy):
     def _plan(self, expert_ids, cap, device, call) -> NodeDedupPlan:
         """Dropless: every choice. Capacity: GShard's slots decide on this rank's tokens, as
         with ``direct``; a dropped choice gets the id E (no node) and travels nowhere."""
-        E = self.layer.cfg.num_experts
+        E, topo = self.layer.cfg.num_experts, self.layer.topo
         p = make_plan(expert_ids, E, cap)
+        per_token = nodes_per_token(self.layer.router, expert_ids.shape[1], topo.num_nodes)
         if cap is not None:
             T, k = expert_ids.shape
+            En = E // topo.num_nodes
             positions = (p.slot - expert_ids.t().reshape(-1) * cap).view(k, T).t()
             expert_ids, p.local_counts = kept_choices(expert_ids, p.slot, p.send_rows, E)
+            if per_token < k and self._pads(device):
+                # padded: fixed blocks per destination node, the node capacity binds
+                # (node_capacity.py); trimmed sends each node the copies it has
+                expert_ids, more = drop_past_node_capacity(
+                    expert_ids, En, topo.num_nodes, E, node_capacity(En, cap, k, per_token))
+                p.dropped = p.dropped + more
+                p.local_counts = expert_ids.new_zeros(E + 1).index_add_(
+                    0, expert_ids.reshape(-1), torch.ones_like(expert_ids.reshape(-1)))[:E]
         return NodeDedupPlan(**{f: getattr(p, f) for f in p.__dataclass_fields__},
                              experts=expert_ids,
-                             positions=positions if cap is not None else None)
+                             positions=positions if cap is not None else None,
+                             nodes_per_token=per_token)
 
     def _pads(self, device: torch.device) -> bool:
         """Capacity mode's layout (``MoEConfig.capacity_padding``): padded, fixed splits and
@@ -159,6 +178,10 @@ class NodeDedup(ExpertStrategy):
         scheduled the same way, backward (:mod:`moeflow.strategies.node_dedup.backward`).
         Returns the tokens' gated sums (``combines_in_exchange``)."""
         plan: NodeDedupPlan = call.plan
+        if not call.replay or self.intra_node_bytes is None:
+            # host counter (no device sync), as the layer's inter-node one; a checkpoint's
+            # recomputation adds to the first forward's
+            self.intra_node_bytes = torch.zeros((), dtype=torch.long)
         if plan.capacity is not None and self._pads(send.device):
             def build(x):
                 return padded_stage(self, x, plan, runner, runner.r)
@@ -168,133 +191,12 @@ class NodeDedup(ExpertStrategy):
         return scheduled_dedup(send, build, runner), None
 
     def _trimmed_stage(self, send, plan: NodeDedupPlan, runner) -> DedupStage:
-        """The seven task functions over r chunks and their lane tasks' backward (collective:
-        the count exchange first, unless ``plan`` holds the first forward's)."""
-        topo, cfg = self.layer.topo, self.layer.cfg
-        N, L, n, l = topo.num_nodes, topo.local_size, topo.node_rank, topo.local_rank
-        P, E, k, T = topo.world_size, cfg.num_experts, plan.top_k, plan.num_tokens
-        El, r = E // P, runner.r
-        En = El * L                                     # experts per node
-        M = send.shape[1] - k
-        ids = plan.experts
-        bounds = [(i * T) // r for i in range(r + 1)]
-        # the distinct destination nodes of every token; per chunk, its choices per expert and
-        # its pairs per node, gathered in one count exchange (the host synchronisation)
-        hit = token_nodes(ids, En, N)                   # dropped choices reach no node
-        got = plan.gathered_for(r)      # a recomputation: the first forward's, not again
-        if got is None:
-            mine = []
-            for lo, hi in zip(bounds, bounds[1:]):
-                flat = ids[lo:hi].reshape(-1)
-                mine += [flat.new_zeros(E + 1).index_add_(0, flat, torch.ones_like(flat))[:E],
-                         hit[lo:hi].sum(0).to(flat.dtype)]
-            got = gather_device_counts(torch.cat(mine), topo.world_group,
-                                       P).reshape(P, r, E + N)
-            plan.gathered = (r, got)
-        plan.counts, plan.ep_rank = got[:, :, :E].sum(1), topo.ep_rank
-        lays = [ChunkLayout.build(got[:, i, :E], got[:, i, E:], bounds[i], bounds[i + 1],
-                                  topo, El) for i in range(r)]
-        inter, intra = topo.inter_node_group, topo.intra_node_group
-        remote_a, remote_b = [m != n for m in range(N)], [False] * L
-        grad_on = torch.is_grad_enabled()
-        relay: dict[int, tuple] = {}
+        """Split sizes from the count exchange (dropless, trimmed capacity):
+        :func:`moeflow.strategies.node_dedup.trimmed.trimmed_stage`."""
+        return trimmed_stage(self, send, plan, runner)
 
-        def hop(lay: ChunkLayout) -> Hop:
-            return Hop(lay.send_a, lay.recv_a, inter, remote_a, runner.inter_node_bytes,
-                       runner.codec, runner.backward_codec, runner.nonfinite)
-
-        def pairs(i: int):
-            """Chunk i's (token, node) pairs, node-major (a stable sort puts hits first)."""
-            lay = lays[i]
-            flat = hit[lay.lo:lay.hi].t().reshape(-1)
-            pair = torch.argsort(flat.logical_not().to(torch.int32), stable=True)[:lay.n_pairs]
-            return pair, (torch.remainder(pair, lay.hi - lay.lo) if lay.hi > lay.lo else pair)
-
-        def c1(i, src):
-            lay = lays[i]
-            pair, tok = pairs(i)
-            src = send[lay.lo:lay.hi] if src is None else src
-            rows = src.index_select(0, tok)
-            idp = ids[lay.lo:lay.hi].index_select(0, tok).to(torch.int32)  # 4 bytes per id
-            relay[i] = (pair,)
-            return (rows[:, :M], rows[:, M:], idp), rows.numel()
-
-        def a1(i, p):
-            lay = lays[i]
-            with torch.set_grad_enabled(grad_on):       # grad mode is per thread
-                x_r, gate_r, ids_r = CodedAllToAll.apply(hop(lay), *p)
-                ids_r = ids_r.long()
-                # fan out inside the node: the choices on this node, by local expert
-                on = (ids_r // En) == n
-                key = torch.where(on, ids_r - n * En, En).reshape(-1)
-                sel = torch.argsort(key, stable=True)[:sum(lay.send_b)]   # choice r*k + j
-                rows_b = x_r.index_select(0, torch.div(sel, k, rounding_mode="floor"))
-                if L > 1:
-                    rows_b = AllToAll.apply(rows_b, lay.send_b, lay.recv_b, intra, remote_b,
-                                            None)
-            relay[i] += (gate_r, on, sel, x_r.shape[0])
-            return rows_b, x_r.numel() * x_r.element_size()
-
-        def d1(i, rows_b):
-            # received: per relay l1, expert-major over this rank's experts -> expert-major
-            grouped = take_in_graph(rows_b, lays[i].sizes,
-                                    [l1 * El + e for e in range(El) for l1 in range(L)])
-            return grouped, rows_b.numel()
-
-        def experts(i, grouped):
-            counts = lays[i].counts
-            out = runner.experts(grouped, counts)
-            if not any(counts):          # no rows: keep the way back in the graph
-                out = out.new_zeros(0, out.shape[1]) + grouped.sum() * 0
-            return out, grouped.numel()
-
-        def c2(i, out):
-            sizes = lays[i].sizes
-            back = [sizes[l1 * El + e] for e in range(El) for l1 in range(L)]
-            return take_in_graph(out, back, [e * L + l1 for l1 in range(L)
-                                             for e in range(El)]), out.numel()
-
-        def a2(i, out):
-            lay = lays[i]
-            _, gate_r, on, sel, R = relay[i][:5]
-            with torch.set_grad_enabled(grad_on):
-                if L > 1:        # back to the relay; gated sum per received token
-                    out = AllToAll.apply(out, lay.recv_b, lay.send_b, intra, remote_b, None)
-                full = out.new_zeros(R * k, out.shape[1]).index_copy(0, sel, out)
-                gates = (gate_r * on.to(gate_r.dtype)).to(full.dtype)   # as direct's combine
-                partial = (full.view(R, k, full.shape[1]) * gates.unsqueeze(-1)).sum(1)
-                # the partial sums cross back once per (token, node)
-                (back,) = CodedAllToAll.apply(hop(lay).reversed(), partial)
-            relay[i] += (full, gates)           # what the scheduled backward's a2_back needs
-            return back, partial.numel() * partial.element_size()
-
-        def d2(i, back):
-            lay = lays[i]
-            t = lay.hi - lay.lo
-            y = back.new_zeros(N * t, back.shape[1]).index_copy(0, relay[i][0], back)
-            return y.view(N, t, y.shape[1]).sum(0), back.numel()
-
-        # the backward of the lane tasks, mirrored (on the lane: explicit, no autograd)
-        def a1_back(i, g_rows_b, g_gate):
-            lay = lays[i]
-            _, gate_r, on, sel, R = relay[i][:5]
-            if L > 1:                                   # the fan-out's reverse exchange
-                g_rows_b = exchange_rows(g_rows_b, lay.recv_b, lay.send_b, intra, remote_b,
-                                         None)
-            g_x = g_rows_b.new_zeros(R, M).index_add_(
-                0, torch.div(sel, k, rounding_mode="floor"), g_rows_b)
-            g_x, g_gates = hop_backward(hop(lay), g_x, [g_gate])   # once per (token, node)
-            return (g_x, g_gates), g_x.numel() * g_x.element_size()
-
-        def a2_back(i, g_back):
-            lay = lays[i]
-            _, gate_r, on, sel, R, full, gates = relay[i]
-            (g_partial,) = hop_backward(hop(lay).reversed(), g_back, [])
-            g_full, g_gate = gated_sum_backward(full, gates, on, g_partial, gate_r.dtype)
-            g_out = g_full.index_select(0, sel)
-            if L > 1:
-                g_out = exchange_rows(g_out, lay.send_b, lay.recv_b, intra, remote_b, None)
-            return (g_out, g_gate), g_back.numel() * g_back.element_size()
-
-        return DedupStage(Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2,
-                                 "A2": a2, "D2": d2}), a1_back, a2_back)
+    def stats(self) -> dict[str, object]:
+        """``intra_node_bytes``: the payload bytes this rank sent to other ranks of its node
+        in the last step's exchange (forward, and backward added in place when it runs)."""
+        return {} if self.intra_node_bytes is None else {"intra_node_bytes":
+                                                         self.intra_node_bytes}
