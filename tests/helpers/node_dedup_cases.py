@@ -74,7 +74,7 @@ def frozen_worker(modes: list[str]) -> dict:
     out: dict = {}
     for mode in modes:
         layer = parity.make_layer("dropless_k2", topo, pipeline_degree=2, schedule="optsche",
-                                  a2a="direct" if mode == "none" else "node_dedup")
+                                  placement="ep" if mode == "none" else "node_dedup")
         x, g = parity.make_batch("dropless_k2", topo.rank)
         if mode != "frozen_router":
             x.requires_grad_()
