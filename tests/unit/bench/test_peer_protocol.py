@@ -2,8 +2,9 @@
 (benchmarks/peers/protocol.py, moeflow/bench/peer_process.py), without the peers installed: the
 case file round trip, the float64 parity check (failing on a perturbed weight), the runner's
 command loop driven through a pipe by a stand-in runner (the protocol's own float64 SwiGLU
-MoE), and the CLI's errors. The comparison against torchtitan itself runs when its venv is
-built (docs/benchmarks/install_torchtitan.sh), else it is skipped."""
+MoE), and the CLI's errors. The comparisons against torchtitan and Megatron-core themselves
+run when their venvs are built (docs/benchmarks/install_torchtitan.sh,
+install_megatron_core.sh), else they are skipped."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from moeflow.layer import MoELayer
 
 ROOT = Path(__file__).resolve().parents[3]
 TORCHTITAN_PYTHON = Path("/opt/torchtitan-venv/bin/python")
+MEGATRON_PYTHON = Path("/opt/megatron-core-venv/bin/python")
 
 
 def _case(perturb: float = 0.0) -> dict:
@@ -149,19 +151,25 @@ def test_peer_check_names_what_the_process_peers_need():
     assert set(PROCESS_PEERS) == {"torchtitan", "megatron"}
 
 
+PEER_VENVS = [pytest.param("torchtitan", TORCHTITAN_PYTHON, dtype, marks=pytest.mark.skipif(
+    not TORCHTITAN_PYTHON.exists(), reason="torchtitan's venv is not built "
+    "(docs/benchmarks/install_torchtitan.sh)")) for dtype in ("fp32", "bf16")] + [
+    pytest.param("megatron", MEGATRON_PYTHON, "fp32", marks=pytest.mark.skipif(
+        not MEGATRON_PYTHON.exists(), reason="Megatron-core's venv is not built "
+        "(docs/benchmarks/install_megatron_core.sh)"))]
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not TORCHTITAN_PYTHON.exists(),
-                    reason="torchtitan's venv is not built (docs/benchmarks/install_torchtitan.sh)")
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_torchtitan_computes_the_same_layer(dtype):
+@pytest.mark.parametrize("peer,python,dtype", PEER_VENVS)
+def test_peer_computes_the_same_layer(peer, python, dtype):
     from moeflow.bench.compare import compare_worker
 
     opts = {"tokens": 64, "d_model": 16, "d_expert": 32, "num_experts": 4, "top_k": 2,
             "capacity_factor": None, "activation": "swiglu", "a2a": "direct",
             "schedule": "sequential", "pipeline_degree": 1, "warmup": 1, "reps": 2,
-            "peer_python": str(TORCHTITAN_PYTHON), "dtype": dtype}
-    res = compare_worker("torchtitan", opts)
+            "peer_python": str(python), "dtype": dtype}
+    res = compare_worker(peer, opts)
     assert res["agreement"]["agree"], res["agreement"]
     errors = res["agreement"]["peer_error_vs_fp64"]
     assert 0 < errors["rel_l2_diff_y"] < (3e-2 if dtype == "bf16" else 1e-5)
-    assert len(res["samples_ms"]["torchtitan"]) == 2
+    assert len(res["samples_ms"][peer]) == 2
