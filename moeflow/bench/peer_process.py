@@ -15,10 +15,12 @@ in the source checkout's ``benchmarks/`` (the package never imports them).
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,9 +33,17 @@ INSTALL = {"torchtitan": "docs/benchmarks/install_torchtitan.sh TORCHTITAN_SOURC
            "megatron": "docs/benchmarks/install_megatron_core.sh [VENV]"}
 
 
+# the source checkout holding this moeflow (benchmarks/ beside the package, when it is one)
+CHECKOUT_ROOT = Path(__file__).resolve().parents[2]
+PEERS_DIR = CHECKOUT_ROOT / "benchmarks" / "peers"
+
+
 def _protocol():
-    from moeflow.commands.bench_papers import import_from_checkout
-    return import_from_checkout("benchmarks.peers.protocol")
+    """``benchmarks/peers/protocol.py`` of the checkout, imported by its path (the package
+    never imports benchmarks/ by name)."""
+    if str(CHECKOUT_ROOT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT_ROOT))
+    return importlib.import_module("benchmarks.peers.protocol")
 
 
 class ProcessPeer(Peer):
@@ -44,8 +54,7 @@ class ProcessPeer(Peer):
     runner = ""
 
     def missing(self) -> str | None:
-        from moeflow.commands.bench_papers import benchmarks_dir
-        if benchmarks_dir() is None:
+        if not (PEERS_DIR / f"{self.runner}.py").is_file():
             return (f"--compare {self.name} runs benchmarks/peers/{self.runner}.py of a source "
                     "checkout; this moeflow is installed without one")
         return None
@@ -83,8 +92,6 @@ class ProcessPeer(Peer):
     def start(self, layer, x: torch.Tensor, python: str, dtype: str,
               input_grad: bool) -> "RunnerProcess":
         """Write this rank's case, start its runner, return it once its parity is read."""
-        from moeflow.commands.bench_papers import CHECKOUT_ROOT
-
         proto = _protocol()
         ref_y, ref_dx = _float64_reference(layer, x, proto)
         topo, ex = layer.topo, layer.experts
@@ -103,7 +110,7 @@ class ProcessPeer(Peer):
                 "ref_y": ref_y, "ref_dx": ref_dx}
         path = os.path.join(folder, f"case.rank{topo.rank}.pt")
         proto.write_case(path, case)
-        script = Path(CHECKOUT_ROOT) / "benchmarks" / "peers" / f"{self.runner}.py"
+        script = PEERS_DIR / f"{self.runner}.py"
         return RunnerProcess(self.name, [python, str(script), path], folder, proto)
 
 

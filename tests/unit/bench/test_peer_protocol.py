@@ -143,6 +143,17 @@ def test_cli_names_the_missing_interpreter(argv, message, capsys):
     assert message in out.err + out.out
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--dtype", "bf16"], "--dtype bf16 is for the peers"),
+    (["--peer-python", sys.executable], "runs in this process"),
+])
+def test_cli_refuses_process_peer_options_for_an_in_process_peer(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "layer", "--compare", "moeflow-fixed", *argv])
+    out = capsys.readouterr()
+    assert message in out.err + out.out
+
+
 def test_peer_check_names_what_the_process_peers_need():
     layer = MoELayer(MoEConfig(d_model=8, d_expert=8, num_experts=4, top_k=2,
                                capacity_factor=1.25, activation="gelu"))
