@@ -28,6 +28,7 @@ import time
 import torch
 
 from moeflow.bench.peer import PEERS
+from moeflow.bench.peer_process import PROCESS_PEERS
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import DEFAULT_AUTOTUNE_BUDGET_S, MoEConfig
 from moeflow.devices import resolve_device, synchronize
@@ -37,6 +38,12 @@ from moeflow.topology import Topology
 
 PHASES = ("route", "permute", "all_to_all", "experts", "combine")
 RTOL, ATOL = 1e-4, 1e-5
+
+
+def all_peers() -> dict:
+    """In-process peers and peers under an interpreter of their own
+    (:mod:`moeflow.bench.peer_process`), by name."""
+    return {**PEERS, **PROCESS_PEERS}
 
 
 def _step(fn, x: torch.Tensor, topo: Topology, aux: bool = True) -> float:
@@ -68,6 +75,28 @@ def _agreement(layer: MoELayer, peer_fn, x: torch.Tensor, topo: Topology) -> dic
         rel = float((a - b).double().norm() / b.double().norm().clamp_min(1e-30))
         out[f"rel_l2_diff_{what}"] = slowest(rel, topo)
     out["agree"] = slowest(0.0 if ok else 1.0, topo) == 0.0
+    return out
+
+
+def _runner_agreement(layer: MoELayer, ours, x: torch.Tensor, topo: Topology, runner
+                      ) -> dict:
+    """The runner's float64 parity against moeflow's float64 layer (worst rank), and each
+    side's error against that float64 reference in the timed dtype (moeflow: fp32, or bf16
+    autocast; the peer: its fp32 or bf16 layer)."""
+    from moeflow.bench.peer_process import _float64_reference, _protocol
+
+    proto = _protocol()
+    ref_y, ref_dx = _float64_reference(layer, x, proto)
+    y, dx = proto.loss_and_grad(lambda v: ours(v)[0], x.detach())
+    mine = proto.parity(y.cpu(), dx.cpu(), ref_y, ref_dx)
+    theirs = runner.parity
+    out = {k: slowest(float(theirs[k]), topo) for k in theirs
+           if k.startswith(("max_abs", "rel_l2"))}
+    out["agree"] = slowest(0.0 if theirs["agree"] else 1.0, topo) == 0.0
+    for side, got in (("moeflow", mine), ("peer", theirs.get("timed_dtype_error"))):
+        if got is not None:
+            out[f"{side}_error_vs_fp64"] = {k: slowest(float(v), topo) for k, v in got.items()
+                                            if k != "agree"}
     return out
 
 
@@ -112,7 +141,7 @@ def layer_flops(layer: MoELayer, tokens: int, trimmed_kept: float | None = None)
 def compare_worker(peer_name: str, opts: dict) -> dict:
     topo = Topology.from_env()
     device = resolve_device(opts.get("device", "cpu"))
-    peer = PEERS[peer_name]
+    peer = all_peers()[peer_name]
     cfg = MoEConfig(d_model=opts["d_model"], d_expert=opts["d_expert"],
                     num_experts=opts["num_experts"], top_k=opts["top_k"],
                     capacity_factor=opts["capacity_factor"], activation=opts["activation"],
@@ -122,23 +151,44 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
                     autotune_budget_s=opts.get("autotune_budget_s", DEFAULT_AUTOTUNE_BUDGET_S))
     layer = MoELayer(cfg, topo).to(device)
     peer.check(layer, opts["tokens"])
-    other = peer.build(layer)
     gen = torch.Generator().manual_seed(1000 + topo.rank)
     x = torch.randn(opts["tokens"], cfg.d_model, generator=gen).to(device)
-    x.requires_grad_(bool(opts.get("input_grad")))   # a later layer's input needs its gradient
+    low = opts.get("dtype", "fp32") == "bf16"
 
     def ours(v):
-        return layer(v), layer.aux_loss
+        with torch.autocast(v.device.type, dtype=torch.bfloat16, enabled=low):
+            return layer(v), layer.aux_loss
 
-    def theirs(v):
-        return peer.forward(other, v)
+    runner = None
+    if getattr(peer, "in_process", True):
+        other = peer.build(layer)
 
+        def theirs(v):
+            return peer.forward(other, v)
+    else:                        # the peer's own interpreter, driven one step at a time
+        runner = peer.start(layer, x, opts["peer_python"], opts.get("dtype", "fp32"),
+                            bool(opts.get("input_grad")))
+        other = None
+    x.requires_grad_(bool(opts.get("input_grad")))   # a later layer's input needs its gradient
+    try:
+        return _compare(peer_name, opts, topo, device, cfg, layer, x, gen, ours,
+                        None if runner else theirs, other, runner)
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+def _compare(peer_name, opts, topo, device, cfg, layer, x, gen, ours, theirs, other,
+             runner) -> dict:
     # the first moeflow forward tunes its auto settings (collectively), before any timing
     _step(ours, x, topo)
     layer.zero_grad(set_to_none=True)
-    check = _agreement(layer, theirs, x, topo)
-    for m in (layer, other):
-        m.zero_grad(set_to_none=True)
+    if runner is None:
+        check = _agreement(layer, theirs, x, topo)
+        other.zero_grad(set_to_none=True)
+    else:
+        check = _runner_agreement(layer, ours, x, topo, runner)
+    layer.zero_grad(set_to_none=True)
     trimmed_kept = (1.0 - layer.stats["dropped_fraction"]
                     if cfg.capacity_factor is not None and layer._trims(None, x.device) else None)
     fl = layer_flops(layer, opts["tokens"], trimmed_kept)
@@ -148,11 +198,16 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
     mm_flops, mm_once = matmul_flops(mm_rows, cfg.d_model, cfg.d_expert, 1, device, gen)
     times = {"moeflow": [], peer_name: []}
     for i in range(opts["warmup"] + opts["reps"]):
-        for name, fn, mod in (("moeflow", ours, layer), (peer_name, theirs, other)):
-            t = _step(fn, x, topo)
-            mod.zero_grad(set_to_none=True)
-            if i >= opts["warmup"]:
-                times[name].append(t)
+        t = _step(ours, x, topo)
+        layer.zero_grad(set_to_none=True)
+        if runner is None:
+            tp = _step(theirs, x, topo)
+            other.zero_grad(set_to_none=True)
+        else:                                  # the runner's slowest rank, already
+            tp = runner.step()[0]
+        if i >= opts["warmup"]:
+            times["moeflow"].append(t)
+            times[peer_name].append(tp)
     # phase breakdown + CPU efficiency (moeflow only), matmul timed between the steps
     timer, phases, steps, mms = PhaseTimer(), {p: [] for p in PHASES}, [], []
     for _ in range(opts["reps"]):
@@ -176,13 +231,15 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
             "tokens_per_rank": opts["tokens"], "config": {k: opts[k] for k in (
                 "d_model", "d_expert", "num_experts", "top_k", "capacity_factor",
                 "activation", "a2a", "schedule", "pipeline_degree")}
-            | {k: opts.get(k) for k in ("codec", "lossy_error_budget", "autotune_budget_s")},
+            | {k: opts.get(k) for k in ("codec", "lossy_error_budget", "autotune_budget_s",
+                                        "dtype")},
             "input_grad": x.requires_grad, "threads": torch.get_num_threads(), "warmup": opts["warmup"], "reps": opts["reps"],
             "moeflow_settings": {"codec": layer.cfg.codec, "a2a": layer.cfg.a2a,
                                  "schedule": layer.cfg.schedule,
                                  "pipeline_degree": layer.cfg.pipeline_degree},
             "tuned": tuned, "agreement": check,
             "step_ms": ms, "samples_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
+            "spread_ms": {k: [1e3 * min(v), 1e3 * max(v)] for k, v in times.items()},
             "speedup": ms[peer_name] / ms["moeflow"],
             "phase_ms": phase_ms, "phase_step_ms": 1e3 * statistics.median(steps),
             "efficiency": {"matmul_gflops": mm_rate / 1e9,
@@ -205,7 +262,9 @@ def format_compare(res: dict) -> str:
              f"speedup {p}/moeflow = {res['speedup']:.3f}",
              f"outputs agree: {a['agree']} (max |dy| {a['max_abs_diff_y']:.2e}, max |dx| "
              f"{a['max_abs_diff_dx']:.2e}; relative L2 y {a.get('rel_l2_diff_y', 0):.2e}, "
-             f"dx {a.get('rel_l2_diff_dx', 0):.2e})",
+             f"dx {a.get('rel_l2_diff_dx', 0):.2e})"
+             + (" in float64" if "moeflow_error_vs_fp64" in a else ""),
+             *_spread_lines(res),
              "moeflow phases (ms, fwd+bwd): " + ", ".join(
                  f"{k} {v:.1f}" for k, v in res["phase_ms"].items())
              + f"; step {res['phase_step_ms']:.1f}",
@@ -225,3 +284,19 @@ def format_compare(res: dict) -> str:
             lines.append(f"tuning cut by its {t['budget_s']:g} s budget: "
                          + "; ".join(t["budget_cut"]))
     return "\n".join(lines)
+
+
+def _spread_lines(res: dict) -> list[str]:
+    """The min-max spread of each side's steps, and (process peers) each side's error against
+    the float64 reference in the timed dtype."""
+    lines = ["spread (min-max ms): " + ", ".join(
+        f"{k} {lo:.1f}-{hi:.1f}" for k, (lo, hi) in res.get("spread_ms", {}).items())]
+    a, dt = res["agreement"], res["config"].get("dtype") or "fp32"
+    for side in ("moeflow", "peer"):
+        e = a.get(f"{side}_error_vs_fp64")
+        if e:
+            who = "moeflow" if side == "moeflow" else res["peer"]
+            lines.append(f"{who} {dt} error vs float64: max |dy| {e['max_abs_diff_y']:.2e}, "
+                         f"max |dx| {e['max_abs_diff_dx']:.2e}, relative L2 y "
+                         f"{e['rel_l2_diff_y']:.2e}, dx {e['rel_l2_diff_dx']:.2e}")
+    return lines

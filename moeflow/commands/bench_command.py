@@ -120,17 +120,28 @@ def _codec_cases(args: argparse.Namespace, cases: list) -> list:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from moeflow.bench.compare import compare_worker, format_compare
-    from moeflow.bench.peer import PEERS
+    from moeflow.bench.compare import all_peers, compare_worker, format_compare
     from moeflow.config import ConfigError
 
+    PEERS = all_peers()
     if args.compare not in PEERS:
         raise ConfigError(f"--compare {args.compare!r} is not a known peer; choose from "
                           f"{', '.join(PEERS)}{did_you_mean(args.compare, PEERS)}")
-    why = PEERS[args.compare].missing()
+    peer = PEERS[args.compare]
+    why = peer.missing()
     if why:
         print(f"moeflow bench layer --compare {args.compare}: skipped: {why}")
         return 0
+    in_process = getattr(peer, "in_process", True)
+    python = None if in_process else peer.check_python(args.peer_python)
+    if in_process and args.peer_python:
+        raise ConfigError(f"--peer-python {args.peer_python!r}: --compare {args.compare} runs "
+                          "in this process; drop it (torchtitan and megatron take it)")
+    if args.dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"--dtype {args.dtype!r}: fp32 or bf16")
+    if args.dtype == "bf16" and in_process:
+        raise ConfigError(f"--dtype bf16 is for the peers with an interpreter of their own "
+                          f"(torchtitan, megatron), not --compare {args.compare}; drop --dtype")
     if args.codec_backward:
         raise SystemExit("moeflow bench layer --compare: --codec-backward applies to bench "
                          "layer's own rows; drop it (the peer comparison compresses the "
@@ -141,8 +152,8 @@ def run_compare(args: argparse.Namespace) -> int:
     degree = args.degree if args.degree == "auto" else int(args.degree)
     opts = {"tokens": args.tokens, "d_model": args.d_model, "d_expert": args.d_expert,
             "num_experts": args.num_experts, "top_k": args.top_k,
-            "capacity_factor": args.capacity_factor, "activation": args.activation,
-            "a2a": args.a2a, "schedule": args.schedule, "pipeline_degree": degree,
+            "capacity_factor": args.capacity_factor or None, "activation": args.activation,
+            "peer_python": python, "dtype": args.dtype, "a2a": args.a2a, "schedule": args.schedule, "pipeline_degree": degree,
             "warmup": args.warmup, "reps": args.reps, "device": args.device,
             "input_grad": args.input_grad, "codec": args.codec,
             "lossy_error_budget": args.lossy_error_budget,

@@ -36,11 +36,20 @@ def add_layer_args(layer: argparse.ArgumentParser) -> None:
     cmp.add_argument("--compare", default=None, metavar="PEER",
                      help="time this peer's layer with the same weights, interleaved, check the "
                           "outputs agree and report the ratio: tutel (needs Tutel installed "
-                          "from source, see docs/benchmarks/layer.md) or moeflow-fixed")
+                          "from source, see docs/benchmarks/layer.md), moeflow-fixed, or "
+                          "torchtitan / megatron (each in a venv of its own: --peer-python)")
+    cmp.add_argument("--peer-python", default=None, metavar="PATH",
+                     help="--compare torchtitan|megatron: the peer venv's interpreter (built by "
+                          "docs/benchmarks/install_torchtitan.sh / install_megatron_core.sh)")
+    cmp.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                     help="--compare torchtitan|megatron: fp32, or bf16 (moeflow under bf16 "
+                          "autocast, the peer's bf16 layer; each side's error against float64 "
+                          "is reported)")
     cmp.add_argument("--num-experts", type=int, default=8, help="experts of every row (a multiple of the world) and of --compare")
     cmp.add_argument("--top-k", type=int, default=2, help="experts per token (--compare)")
     cmp.add_argument("--capacity-factor", type=float, default=1.25,
-                     help="capacity factor (--compare)")
+                     help="capacity factor (--compare; 0: dropless, as torchtitan and megatron "
+                          "need)")
     cmp.add_argument("--activation", default="gelu", help="expert activation (--compare)")
     cmp.add_argument("--a2a", default="auto", help="moeflow's all-to-all (--compare; default "
                                                    "auto: tuned at the first forward)")

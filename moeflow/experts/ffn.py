@@ -103,19 +103,22 @@ class ExpertFFN(nn.Module):
                 self.b3 = stack("b3", (d_hidden,), d_model)
             self.b2 = stack("b2", (d_model,), d_hidden)
 
-    def _add_bias(self, y: torch.Tensor, name: str, i: int | None) -> torch.Tensor:
-        """``y`` plus bias ``name`` of local expert ``i`` (of every expert, ``y`` stacked
-        ``(E_local, rows, .)``, when ``i`` is None); ``y`` itself without biases."""
+    def _add_bias(self, y: torch.Tensor, name: str, i: int | None,
+                  rows: dict | None = None) -> torch.Tensor:
+        """``y`` plus bias ``name`` of local expert ``i`` (``rows[name][i]``, the loop's
+        unbound rows; of every expert, ``y`` stacked ``(E_local, rows, .)``, when ``i`` is
+        None); ``y`` itself without biases."""
         if not self.has_bias or (name == "b2" and self._b2_outside):
             return y
-        b = getattr(self, name).to(y.dtype)
-        return y + (b[i] if i is not None else b.unsqueeze(1))
+        if i is not None:
+            return y + rows[name][i]
+        return y + getattr(self, name).to(y.dtype).unsqueeze(1)
 
     def _act(self, h: torch.Tensor, x: torch.Tensor, w3: torch.Tensor | None,
-             i: int | None = None) -> torch.Tensor:
+             i: int | None = None, rows: dict | None = None) -> torch.Tensor:
         if self.act.gated:
             up = x @ w3 if x.dim() == 2 else torch.bmm(x, w3)
-            return self.act(h, self._add_bias(up, "b3", i))
+            return self.act(h, self._add_bias(up, "b3", i, rows))
         return self.act(h)
 
     def forward(self, x: torch.Tensor, counts: list[int],
@@ -171,12 +174,24 @@ class ExpertFFN(nn.Module):
             return y.reshape(x.shape[0], w2.shape[-1])
         if self.use_grouped_mm and grouped_mm_fits(x, w1):
             return self._grouped(x, counts, offsets, w1, w2, w3)
+        # unbind, not w[i]: the backward of E slices w[i] would build E full-size (E, ...)
+        # zero gradients and add them; unbind's backward stacks the E slice gradients once
+        w1s, w2s = w1.unbind(0), w2.unbind(0)
+        w3s = None if w3 is None else w3.unbind(0)
+        biases = self._unbound_biases(x.dtype)
         outs = []
         for i, xi in enumerate(torch.split(x, counts)):
-            h = self._act(self._add_bias(xi @ w1[i], "b1", i), xi,
-                          None if w3 is None else w3[i], i)
-            outs.append(self._add_bias(h @ w2[i], "b2", i))
+            h = self._act(self._add_bias(xi @ w1s[i], "b1", i, biases), xi,
+                          None if w3s is None else w3s[i], i, biases)
+            outs.append(self._add_bias(h @ w2s[i], "b2", i, biases))
         return torch.cat(outs)
+
+    def _unbound_biases(self, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Each bias as its per-expert rows (one ``unbind``, see the per-expert loop)."""
+        if not self.has_bias:
+            return {}
+        return {name: getattr(self, name).to(dtype).unbind(0)
+                for name in ("b1", "b2", "b3") if hasattr(self, name)}
 
     def _grouped(self, x, counts, offsets, w1, w2, w3) -> torch.Tensor:
         if offsets is None:

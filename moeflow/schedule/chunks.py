@@ -54,7 +54,8 @@ class Grouping:
     ``counts[j]``: rows of local expert j. With equal counts per (source, expert) the regroup
     is a transpose done by reshapes (``shape`` set); otherwise a permutation: ``group`` gathers
     rows by ``perm`` and ``ungroup`` gathers them back by its inverse ``inverse`` (a row gather
-    both ways; a scatter, ``index_copy`` by ``perm``, is slower on CPU).
+    both ways, and in both backwards too (:class:`_PermuteRows`); a scatter, ``index_copy`` by
+    ``perm`` or ``index_select``'s own backward, is slower on CPU).
     """
 
     counts: list[int]
@@ -83,13 +84,29 @@ class Grouping:
         if self.shape is not None:
             ep, e, c = self.shape
             return x.view(ep, e, c, x.shape[1]).transpose(0, 1).reshape(-1, x.shape[1])
-        return x if self.perm is None else x.index_select(0, self.perm)
+        return x if self.perm is None else _PermuteRows.apply(x, self.perm, self.inverse)
 
     def ungroup(self, y: torch.Tensor) -> torch.Tensor:
         if self.shape is not None:
             ep, e, c = self.shape
             return y.view(e, ep, c, y.shape[1]).transpose(0, 1).reshape(-1, y.shape[1])
-        return y if self.perm is None else y.index_select(0, self.inverse)
+        return y if self.perm is None else _PermuteRows.apply(y, self.inverse, self.perm)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` whose inverse is ``inverse``: the backward is the
+    row gather ``g[inverse]``, not autograd's ``index_add_`` of ``index_select`` (a scatter into
+    a zero buffer, a fill and a scatter of every row, in the experts' backward of every
+    expert-parallel step with unequal counts)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.inverse = inverse
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.index_select(0, ctx.inverse), None, None
 
 
 @dataclass
