@@ -81,6 +81,10 @@ class PipelineModel(nn.Module):
     what the optimizer, the gradient synchronisation, the clipping and the checkpoints see.
     ``stages`` (not submodules, so no parameter appears twice) are in stage order."""
 
+    # the checkpoint holds every stage's entries: this rank checks only its own against it
+    # (moeflow.checkpoint; the model options are checked against the run's config.json)
+    holds_part_of_model = True
+
     def __init__(self, stages: list[GPTStage]):
         super().__init__()
         self.blocks = nn.ModuleDict()
