@@ -41,6 +41,38 @@ def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
     return [pp_rank, 2 * pp - 1 - pp_rank]
 
 
+def build_eval_schedule(schedule: str, stages: list, n_micro: int, pp: int,
+                        loss_fn: Callable):
+    """The forward-only schedule of validation for ``schedule``'s stage placement: torch's own
+    training schedule (its ``eval``) where one stage per rank, else torch's schedule runtime
+    over a forward-only action list (torch's multi-stage ``eval`` runs the training actions,
+    which the V schedules' same-rank backward hand-over refuses without a backward): every
+    rank runs its stages in increasing index, each over all micro-batches (GPipe's order,
+    Huang et al. 2019 Section 2.2), and torch adds the sends and receives."""
+    if schedule not in VIRTUAL_STYLE:
+        return None
+    from torch.distributed.pipelining.schedules import (_Action, _add_send_recv,
+                                                        _ComputationType,
+                                                        _PipelineScheduleRuntime,
+                                                        generate_stage_to_rank_mapping)
+
+    runtime = _PipelineScheduleRuntime(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
+    style = VIRTUAL_STYLE[schedule]
+    mapping = generate_stage_to_rank_mapping(pp, num_stages(schedule, pp), style=style)
+    runtime.stage_index_to_group_rank = mapping
+    for stage in stages:
+        stage.stage_index_to_group_rank = mapping
+    order = {r: [_Action(sid, _ComputationType.FORWARD, mb)
+                 for sid in stage_ids(schedule, pp, r) for mb in range(n_micro)]
+             for r in range(pp)}
+    runtime.pipeline_order = order
+    # torch's lowering adds the sends and receives (its validation of a compute-only order
+    # asks for backwards, so the lowering is called directly)
+    runtime.pipeline_order_with_comms = _add_send_recv(
+        order, stage_to_rank=mapping.__getitem__, num_stages=num_stages(schedule, pp))
+    return runtime
+
+
 def build_schedule(schedule: str, stages: list, n_micro: int, loss_fn: Callable):
     """torch's schedule object over this rank's ``stages`` (``PipelineStage``s). Gradients are
     not scaled by the schedule (``scale_grads=False``): ``loss_fn`` returns the micro-batch's

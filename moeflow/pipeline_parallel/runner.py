@@ -20,12 +20,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moeflow.config import ModelConfig, TrainConfig
+from moeflow.devices import autocast
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.pipeline_parallel.layout_checks import check_pipeline
 from moeflow.pipeline_parallel.grads import clip_pipeline_gradients, sum_tied_embedding
 from moeflow.pipeline_parallel.mesh import PipelineMesh, build_pipeline_mesh
-from moeflow.pipeline_parallel.pipeline_schedules import (VIRTUAL_STYLE, build_schedule,
-                                                          num_stages, stage_ids)
+from moeflow.pipeline_parallel.pipeline_schedules import (VIRTUAL_STYLE, build_eval_schedule,
+                                                          build_schedule, num_stages,
+                                                          stage_ids)
 from moeflow.pipeline_parallel.split import stage_blocks
 from moeflow.pipeline_parallel.stage_model import GPTStage, PipelineModel
 
@@ -72,7 +74,10 @@ class PipelineRunner:
             stages.append(GPTStage(model_cfg, self.mesh.stage, blocks[sid], sid == 0,
                                    sid == n_stages - 1, 1.0 / n, tok=shared))
         for s in stages:
-            s.to(device=device, dtype=param_dtype) if param_dtype else s.to(device)
+            if param_dtype is not None:
+                s.to(device=device, dtype=param_dtype)
+            else:
+                s.to(device)
         self.model = PipelineModel(stages)
         self.stage_ids = stage_ids(sched, pp, self.mesh.pp_rank)
         act = param_dtype or torch.float32
@@ -83,6 +88,8 @@ class PipelineRunner:
         self.n_micro = n
         self.autocast_dtype = dtype
         self.schedule = build_schedule(sched, self.pipe_stages, n, self._loss)
+        self.eval_schedule = (build_eval_schedule(sched, self.pipe_stages, n, pp, self._loss)
+                              or self.schedule)
         self.has_first = 0 in self.stage_ids
         self.has_last = n_stages - 1 in self.stage_ids
 
@@ -124,8 +131,6 @@ class PipelineRunner:
     def _run(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> torch.Tensor:
         """One schedule run over the ``N`` micro-batches of ``x`` / ``y`` (stacked on dim 0):
         the sum of the micro-batches' cross-entropies on the last stage (else 0)."""
-        from moeflow.devices import autocast
-
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         target = y if self.has_last else None
@@ -133,7 +138,7 @@ class PipelineRunner:
             if train:
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             else:
-                self.schedule.eval(*args, target=target, losses=losses)
+                self.eval_schedule.eval(*args, target=target, losses=losses)
         if not losses:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([l.detach().double() for l in losses]).sum() * self.n_micro

@@ -5,7 +5,8 @@ The same function on both sides: PP 2 x EP 2 on 4 ranks against PP 1 x EP 2 on 2
 have 2 data-parallel positions with the same batches (drawn for data-parallel rank 0 and 1),
 each MoE layer's experts split over an EP group of 2 in the same way, and N micro-batches of
 B sequences per step; so the losses, the synchronised gradients of every parameter (each
-expert shard on its EP rank) and the global gradient norm must agree to round-off. The MoE
+expert shard on its EP rank), the global gradient norm and the validation loss (N batches
+through the pipeline's forward-only schedule) must agree to round-off. The MoE
 layers' balancing loss is on (its gradient crosses the stages) and routing is dropless.
 """
 
@@ -32,6 +33,12 @@ def batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w[:, :-1], w[:, 1:]
 
 
+def eval_batches(dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """N validation batches of B sequences (each one micro-batch of the pipeline's)."""
+    x, y = batch(50 + dp_rank)
+    return list(zip(x.split(B), y.split(B)))
+
+
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()
             if p.grad is not None}
@@ -42,11 +49,15 @@ def reference_worker() -> dict:
     torch.manual_seed(0)
     topo = Topology.from_env(ep_size=2)
     model = GPT(CFG, topo).double()
+    model.eval()
+    with torch.no_grad():             # moeflow.trainer.evaluate's sum over the batches
+        val = sum(float(model(xv, yv)[1]) for xv, yv in eval_batches(topo.dp_rank))
+    model.train()
     x, y = batch(topo.dp_rank)
     stats = accumulate_gradients(model, list(zip(x.split(B), y.split(B))))
     sync_gradients(model, topo)
     return {"dp_rank": topo.dp_rank, "grads": _grads(model), "stats": stats.tolist(),
-            "norm": float(global_grad_norm(model, topo))}
+            "norm": float(global_grad_norm(model, topo)), "val": val}
 
 
 def pipeline_worker(schedules: list[str]) -> dict:
@@ -64,10 +75,11 @@ def pipeline_worker(schedules: list[str]) -> dict:
                            eval_batches=N)
         runner = PipelineRunner(CFG, tcfg, torch.device("cpu"), param_dtype=torch.float64,
                                 mesh=meshes[v_shape])
+        val = float(runner.evaluate_batches(eval_batches(runner.dp_rank)))
         x, y = batch(runner.dp_rank)
         stats = runner.forward_backward(x, y)
         norm = runner.sync_and_clip(0.0)
         out[sched] = {"dp_rank": runner.dp_rank, "pp_rank": runner.mesh.pp_rank,
                       "grads": _grads(runner.model), "stats": stats.tolist(),
-                      "norm": float(norm)}
+                      "norm": float(norm), "val": val}
     return out

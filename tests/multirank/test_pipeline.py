@@ -94,6 +94,7 @@ def _check_schedule(reference, schedule: str) -> None:
         # [ce, aux, balance]: the balancing loss of every stage is counted, none twice
         assert r["stats"] == pytest.approx(ref["stats"], rel=1e-12, abs=1e-15)
         assert r["norm"] == pytest.approx(ref["norm"], rel=1e-6)   # a float32 norm
+        assert r["val"] == pytest.approx(ref["val"], rel=1e-12)
     for dp, names in seen.items():          # every parameter has its gradient on some stage
         assert names == set(reference[dp]["grads"]), schedule
 
