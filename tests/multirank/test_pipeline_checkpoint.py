@@ -1,6 +1,7 @@
 """Checkpoints of ``moeflow train --pp`` across pipeline layouts: PP 2 -> PP 2 resumes bit for
 bit, PP 2 -> PP 1 -> PP 2 continues the same run to round-off
-(tests/helpers/pipeline_resume_cases.py)."""
+(tests/helpers/pipeline_resume_cases.py); a killed rank of a pipelined run is restarted by the
+elastic agent and the run ends as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -29,3 +30,22 @@ def test_checkpoints_load_across_pipeline_layouts(tmp_path):
     for run in (pp1, pp2):                  # another layout: the same run to round-off
         for step, loss in run.items():
             assert loss == pytest.approx(straight[step], rel=1e-5), step
+
+
+PP = ["--nproc", "4", "--pp", "2", "--grad-accum", "2", "--eval-batches", "2"]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_and_the_pipelined_run_equals_the_uninterrupted_one(
+        tmp_path):
+    # the restart machinery of tests/multirank/test_train_restart.py, with --pp 2 on 4 ranks
+    from tests.multirank.test_train_restart import _final, _records, _train
+
+    ref = _train(tmp_path / "ref", PP, None, tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    done = _train(out, [*PP, "--max-restarts", "1"], "kill:1:6", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == _final(tmp_path / "ref")     # loss and validation loss, exactly
+    assert [r["resumed_from_step"] for r in _records(out) if r.get("event") == "restart"] == [4]
