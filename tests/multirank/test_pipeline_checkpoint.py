@@ -1,7 +1,8 @@
 """Checkpoints of ``moeflow train --pp`` across pipeline layouts: PP 2 -> PP 2 resumes bit for
 bit, PP 2 -> PP 1 -> PP 2 continues the same run to round-off
 (tests/helpers/pipeline_resume_cases.py); a killed rank of a pipelined run is restarted by the
-elastic agent and the run ends as the uninterrupted one."""
+elastic agent and the run ends as the uninterrupted one, and so does a run preempted by
+SIGUSR1 and resumed."""
 
 from __future__ import annotations
 
@@ -49,3 +50,44 @@ def test_a_killed_rank_is_restarted_and_the_pipelined_run_equals_the_uninterrupt
     assert done.returncode == 0, done.stderr[-3000:]
     assert _final(out) == _final(tmp_path / "ref")     # loss and validation loss, exactly
     assert [r["resumed_from_step"] for r in _records(out) if r.get("event") == "restart"] == [4]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_preempted_pipelined_run_saves_and_resumes_to_the_uninterrupted_result(tmp_path):
+    # the preemption of tests/multirank/test_train_restart.py (SIGUSR1), with --pp 2
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import fault_injection
+    from tests.multirank.test_train_restart import (REPO, SMALL, _final, _records, _train,
+                                                    _wait_for_step)
+
+    ref = _train(tmp_path / "ref", PP, None, tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out, hook = tmp_path / "run", tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(fault_injection.SITECUSTOMIZE)
+    env = dict(os.environ, MOEFLOW_FAULT="slow:0:2:0.4",       # steps from 3 take 0.4 s
+               PYTHONPATH=os.pathsep.join([str(hook), str(REPO),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "moeflow.cli", "train", *SMALL, *PP,
+                             "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for_step(out, proc, 5)
+        proc.send_signal(signal.SIGUSR1)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, stderr[-3000:]
+    step = json.loads((out / "preempted.json").read_text())["step"]
+    assert 5 <= step < 12
+    assert [r["step"] for r in _records(out) if "loss" in r][-1] == step
+    done = _train(out, [*PP, "--resume"], None, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == _final(tmp_path / "ref")
