@@ -2,7 +2,7 @@
 bit, PP 2 -> PP 1 -> PP 2 continues the same run to round-off
 (tests/helpers/pipeline_resume_cases.py); a killed rank of a pipelined run is restarted by the
 elastic agent and the run ends as the uninterrupted one, and so does a run preempted by
-SIGUSR1 and resumed."""
+SIGUSR1 and resumed, and one whose checkpoints are written in the background."""
 
 from __future__ import annotations
 
@@ -36,25 +36,36 @@ def test_checkpoints_load_across_pipeline_layouts(tmp_path):
 PP = ["--nproc", "4", "--pp", "2", "--grad-accum", "2", "--eval-batches", "2"]
 
 
+@pytest.fixture(scope="module")
+def pp_reference(tmp_path_factory):
+    """The uninterrupted --pp 2 run of tests/multirank/test_train_restart.py's options: its
+    final loss and validation loss."""
+    from tests.multirank.test_train_restart import _final, _train
+
+    tmp = tmp_path_factory.mktemp("pp_ref")
+    ref = _train(tmp / "run", PP, None, tmp)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return _final(tmp / "run")
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_a_killed_rank_is_restarted_and_the_pipelined_run_equals_the_uninterrupted_one(
-        tmp_path):
+        pp_reference, tmp_path):
     # the restart machinery of tests/multirank/test_train_restart.py, with --pp 2 on 4 ranks
     from tests.multirank.test_train_restart import _final, _records, _train
 
-    ref = _train(tmp_path / "ref", PP, None, tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "run"
     done = _train(out, [*PP, "--max-restarts", "1"], "kill:1:6", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _final(out) == _final(tmp_path / "ref")     # loss and validation loss, exactly
+    assert _final(out) == pp_reference     # loss and validation loss, exactly
     assert [r["resumed_from_step"] for r in _records(out) if r.get("event") == "restart"] == [4]
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_preempted_pipelined_run_saves_and_resumes_to_the_uninterrupted_result(tmp_path):
+def test_preempted_pipelined_run_saves_and_resumes_to_the_uninterrupted_result(pp_reference,
+                                                                              tmp_path):
     # the preemption of tests/multirank/test_train_restart.py (SIGUSR1), with --pp 2
     import json
     import os
@@ -66,8 +77,6 @@ def test_preempted_pipelined_run_saves_and_resumes_to_the_uninterrupted_result(t
     from tests.multirank.test_train_restart import (REPO, SMALL, _final, _records, _train,
                                                     _wait_for_step)
 
-    ref = _train(tmp_path / "ref", PP, None, tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
     out, hook = tmp_path / "run", tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(fault_injection.SITECUSTOMIZE)
@@ -90,4 +99,19 @@ def test_preempted_pipelined_run_saves_and_resumes_to_the_uninterrupted_result(t
     assert [r["step"] for r in _records(out) if "loss" in r][-1] == step
     done = _train(out, [*PP, "--resume"], None, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _final(out) == _final(tmp_path / "ref")
+    assert _final(out) == pp_reference
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_checkpoints_of_a_pipelined_run_equal_the_sync_run(pp_reference, tmp_path):
+    from moeflow import checkpoint
+    from tests.multirank.test_train_restart import _final, _train
+
+    out = tmp_path / "run"
+    done = _train(out, [*PP, "--async-checkpoint"], None, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == pp_reference
+    assert [s for s, _ in checkpoint.published(out / "checkpoint")] == [4, 8, 12]
+    again = _train(out, [*PP, "--resume", "--steps", "14"], None, tmp_path)
+    assert again.returncode == 0 and "resumed from step 12" in again.stdout
