@@ -47,6 +47,8 @@ def test_model_checks_name_the_flags():
         check_pipeline(ModelConfig(n_layers=4, moe={"placement": "fssdp"}), tcfg, 4)
     with pytest.raises(ConfigError, match=r"moe.recompute=moe_act with --pp 2"):
         check_pipeline(ModelConfig(n_layers=4, moe={"recompute": "moe_act"}), tcfg, 4)
+    with pytest.raises(ConfigError, match=r"moe.a2a=auto with --pp 2: the auto-tuner"):
+        check_pipeline(ModelConfig(n_layers=4, moe={"a2a": "auto"}), tcfg, 4)
     assert check_pipeline(ModelConfig(n_layers=4), tcfg, 4) == 2
 
 
@@ -59,8 +61,11 @@ def test_cli_flags_reach_the_config():
     train_cmd.register(parser.add_subparsers())
     args = parser.parse_args(["train", "--pp", "2", "--pp-schedule", "zbv", "--grad-accum",
                               "4", "--eval-batches", "4"])
-    _, tcfg = train_cmd.configs_from_args(args)
+    mcfg, tcfg = train_cmd.configs_from_args(args)
     assert (tcfg.pp, tcfg.pp_schedule, tcfg.grad_accum) == (2, "zbv", 4)
+    # --pp runs fixed exchange settings (the tuner's barriers span the world), not "auto"
+    assert "auto" not in (mcfg.moe.a2a, mcfg.moe.schedule, mcfg.moe.pipeline_degree)
+    check_pipeline(mcfg, tcfg, 4)
     with pytest.raises(ConfigError, match="--pp-schedule"):
         train_cmd.configs_from_args(parser.parse_args(["train", "--pp", "2", "--pp-schedule",
                                                        "x", "--grad-accum", "2"]))
