@@ -100,3 +100,11 @@ class PipelineModel(nn.Module):
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def train(self, mode: bool = True) -> "PipelineModel":
+        """Training / evaluation mode of the shared modules and of the stages themselves
+        (a stage records and carries its auxiliary loss in training mode only)."""
+        super().train(mode)
+        for s in self.stages:
+            s.train(mode)
+        return self
