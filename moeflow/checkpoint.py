@@ -281,7 +281,10 @@ def async_save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, st
 
 def _model_keys(model: nn.Module) -> set[str] | None:
     """Every ``model/`` key of the model on any layout (all experts of each layer), or None
-    when a layer's number of experts is unknown (experts outside a MoELayer)."""
+    when a layer's number of experts is unknown (experts outside a MoELayer) or the model is
+    one pipeline rank's stages (``holds_part_of_model``: the others' entries are not its)."""
+    if getattr(model, "holds_part_of_model", False):
+        return None
     how, keys, own = _layouts(model), set(), set()
     for entries in model_hooks.checkpoint_entries(model, None, None):
         keys |= entries.keys                    # a strategy's entries, on any layout

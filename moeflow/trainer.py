@@ -38,6 +38,12 @@ ranks; the experts keep their layout. The GPT is built sharded from the start
 Activation recomputation (``TrainConfig.recompute``, ``--recompute full|moe_act``): every block
 under non-reentrant ``torch.utils.checkpoint``, or only the MoE experts' activations.
 
+Pipeline parallelism (``TrainConfig.pp``, ``--pp N --pp-schedule S``,
+:mod:`moeflow.pipeline_parallel`):
+the GPT's blocks in stages on consecutive blocks of ``world / pp`` ranks, each stage expert
+parallel over its own ranks; the ``grad_accum`` micro-batches go through torch's pipeline
+schedule, and the data-parallel rank (the batch drawn) is the rank's position in its stage.
+
 Host synchronisation: a training step leaves its loss, auxiliary loss and balance loss on the
 device as tensors and clips gradients with tensor ops, so no step waits for the device except
 at logging intervals, where the accumulated statistics are averaged over ranks in one
@@ -76,6 +82,7 @@ from moeflow.parallel.grad_clip import clip_gradients
 from moeflow.parallel.fsdp import set_gradient_sync
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.parallel.replicas import prepare_model
+from moeflow.pipeline_parallel import PipelineRunner, stage_dp_rank
 from moeflow.routing import update_router_biases
 from moeflow.topology import Topology
 
@@ -306,12 +313,21 @@ class Trainer:
         self.progress = progress and topo.rank == 0
         self.corpus = Corpus.load(data)
         check_deterministic(model_cfg, train_cfg)
+        # the data-parallel position (the batch drawn); with --pp, the rank's place in its stage
+        self.dp_rank, self.dp_size = topo.dp_rank, topo.dp_size
+        if train_cfg.pp > 1:
+            self.dp_rank = stage_dp_rank(topo.rank, topo.world_size, train_cfg.pp)
+            self.dp_size = topo.world_size // train_cfg.pp
         if train_cfg.deterministic:
-            use_deterministic_algorithms(train_cfg.seed + topo.dp_rank)
+            use_deterministic_algorithms(train_cfg.seed + self.dp_rank)
         self.device = resolve_device(train_cfg.device, "TrainConfig.device")
         self.dtype = resolve_dtype(train_cfg.dtype, self.device, "TrainConfig.dtype")
         gpt_cfg = fixed_shape_batches(build_config(model_cfg, train_cfg))
-        if train_cfg.dense_shard == "fsdp":
+        self.pipeline = None
+        if train_cfg.pp > 1:      # this rank's stages, initialised from (seed, name) as the GPT
+            self.pipeline = PipelineRunner(gpt_cfg, train_cfg, self.device, self.dtype)
+            self.model = self.pipeline.model
+        elif train_cfg.dense_shard == "fsdp":
             # FSDP2 on the dense part (parallel.fsdp), sharded from the start: no rank ever
             # holds the whole dense part (models.fsdp_build)
             self.model = build_fsdp_gpt(gpt_cfg, topo, self.device, compute_dtype=self.dtype)
@@ -534,7 +550,14 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
     def _evaluate(self) -> float:
-        return evaluate(self.model, self.corpus, self.cfg, self.topo, self.device, self.dtype)
+        if self.pipeline is None:
+            return evaluate(self.model, self.corpus, self.cfg, self.topo, self.device,
+                            self.dtype)
+        batches = [self.corpus.batch("val", self.cfg.batch_size, self.mcfg.seq_len,
+                                     self.cfg.seed, i, self.dp_rank)
+                   for i in range(self.cfg.eval_batches)]
+        total = self.pipeline.evaluate_batches(batches)
+        return _world_mean((total / self.cfg.eval_batches).reshape(1), self.topo)[0]
 
     def train_step(self) -> torch.Tensor:
         """One optimisation step over ``grad_accum`` micro-batches; returns ``[loss, aux_loss,
@@ -543,14 +566,22 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, cfg)
-        micro = micro_batches(self.corpus, cfg, self.mcfg.seq_len, self.step, topo.dp_rank)
+        micro = micro_batches(self.corpus, cfg, self.mcfg.seq_len, self.step, self.dp_rank)
         self.opt.zero_grad(set_to_none=True)
-        stats = accumulate_gradients(self.model, micro, self.device, self.dtype)
-        sync_gradients(self.model, topo)           # once per optimizer step
-        # the global norm before clipping (every rank's, each expert once), logged with the loss
-        self.grad_norm = clip_gradients(self.model, topo, cfg.grad_clip)
-        self.opt.step()
-        update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
+        if self.pipeline is not None:              # the schedule runs every micro-batch
+            stats = self.pipeline.forward_backward(torch.cat([x for x, _ in micro]),
+                                                   torch.cat([y for _, y in micro]))
+            self.grad_norm = self.pipeline.sync_and_clip(cfg.grad_clip)
+            self.opt.step()
+            update_router_biases(self.model, self.pipeline.mesh.stage)
+        else:
+            stats = accumulate_gradients(self.model, micro, self.device, self.dtype)
+            sync_gradients(self.model, topo)           # once per optimizer step
+            # the global norm before clipping (every rank's, each expert once), logged with
+            # the loss
+            self.grad_norm = clip_gradients(self.model, topo, cfg.grad_clip)
+            self.opt.step()
+            update_router_biases(self.model, topo)     # DeepSeek-V3's aux-loss-free balancing
         self.step += 1
         # the strategies' step-end work (FSSDP: re-sharding, re-placement)
         model_hooks.on_step_end(self.model, self.opt, self.step)
@@ -586,7 +617,7 @@ class Trainer:
             self._write_config()
         if topo.distributed:
             dist.barrier()
-        tokens_per_step = (topo.dp_size * cfg.batch_size * cfg.grad_accum
+        tokens_per_step = (self.dp_size * cfg.batch_size * cfg.grad_accum
                            * self.mcfg.seq_len)
         bar = None
         if self.progress:
@@ -656,11 +687,16 @@ def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
     A rank restarted by torch's elastic agent (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes by
     itself from the latest complete checkpoint in ``out_dir`` (from the start if none was
     published yet)."""
-    topo = Topology.from_env(ep_size=train_cfg.ep_size, mp_size=train_cfg.mp_size,
-                             esp_size=train_cfg.esp_size, esp_in_node=train_cfg.esp_in_node)
+    if train_cfg.pp > 1:        # the world's groups (the stages' own: pipeline_parallel.mesh)
+        topo = Topology.from_env()
+        dp_rank = stage_dp_rank(topo.rank, topo.world_size, train_cfg.pp)
+    else:
+        topo = Topology.from_env(ep_size=train_cfg.ep_size, mp_size=train_cfg.mp_size,
+                                 esp_size=train_cfg.esp_size, esp_in_node=train_cfg.esp_in_node)
+        dp_rank = topo.dp_rank
     # only gate noise / dropout draw from it; the ranks of an MP group draw the same numbers,
     # so the replicated activations of the tensor-parallel GPT get the same dropout mask
-    torch.manual_seed(train_cfg.seed + topo.dp_rank)
+    torch.manual_seed(train_cfg.seed + dp_rank)
     if progress and topo.rank == 0:
         from moeflow.autotune import log_to_stderr
         log_to_stderr()                                 # the auto-tuner's progress lines

@@ -53,6 +53,12 @@ TRAIN_HELP = {
     "dense_shard": "the dense (non-expert) weights: replicate (whole on every rank) or fsdp "
                    "(FSDP2 shards them, their gradients and AdamW state over the data-parallel "
                    "ranks; with --mp, each MP rank's shards over its data-parallel ranks)",
+    "pp": "pipeline-parallel stages: the GPT's blocks are cut into this many stages on "
+          "consecutive blocks of nproc / pp ranks, each stage expert parallel over its own ranks "
+          "(docs/training.md, 'Pipeline parallelism'; default 1: none)",
+    "pp_schedule": "the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
+                   "interleaved-1f1b, zbv or dualpipev (the last three: 2 stages per rank); "
+                   "the --grad-accum micro-batches are the pipeline's",
     "esp_size": "Parm: expert-sharding (ESP) group size: each expert's hidden dimension is "
                 "split over this many ranks",
 }
@@ -132,6 +138,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     strategy = registry("strategy").get(moe.get("placement", "ep"))
     tunable = (() if strategy is None    # unknown: MoEConfig names the registered ones
                or moe.get("parallel_schedule", "baseline") != "baseline"
+               or getattr(args, "pp", 1) > 1    # --pp: fixed settings (layout_checks)
                else strategy.tunable_fields)
     overrides["moe"] = {**{f: v for f, v in TRAIN_AUTO.items() if f in tunable}, **moe}
     mcfg = model_preset(args.preset, **overrides)
@@ -148,6 +155,11 @@ def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int,
     they start. ``local``: ranks per node (default: all on one node)."""
     build_config(mcfg, tcfg)                 # what --recompute composes with
     check_deterministic(mcfg, tcfg)
+    if tcfg.pp > 1:            # the expert-parallel layout below lives inside a pipeline stage
+        from moeflow.pipeline_parallel import check_pipeline
+
+        world = check_pipeline(mcfg, tcfg, world)
+        local = min(local or world, world)
     if tcfg.mp_size > 1 or tcfg.esp_size > 1:
         check_parm_sizes(mcfg, tcfg, world, local or world)
     esp = tcfg.esp_size if world % tcfg.esp_size == 0 else 1

@@ -1,6 +1,6 @@
 """``TrainConfig``: optimisation, bookkeeping and the parallel layout of ``moeflow train``
-(Parm Section IV-A's MP / ESP groups, FSDP2 of the dense part), each error naming the
-``moeflow train`` option first."""
+(Parm Section IV-A's MP / ESP groups, FSDP2 of the dense part, pipeline parallelism), each
+error naming the ``moeflow train`` option first."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from moeflow.errors import ConfigError
 
 TRAIN_RECOMPUTES = ("none", "full", "moe_act")   # TrainConfig.recompute
 DENSE_SHARDS = ("replicate", "fsdp")              # TrainConfig.dense_shard
+# TrainConfig.pp_schedule: torch.distributed.pipelining's schedules
+# (moeflow.pipeline_parallel.pipeline_schedules)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 
 
 @dataclass
@@ -57,10 +60,15 @@ class TrainConfig:
     deterministic: bool = False
     # a run folder whose recorded tuner choices (its autotune.jsonl) the MoE layers start with
     tuned_from: str | None = None
+    # pipeline parallelism (docs/training.md, "Pipeline parallelism"): the GPT's blocks cut
+    # into pp stages (2 virtual stages per rank for interleaved-1f1b, zbv, dualpipev), the
+    # grad_accum micro-batches run through them by torch.distributed.pipelining's schedule
+    pp: int = 1
+    pp_schedule: str = "1f1b"
 
     # the moeflow train option of each field: --field-name, except these
     FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
-             "esp_in_node": "--esp-placement"}
+             "esp_in_node": "--esp-placement", "pp": "--pp", "pp_schedule": "--pp-schedule"}
 
     @classmethod
     def flag(cls, name: str) -> str:
@@ -115,3 +123,37 @@ class TrainConfig:
                       "must be True or False")
         self._require(self.tuned_from is None or isinstance(self.tuned_from, str), "tuned_from",
                       "must be a run folder (the --out of a 'moeflow train' run) or unset")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """``--pp`` / ``--pp-schedule``, and what pipeline parallelism does not compose with."""
+        v = self.pp
+        self._require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "pp",
+                      "must be an integer >= 1 (pipeline stages; 1: no pipeline parallelism)")
+        self._require(self.pp_schedule in PP_SCHEDULES, "pp_schedule",
+                      f"choose one of {', '.join(PP_SCHEDULES)}")
+        if self.pp == 1:
+            return
+        refused = [(self.dense_shard != "replicate", "dense_shard", "--dense-shard replicate"),
+                   (self.mp_size != 1, "mp_size", "--mp 1"),
+                   (self.esp_size != 1, "esp_size", "--esp 1"),
+                   (self.recompute != "none", "recompute", "--recompute none")]
+        for bad, name, fix in refused:
+            if bad:
+                err = config_error("TrainConfig", name, getattr(self, name),
+                                   f"it does not compose with pipeline parallelism (--pp "
+                                   f"{self.pp}) yet; use {fix} or --pp 1")
+                raise ConfigError(f"{self.flag(name)} with --pp: {err}")
+        n, pp, sched = self.grad_accum, self.pp, self.pp_schedule
+        need = 2 * pp if sched == "dualpipev" else pp
+        self._require(n >= need, "grad_accum",
+                      f"--pp-schedule {sched} on --pp {pp} needs at least {need} micro-batches "
+                      f"per step (the --grad-accum micro-batches are the pipeline's); use "
+                      f"--grad-accum {need} or more")
+        rounds = max(1, n // pp)
+        self._require(sched != "interleaved-1f1b" or n % rounds == 0, "grad_accum",
+                      f"--pp-schedule interleaved-1f1b runs the micro-batches in rounds of "
+                      f"--pp {pp}: use a multiple of {pp}")
+        self._require(self.eval_batches % n == 0, "eval_batches",
+                      f"with --pp the validation batches go through the pipeline "
+                      f"--grad-accum {n} at a time: use a multiple of {n}")

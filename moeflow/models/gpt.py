@@ -99,6 +99,36 @@ class Block(nn.Module):
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
+def dense_initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole (unsharded) initial value of the GPT's own dense parameter ``name`` (its name in
+    :class:`GPT`) of global ``shape``, float32 on CPU: GPT-2 init from (seed, name), residual
+    projections scaled by 1/sqrt(2L); biases 0, layer-norm weights 1."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if "ln" in name.split(".")[-2]:
+        return torch.ones(shape)
+    resid_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+    std = resid_std if name.endswith(("proj.weight", "down.weight")) else 0.02
+    return seeded_normal(shape, std, cfg.seed, "gpt", name)
+
+
+def init_dense(module: nn.Module, cfg: ModelConfig) -> None:
+    """Every dense parameter of ``module`` outside its MoE layers from
+    :func:`dense_initial_value` of its name (a :class:`GPT`, or a pipeline stage holding the
+    GPT's modules under the GPT's names); a tensor-parallel shard gets its slice of the global
+    weight. Parameters on the meta device (``meta_dense``) are left to
+    :mod:`moeflow.models.fsdp_build`."""
+    moe_params = {id(p) for m in module.modules() if isinstance(m, MoELayer)
+                  for p in m.parameters()}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if id(p) in moe_params or p.is_meta:
+                continue                     # the MoE layer initialises its own
+            spec = tp_shard(p)
+            w = dense_initial_value(cfg, name, spec.global_shape if spec else tuple(p.shape))
+            p.copy_(shard_of(w, spec) if spec else w)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, topo: Topology | None = None, meta_dense: bool = False):
         """``meta_dense``: build the embeddings, layer norms, attention and dense MLPs on the
@@ -123,28 +153,11 @@ class GPT(nn.Module):
 
     def initial_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole (unsharded) initial value of the GPT's own dense parameter ``name`` of
-        global ``shape``, float32 on CPU: GPT-2 init from (seed, name), residual projections
-        scaled by 1/sqrt(2L); biases 0, layer-norm weights 1."""
-        if name.endswith(".bias"):
-            return torch.zeros(shape)
-        if "ln" in name.split(".")[-2]:
-            return torch.ones(shape)
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        std = resid_std if name.endswith(("proj.weight", "down.weight")) else 0.02
-        return seeded_normal(shape, std, self.cfg.seed, "gpt", name)
+        global ``shape`` (:func:`dense_initial_value`)."""
+        return dense_initial_value(self.cfg, name, shape)
 
     def _init_dense(self) -> None:
-        """Every dense parameter outside the MoE layers from :meth:`initial_value`; a
-        tensor-parallel shard gets its slice of the global weight. Parameters on the meta
-        device (``meta_dense``) are left to :mod:`moeflow.models.fsdp_build`."""
-        moe_params = {id(p) for m in self.moe_layers() for p in m.parameters()}
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if id(p) in moe_params or p.is_meta:
-                    continue                     # the MoE layer initialises its own
-                spec = tp_shard(p)
-                w = self.initial_value(name, spec.global_shape if spec else tuple(p.shape))
-                p.copy_(shard_of(w, spec) if spec else w)
+        init_dense(self, self.cfg)
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
