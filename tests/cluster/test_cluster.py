@@ -217,6 +217,7 @@ def test_killed_rank_fails_the_job_and_cleans_up():
     assert not _our_namespaces(proc.pid)
 
 
+@pytest.mark.slow          # cleanup after a failure: test_killed_rank_fails_the_job_and_cleans_up
 @needs_netns
 def test_ctrl_c_stops_every_node_and_cleans_up():
     marker = f"moeflow-test-sigint-{os.getpid()}"

@@ -140,6 +140,7 @@ def _procs(group: str) -> list[int]:
         return []
 
 
+@pytest.mark.slow          # the crash path: test_cleanup_removes_groups_of_a_killed_launcher; normal exit: test_cluster_run_ranks_in_their_groups_and_removed
 def test_local_launch_interrupted_removes_the_groups():
     holder = subprocess.Popen(
         [sys.executable, "-c", "from moeflow.cluster.quota import CpuQuota\n"

@@ -29,6 +29,7 @@ def test_the_flag_is_validated():
         MoEConfig(d_model=8, d_expert=8, num_experts=4, parm_check_plan=1)
 
 
+@pytest.mark.slow          # the digest that tells plans apart: test_digest_tells_plans_apart
 @pytest.mark.multirank
 def test_mp_ranks_that_route_differently_fail_together():
     agree = launch_local(w.run, 4, False, timeout_s=120)
