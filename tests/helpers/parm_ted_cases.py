@@ -6,15 +6,14 @@ with the node-once exchange, ``moeflow/strategies/parm/ted.py``) on the 4-rank l
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from benchmarks.deepspeed.parm_deepspeed_trace import traced
 from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.measure.linkmodel import AlphaBeta
 from moeflow.strategies.parm.fits import ParmFits
 from tests.helpers import parity
 from tests.helpers.parm_cases import CASES, LAYOUTS, batch_index, run_rank, topology
+from tests.helpers.parm_volume_worker import traced_step
 
 TED = dict(parallel_schedule="ted", parm_check_plan=True)
 #: the node-once exchange takes no chunks: the chunked case runs unchunked
@@ -30,14 +29,7 @@ def trace(layout: str) -> tuple[list[dict], float]:
                     parallel_schedule="ted", seed=1)
     layer = MoELayer(cfg, topo)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(4000 + topo.dp_rank))
-    x.requires_grad_()
-    log, phase = [], ["forward"]
-    dist.barrier()
-    with traced(log, phase):
-        y = layer(x)
-        phase[0] = "backward"
-        y.square().mean().backward()
-    layer.lane.close()
+    log = traced_step(layer, x.requires_grad_())
     floats = [c for c in log if not str(c["dtype"]).startswith("int")]
     return floats, float(layer.stats["parm_inter_node_bytes"])
 

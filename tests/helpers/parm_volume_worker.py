@@ -46,6 +46,12 @@ def trace(layout: str) -> list[dict]:
     layer = MoELayer(cfg, topo)
     gen = torch.Generator().manual_seed(4000 + topo.dp_rank)      # MP: the same tokens
     x = torch.randn(TOKENS, M, generator=gen).requires_grad_()
+    return traced_step(layer, x)
+
+
+def traced_step(layer: MoELayer, x: torch.Tensor) -> list[dict]:
+    """One forward + backward of ``mean(y^2)`` with every collective recorded, each tagged
+    with its pass; closes the layer's lane."""
     log, phase = [], ["forward"]
     dist.barrier()
     with traced(log, phase):
