@@ -84,6 +84,8 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
                   for s in range(N)]
     back_order = np.argsort(to_experts, kind="stable").tolist()
     counts = [sum(int(Cq[g(s, l1)]) for l1 in range(L) for s in range(N))] * El
+    # rows this rank receives from each relay l1 of its node: its experts' blocks of every source
+    from_relays = [El * sum(int(Cq[g(s, l1)]) for s in range(N)) for l1 in range(L)]
     inter, intra = topo.inter_node_group, topo.intra_node_group
     remote_a, other_b = [m != n for m in range(N)], [j != l for j in range(L)]
     counter = strategy.intra_node_bytes      # bytes to the other ranks of this node
@@ -131,8 +133,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
             fan = rows.new_zeros(L * blk + 1, M).index_copy(0, at, rows)[:L * blk]
             if L > 1:
                 fan = AllToAll.apply(fan, [blk] * L,
-                                     [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                      for l1 in range(L)], intra, other_b, counter)
+                                     from_relays, intra, other_b, counter)
         state[i] += (gate_r, on, at, R)
         return fan, x_r.numel() * x_r.element_size()
 
@@ -153,8 +154,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
         _, _, gate_r, on, at, R = state[i][:6]
         with torch.set_grad_enabled(grad_on):
             if L > 1:
-                out = AllToAll.apply(out, [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                           for l1 in range(L)], [blk] * L, intra, other_b,
+                out = AllToAll.apply(out, from_relays, [blk] * L, intra, other_b,
                                      counter)
             full = torch.cat([out, out.new_zeros(1, out.shape[1])]).index_select(0, at)
             gates = (gate_r * on.to(gate_r.dtype)).to(full.dtype)
@@ -172,8 +172,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
     def a1_back(i, g_fan, g_gate):
         gate_r, on, at, R = state[i][2:6]
         if L > 1:
-            g_fan = exchange_rows(g_fan, [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                          for l1 in range(L)], [blk] * L, intra, other_b,
+            g_fan = exchange_rows(g_fan, from_relays, [blk] * L, intra, other_b,
                                   counter)
         g_rows = torch.cat([g_fan, g_fan.new_zeros(1, M)]).index_select(0, at)
         g_x = g_rows.view(R, k, M).sum(1)
@@ -187,8 +186,7 @@ def padded_stage(strategy, send, plan, runner, r: int) -> DedupStage:
         g_out = g_full.new_zeros(L * blk + 1, M).index_add_(0, at, g_full)[:L * blk]
         if L > 1:
             g_out = exchange_rows(g_out, [blk] * L,
-                                  [El * sum(int(Cq[g(s, l1)]) for s in range(N))
-                                   for l1 in range(L)], intra, other_b, counter)
+                                  from_relays, intra, other_b, counter)
         return (g_out, g_gate), g_back.numel() * g_back.element_size()
 
     return DedupStage(Stage({"C1": c1, "A1": a1, "D1": d1, "E": experts, "C2": c2, "A2": a2,
