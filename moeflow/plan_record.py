@@ -42,7 +42,7 @@ class PlanRecord:
     """One layer call's decisions: ``experts`` the routing choices, ``call`` the strategy's
     :class:`~moeflow.strategies.base.Call` (top-k, capacity factor, plan with its counts,
     Parm's schedule, FSSDP's ``P'``), ``settings`` (cfg, algo, codec, backward_codec,
-    scheduler) of the call, and its counters (the backward's counts land in them)."""
+    scheduler, strategy) of the call, and its counters (the backward's counts land in them)."""
     experts: torch.Tensor
     call: Any
     settings: tuple

@@ -164,6 +164,17 @@ def test_train_steps_5_needs_no_other_flag():
     assert (tcfg.steps, tcfg.warmup_steps) == (5, 0)
 
 
+def test_train_tunes_the_placement_only_when_asked():
+    from moeflow.cli import build_parser
+    from moeflow.commands.train_command import configs_from_args
+
+    plain, _ = configs_from_args(build_parser().parse_args(["train", "--steps", "5"]))
+    assert plain.moe.placement == "ep" and plain.moe.a2a == "auto"
+    auto, _ = configs_from_args(build_parser().parse_args(
+        ["train", "--steps", "5", "--set", "moe.placement=auto"]))
+    assert (auto.moe.placement, auto.moe.a2a, auto.moe.schedule) == ("auto", "auto", "auto")
+
+
 def _walk(parser, path=("moeflow",)):
     yield path, parser
     for action in parser._actions:
