@@ -7,6 +7,7 @@ reference, and a checkpoint taken with either strategy loads into the other."""
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 from moeflow import MoELayer, Topology, checkpoint
 from moeflow.autotune import tuner
@@ -37,6 +38,35 @@ def _injected(dedup_s: float, ep_s: float):
     return measure
 
 
+def _grads(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, checkpointed: bool,
+           between=None) -> dict:
+    x = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    if checkpointed:
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    else:
+        y = layer(x)
+    if between is not None:
+        between()
+    (y * g).sum().backward()
+    return {"y": y.detach(), "x": x.grad,
+            **{n: p.grad.clone() for n, p in layer.named_parameters()}}
+
+
+def _replay_after_retune(topo: Topology) -> dict:
+    """(plain step, checkpointed step with a re-tune to "ep" before its backward) of a layer
+    whose tuner kept node_dedup (timings injected by the caller), and the strategy after."""
+    import dataclasses
+
+    layer = parity.make_layer(CASE, topo, placement="auto", autotune_budget_s=None)
+    x, g = parity.make_batch(CASE, topo.rank)
+    layer.tune(x)
+    plain = _grads(layer, x, g, False)
+    to_ep = dataclasses.replace(layer.tuned, placement="ep")
+    ckpt = _grads(layer, x, g, True, lambda: layer.set_tuned(to_ep))
+    return {"plain": plain, "checkpointed": ckpt, "strategy_after": layer.strategy.name}
+
+
 def worker(ckpt_dir: str) -> dict:
     torch.set_default_dtype(torch.float64)
     two_nodes = Topology.from_env(local_size=2)
@@ -56,6 +86,9 @@ def worker(ckpt_dir: str) -> dict:
                                                  placement="auto", autotune_budget_s=None,
                                                  schedule="auto", pipeline_degree="auto"),
                                  **seen)
+        # 2b. under an activation checkpoint, a re-tune to "ep" between the forward and its
+        #     recomputation: the recomputation replays the forward's strategy (node_dedup)
+        out["replay"] = _replay_after_retune(two_nodes)
         # 3. node_dedup 3 % faster (within SIMPLER_MARGIN): expert parallelism is kept
         tuner._measure = _injected(0.0097, 0.010)
         seen = {}

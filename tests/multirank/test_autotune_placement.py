@@ -2,7 +2,8 @@
 measures the node-deduplicated exchange beside expert parallelism, every rank keeps the same
 one, ``node_dedup`` is kept only where it beats expert parallelism by more than the noise
 margin (timings injected), the step after tuning equals the one-process reference whichever
-won, checkpoints load across the two strategies, and on one node ``node_dedup`` is not a
+won, an activation checkpoint's recomputation replays the strategy of its forward across a
+re-tune, checkpoints load across the two strategies, and on one node ``node_dedup`` is not a
 candidate (the record says why)."""
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def test_node_dedup_kept_only_beyond_the_margin_and_the_step_is_unchanged(ranks)
         near = res["within_margin"]
         assert near["placement"] == near["strategy"] == "ep", near["choice"]
         parity.assert_rank_matches(near, ref, rank, 4, "placement auto -> ep")
+
+
+@pytest.mark.multirank
+def test_a_recomputation_replays_the_strategy_of_its_forward(ranks):
+    """Under an activation checkpoint the layer re-tuned to "ep" between the forward (run
+    with node_dedup) and the backward: the recomputation still runs node_dedup, so outputs
+    and gradients equal the plain node_dedup step; "ep" is in force afterwards."""
+    for rank, res in ranks.items():
+        rep = res["replay"]
+        assert rep["strategy_after"] == "ep"
+        assert rep["plain"].keys() == rep["checkpointed"].keys()
+        for k, v in rep["plain"].items():
+            torch.testing.assert_close(rep["checkpointed"][k], v, **parity.TOL,
+                                       msg=lambda m: f"rank {rank} {k}: {m}")
 
 
 @pytest.mark.multirank
