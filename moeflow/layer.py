@@ -76,8 +76,10 @@ class MoELayer(nn.Module):
         # training forwards between the collective checks of whether to re-tune
         self.retune_check_every = autotune.RETUNE_CHECK_EVERY
         self._forwards = 0
-        strategy = strategy_for(cfg, topo)       # moeflow/strategies/, by MoEConfig.placement
-        untunable = [f for f in self.auto_fields if f not in strategy.tunable_fields
+        # moeflow/strategies/, by MoEConfig.placement ("auto": "ep" until tuned)
+        strategy = strategy_for(cfg, topo)
+        untunable = [f for f in self.auto_fields if (f not in strategy.tunable_fields
+                                                     and f != "placement")
                      or cfg.parallel_schedule != "baseline"]
         if untunable:
             raise ConfigError(
@@ -168,8 +170,8 @@ class MoELayer(nn.Module):
         rank calls it, as the first forward does); returns the choice, also in ``tuned``."""
         if not self.auto_fields:
             raise ConfigError("MoELayer.tune: this layer's MoEConfig has no 'auto' field "
-                              "(a2a, schedule, pipeline_degree; codec 'auto:lossy'); set one "
-                              "to 'auto' to tune it")
+                              "(a2a, schedule, pipeline_degree, placement; codec "
+                              "'auto:lossy'); set one to 'auto' to tune it")
         self.set_tuned(autotune.tune(self, x.reshape(-1, self.cfg.d_model),
                                      self.requested_cfg, reps))
         return self.tuned
@@ -241,11 +243,14 @@ class MoELayer(nn.Module):
             self._use_settings(saved)
 
     def exchange_settings(self) -> tuple:
-        """(cfg, algo, codec, backward_codec, scheduler): what the tuner may replace."""
-        return self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler
+        """(cfg, algo, codec, backward_codec, scheduler, strategy): what the tuner may replace
+        (the strategy with ``placement="auto"``)."""
+        return (self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler,
+                self.strategy)
 
     def _use_settings(self, settings: tuple) -> None:
-        self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler = settings
+        (self.cfg, self.algo, self.codec, self.backward_codec, self.scheduler,
+         self.strategy) = settings
 
     def _forward(self, x: torch.Tensor, this: LayerCall) -> torch.Tensor:
         """One call as named stages: route, dispatch, experts (the strategy's exchange),
@@ -362,6 +367,8 @@ class MoELayer(nn.Module):
                 if getattr(self.tuned, key) is not None:
                     self._stats[f"autotune_{key}"] = getattr(self.tuned, key)
             self._stats["autotune_budget_cut"] = float(bool(self.tuned.budget_cut))
+            if "placement" in self.auto_fields:      # which strategy the tuner kept
+                self._stats["autotune_node_dedup"] = float(self.cfg.placement == "node_dedup")
         self._stats.update(self.strategy.stats())
         if nonfinite is not None:       # forward's count; backward adds its own in place
             self._stats["nonfinite_payload"] = nonfinite

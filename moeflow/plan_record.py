@@ -6,8 +6,8 @@ forward, once more when the backward needs its activations. Everything the first
 *decided* is reused, not decided again: the routing choices (the top-k expert ids; the gate
 values are recomputed from them, so they still carry gradient), the dispatch plan with its
 count matrix (exchanged once per call, so the recomputation issues no count exchange), the
-tuner's choice (the config, all-to-all algorithm, codecs and scheduler the call ran with,
-even if a re-tune happened in between), Parm's per-call schedule, and FSSDP's ``P'`` (HECATE
+tuner's choice (the config, all-to-all algorithm, codecs, scheduler and, with
+``placement="auto"``, strategy the call ran with, even if a re-tune happened in between), Parm's per-call schedule, and FSSDP's ``P'`` (HECATE
 Section 3.2: the load window is entered once per step and Algorithm 1 does not run again).
 The recomputation then issues the first forward's collectives minus the count exchange, with
 the same sizes on every rank. Megatron-core's MoE recompute reuses the dispatch metadata the
@@ -42,7 +42,7 @@ class PlanRecord:
     """One layer call's decisions: ``experts`` the routing choices, ``call`` the strategy's
     :class:`~moeflow.strategies.base.Call` (top-k, capacity factor, plan with its counts,
     Parm's schedule, FSSDP's ``P'``), ``settings`` (cfg, algo, codec, backward_codec,
-    scheduler) of the call, and its counters (the backward's counts land in them)."""
+    scheduler, strategy) of the call, and its counters (the backward's counts land in them)."""
     experts: torch.Tensor
     call: Any
     settings: tuple

@@ -31,7 +31,13 @@ input, round robin, dropless. Per variant (``rows``):
 
 With both ``direct`` and ``node_dedup``, ``ratios`` holds per routing the paired ratio
 ``direct / node_dedup`` of the step times of each repetition (measured in the same round) with
-its min / median / max.
+its min / median / max. ``auto`` is ``placement="auto"`` (direct, sequential, r = 1 otherwise):
+the layer is tuned once before the warm-up (collectively, untimed; the auto-tuner measures
+``direct`` and ``node_dedup`` and keeps ``node_dedup`` only where it is faster by more than
+its noise margin, docs/autotune.md), its row records the ``placement`` it ran with and the
+tuner's measured candidates (``tuned``), and ``ratios`` adds ``auto / direct`` and
+``auto / node_dedup`` (step time of the tuner's choice over the forced one, per repetition;
+above 1 = the choice is slower) beside whichever of them ran.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from moeflow.config import ConfigError, MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.topology import Topology
 
-ALGORITHMS = ("counting", "direct", "node_dedup")
+# "auto": MoEConfig(placement="auto"), the auto-tuner's pick of direct or node_dedup
+ALGORITHMS = ("counting", "direct", "node_dedup", "auto")
 
 
 def variants(nodes: int, limits: tuple[int, ...] = (1,)) -> list[tuple[str, dict]]:
@@ -137,6 +144,9 @@ def bench(opts: dict) -> dict:
             name = label if len(algos) == 1 else f"{label} @ {algo}"
             runs.append(dict(name=name, routing=label, algo=algo, v=v, layer=layer, times=[],
                              sent=[]))
+    for r in runs:           # placement="auto": tuned before the warm-up, untimed, in order
+        if r["layer"].auto_fields:
+            r["layer"].tune(x.detach())
     for i in range(opts["warmup"] + opts["reps"]):
         for r in runs:                                  # round robin: every variant per rep
             torch.distributed.barrier()
@@ -155,7 +165,8 @@ def bench(opts: dict) -> dict:
         n_other = _other_nodes(experts // per_node, topo.node_rank, topo.num_nodes).double()
         mine = torch.tensor([statistics.median(r["sent"]), float(n_other.sum()) *
                              opts["d_model"] * el * 4, float(n_other.mean()),
-                             _routing_bytes(r["algo"], experts, per_node, topo.node_rank,
+                             _routing_bytes(r["layer"].cfg.placement if r["algo"] == "auto"
+                                            else r["algo"], experts, per_node, topo.node_rank,
                                             topo.num_nodes, opts["top_k"], opts["d_model"], el),
                              max(r["sent"]) - min(r["sent"]), *r["times"]],
                             dtype=torch.float64)
@@ -164,8 +175,12 @@ def bench(opts: dict) -> dict:
         g = torch.stack(gathered)
         step_ms = [1e3 * float(t) for t in g[:, 5:].max(0).values]
         egress = g[:, 0].view(topo.num_nodes, topo.local_size).sum(1)
+        tuned = r["layer"].tuned
         rows.append({"variant": r["name"], "routing": r["routing"], "algorithm": r["algo"],
                      **r["v"],
+                     # the strategy that ran (auto: the tuner's pick) and the tuning
+                     "placement": r["layer"].cfg.placement,
+                     "tuned": None if tuned is None else tuned.as_dict(),
                      "inter_node_bytes_per_step": float(g[:, 0].sum()),
                      "inter_node_bytes_varied": bool(g[:, 4].max() > 0),
                      "routing_inter_node_bytes_per_step": float(g[:, 3].sum()),
@@ -189,6 +204,19 @@ def bench(opts: dict) -> dict:
                            "median": statistics.median(paired), "max": max(paired),
                            "bytes_ratio": (a["inter_node_bytes_per_step"]
                                            / max(1.0, b["inter_node_bytes_per_step"]))})
+    if "auto" in algos:
+        for label, _ in variants(topo.num_nodes, limits):
+            a = next(w for w in rows if w["routing"] == label and w["algorithm"] == "auto")
+            for forced in ("direct", "node_dedup"):
+                b = next((w for w in rows if w["routing"] == label
+                          and w["algorithm"] == forced), None)
+                if b is None:
+                    continue
+                paired = [s / t for s, t in zip(a["step_ms"], b["step_ms"])]
+                ratios.append({"routing": label, "over": f"auto / {forced} step time, per rep",
+                               "placement": a["placement"], "paired": paired,
+                               "min": min(paired), "median": statistics.median(paired),
+                               "max": max(paired)})
     return {"nodes": topo.num_nodes, "world": P, "opts": opts,
             "inter_bw_bps": rate_bps, "inter_bw_from": rate_from, "reps": reps,
             "rows": rows, "ratios": ratios}
@@ -205,7 +233,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", default="counting",
                    help="all-to-alls to run each routing under, comma-separated, out of "
                         f"{', '.join(ALGORITHMS)} (default counting: direct + byte counts); "
-                        "direct,node_dedup adds their paired step-time ratio")
+                        "direct,node_dedup adds their paired step-time ratio; auto: "
+                        "placement='auto', the tuner's pick of the two, with its ratio to "
+                        "each forced one (direct,node_dedup,auto)")
     p.add_argument("--topk-group", default="1",
                    help="node limits M to run node-limited routing with (DeepSeek-V3's "
                         "topk_group, the expert groups being the nodes), comma-separated, "
@@ -234,8 +264,11 @@ def report(res: dict) -> None:
               f"{r['nodes_per_token_other']:.2f}, step {r['step_ms_median_slowest']:.0f} ms "
               f"[{r['step_ms_min']:.0f}, {r['step_ms_max']:.0f}], link bound {bound} ms")
     for q in res["ratios"]:
-        print(f"{q['routing']}: direct / node_dedup {q['median']:.2f}x "
-              f"[{q['min']:.2f}, {q['max']:.2f}] (bytes {q['bytes_ratio']:.2f}x)")
+        what = q["over"].split(" step time")[0]
+        more = (f" (bytes {q['bytes_ratio']:.2f}x)" if "bytes_ratio" in q
+                else f" (auto chose {q['placement']})")
+        print(f"{q['routing']}: {what} {q['median']:.2f}x "
+              f"[{q['min']:.2f}, {q['max']:.2f}]{more}")
 
 
 def run(args: argparse.Namespace) -> int:

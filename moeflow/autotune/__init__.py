@@ -1,5 +1,6 @@
-"""Auto-tuning of a layer's all-to-all algorithm, schedule, pipelining degree and (opt-in)
-lossy codec, measured on the running cluster (ScheMoE sections 3.2 and 4; docs/autotune.md).
+"""Auto-tuning of a layer's all-to-all algorithm, schedule, pipelining degree, (opt-in)
+lossy codec and (``placement="auto"``) strategy, measured on the running cluster (ScheMoE
+sections 3.2 and 4; docs/autotune.md).
 
 Modules, each importing only those listed before it (no import circle):
 
@@ -21,20 +22,21 @@ from moeflow.autotune.clock import TuneClock
 from moeflow.autotune.lossy import ErrorProbe, codec_errors, gentlest_first, lossy_candidates
 from moeflow.autotune.settings import _Preserved, apply
 from moeflow.autotune.tuner import AUTO_FIELDS, \
-    DEGREES, KEEP_ALGOS, MEASURE_TOP, RETUNE_CHECK_EVERY, RETUNE_RATIO, SCHEDULES, \
-    SIMPLER_MARGIN, TunedChoice, \
-    auto_fields, candidate_algorithms, layout, log, \
-    needs_retune, overlap_trials, pick, placeholder, restore_tuning, retune_agreed, \
-    screen_order, tune, tuning_state
+    DEDUP_ROUTE, DEGREES, KEEP_ALGOS, MEASURE_TOP, RETUNE_CHECK_EVERY, RETUNE_RATIO, \
+    SCHEDULES, SIMPLER_MARGIN, TunedChoice, \
+    auto_fields, candidate_algorithms, concrete, layout, log, \
+    needs_retune, overlap_trials, pick, placeholder, placement_candidates, restore_tuning, \
+    retune_agreed, screen_order, tune, tuning_state
 from moeflow.autotune.runlog import DETAIL_FILE, RECORD_FILE, append_record, \
     log_to_run_folder, log_to_stderr, recorded_choices
 
-__all__ = ["AUTO_FIELDS", "DEGREES",
+__all__ = ["AUTO_FIELDS", "DEDUP_ROUTE", "DEGREES",
            "DETAIL_FILE", "ErrorProbe", "KEEP_ALGOS", "MEASURE_TOP", "RECORD_FILE",
            "RETUNE_CHECK_EVERY", "RETUNE_RATIO", "SCHEDULES", "SIMPLER_MARGIN",
            "TuneClock", "TunedChoice", "append_record", "apply", "auto_fields",
-           "candidate_algorithms", "codec_errors",
+           "candidate_algorithms", "codec_errors", "concrete",
            "gentlest_first", "layout", "log", "log_to_run_folder", "log_to_stderr",
            "lossy_candidates", "needs_retune", "overlap_trials", "pick", "placeholder",
+           "placement_candidates",
            "recorded_choices", "restore_tuning", "retune_agreed", "screen_order",
            "tune", "tuning_state"]

@@ -1,5 +1,6 @@
 """Auto-tuning of a layer's all-to-all algorithm, schedule and pipelining degree (ScheMoE
-sections 3.2 and 4).
+sections 3.2 and 4), and of its strategy between expert parallelism and the node-deduplicated
+exchange (``placement="auto"``; DeepEP's inter-node dispatch).
 
 ``MoEConfig(a2a="auto", schedule="auto", pipeline_degree="auto")`` (any subset) leaves the
 choice to the running cluster, as ScheMoE's profiler + scheduler do (ScheMoE section 3.2 and
@@ -13,18 +14,21 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    the payload's dtype, most wire bytes (the gentlest) first, whose warm-up step measures
    its error against the lossless exchange (:mod:`moeflow.autotune.lossy`: relative L2 of
    the output and of the input gradient, worst rank) and which is not timed when over
-   ``lossy_error_budget``; with a time budget, then the overlap trials on the best pair so
-   far (OptSche at each r > 1, :func:`screen_order`); then every other usable all-to-all
-   algorithm (``check_topology`` passes), lossless. The best two (codec, algorithm) pairs
-   are kept. The strategy (``MoEConfig.placement``) is not tuned: the tuner times the
-   expert-parallel exchange of ``placement="ep"``; the node-deduplicated exchange is chosen
-   with ``placement="node_dedup"`` (docs/autotune.md).
+   ``lossy_error_budget``; with ``placement="auto"``, then the node-deduplicated exchange
+   (DeepEP's inter-node dispatch, :mod:`moeflow.strategies.node_dedup.strategy`), lossless,
+   under the label ``DEDUP_ROUTE`` in the place of an algorithm, where it can run
+   (:func:`placement_candidates`: several nodes, its ``check_config``; otherwise
+   ``TunedChoice.placements`` says why not); with a time budget, then the overlap trials on
+   the best pair so far (OptSche at each r > 1, :func:`screen_order`); then every other
+   usable all-to-all algorithm (``check_topology`` passes), lossless. The best two (codec,
+   algorithm or ``DEDUP_ROUTE``) pairs are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
    for those the screen measured already; the fastest *measured* median of all stages wins,
-   unless a simpler candidate (fewer chunks, sequential) is within ``SIMPLER_MARGIN`` of it
-   (:func:`pick`).
+   unless a simpler candidate (expert parallelism rather than ``node_dedup``, then fewer
+   chunks, then sequential) is within ``SIMPLER_MARGIN`` of it (:func:`pick`): ``node_dedup``
+   is kept only where it beats every measured expert-parallel candidate by more than that.
    Every timing is the maximum over ranks (a host all-reduce), so every rank computes the
    same numbers and fixes the same choice.
 
@@ -73,11 +77,11 @@ import torch
 from moeflow.autotune.clock import TuneClock
 from moeflow.autotune.lossy import ErrorProbe, gentlest_first, lossy_candidates
 from moeflow.autotune.settings import _Preserved, apply
-from moeflow.config import AUTO, AUTO_LOSSY, MoEConfig
+from moeflow.config import AUTO, AUTO_LOSSY, AUTO_PLACEMENTS, MoEConfig
 
 log = logging.getLogger("moeflow.autotune")
 
-AUTO_FIELDS = ("a2a", "schedule", "pipeline_degree", "codec")
+AUTO_FIELDS = ("a2a", "schedule", "pipeline_degree", "codec", "placement")
 SCHEDULES = ("sequential", "pipelined", "optsche")
 DEGREES = (1, 2, 4)
 KEEP_ALGOS = 2          # algorithms kept after the screen
@@ -85,6 +89,10 @@ MEASURE_TOP = 3         # predicted candidates measured before the final choice
 SIMPLER_MARGIN = 0.05   # a simpler candidate within this fraction of the fastest wins (pick)
 RETUNE_RATIO = 2.0      # re-tune when the rows per forward change by more than this factor
 RETUNE_CHECK_EVERY = 50  # training forwards between the collective re-tune checks
+# placement="auto": the screen / profile label of the node-deduplicated exchange, in the place
+# of an all-to-all algorithm's name (no algorithm is called so: MoEConfig refuses
+# a2a="node_dedup"); its candidates run with placement="node_dedup" (:func:`concrete`)
+DEDUP_ROUTE = "node_dedup"
 
 
 @dataclass
@@ -108,6 +116,9 @@ class TunedChoice:
     budget_s: float | None = None     # autotune_budget_s it was tuned with
     budget_cut: list[str] = field(default_factory=list)    # what the time budget cut short
     max_step_ms: float | None = None  # the longest timed step (slowest rank's) while tuning
+    placement: str = "ep"             # the strategy (tuned with placement="auto")
+    # placement="auto": each of AUTO_PLACEMENTS -> "candidate", or why it was not one
+    placements: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -138,7 +149,7 @@ def placeholder(cfg: MoEConfig) -> MoEConfig:
     """``cfg`` with its auto fields set to the untuned defaults (direct, sequential, r = 1,
     codec none), used until the first forward tunes them."""
     defaults = {"a2a": "direct", "schedule": "sequential", "pipeline_degree": 1,
-                "codec": "none"}
+                "codec": "none", "placement": AUTO_PLACEMENTS[0]}
     fields = auto_fields(cfg)
     extra = {"lossy_error_budget": None} if "codec" in fields else {}
     return cfg.replace(**{f: defaults[f] for f in fields}, **extra)
@@ -188,6 +199,38 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
         from moeflow.strategies.parm.checks import ESP_ALLTOALLS
         ok = [a for a in ok if a in ESP_ALLTOALLS]
     return ok
+
+
+def placement_candidates(requested: MoEConfig, topo) -> dict[str, str]:
+    """With ``placement="auto"``: each of ``AUTO_PLACEMENTS`` -> ``"candidate"``, or why the
+    tuner does not measure it (``node_dedup``'s own ConfigError: one node, an EP group
+    smaller than the world, Parm's MP / ESP, ``recompute="moe_act"``, ...). ``"ep"`` is
+    always a candidate (on Parm's layouts it is Parm's baseline schedule, expert
+    parallelism there). Empty for any other placement."""
+    from moeflow.errors import ConfigError
+    from moeflow.strategies import STRATEGIES
+
+    if requested.placement != AUTO:
+        return {}
+    out = {}
+    for name in AUTO_PLACEMENTS:
+        try:
+            STRATEGIES[name].check_config(placeholder(requested).replace(placement=name), topo)
+            out[name] = "candidate"
+        except ConfigError as err:
+            out[name] = f"not a candidate: {err}"
+    return out
+
+
+def concrete(cfg: MoEConfig, codec: str, route: str, schedule: str | None = None,
+             r: int | None = None) -> MoEConfig:
+    """``cfg`` (concrete) with the candidate's codec, route (an all-to-all algorithm, or
+    ``DEDUP_ROUTE``: ``placement="node_dedup"``, whose own hops replace the algorithm, which
+    stays ``cfg``'s) and, when given, schedule and pipelining degree."""
+    more = {} if schedule is None else {"schedule": schedule, "pipeline_degree": r}
+    if route == DEDUP_ROUTE:
+        return cfg.replace(codec=codec, placement="node_dedup", **more)
+    return cfg.replace(codec=codec, a2a=route, **more)
 
 
 def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock,
@@ -245,9 +288,17 @@ def _entry(e: tuple) -> str:
     return f"{a}/{b}" if kind == "screen" else f"{a}/r={b}"
 
 
+def _route(m: dict) -> str:
+    """A measured candidate's route: its algorithm, or ``DEDUP_ROUTE`` for ``node_dedup``."""
+    return DEDUP_ROUTE if m.get("placement") == "node_dedup" else m["a2a"]
+
+
 def _key(c) -> tuple:
-    get = (c.get if isinstance(c, dict) else lambda k: getattr(c, k))
-    return (get("codec"), get("a2a"), get("schedule"), get("pipeline_degree"))
+    """(codec, route, schedule, r) of a measured candidate (dict) or a predicted one (the
+    chooser's Candidate, whose ``a2a`` is the route it was profiled under)."""
+    if isinstance(c, dict):
+        return (c["codec"], _route(c), c["schedule"], c["pipeline_degree"])
+    return (c.codec, c.a2a, c.schedule, c.pipeline_degree)
 
 
 def overlap_trials(schedules: list[str], degrees: list[int]) -> list[tuple[str, int]]:
@@ -260,7 +311,8 @@ def overlap_trials(schedules: list[str], degrees: list[int]) -> list[tuple[str, 
 
 
 def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
-                 schedules: list[str], degrees: list[int], budgeted: bool) -> list[tuple]:
+                 schedules: list[str], degrees: list[int], budgeted: bool,
+                 placements: list[str] = ()) -> list[tuple]:
     """The screen's entries, in order: ``("screen", codec, algorithm)`` at r = 1 sequential,
     or ``("overlap", schedule, r)`` on the best pair screened so far. The first algorithm
     lossless, then the lossy codecs on it (gentlest first), then the other algorithms,
@@ -269,8 +321,14 @@ def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
     (ScheMoE's r and OptSche) is the larger lever where the exchange is a large share of the
     step (measured: docs/benchmarks/layer.md, the auto-tuning table at the final code).
     Unbounded, every pair is screened and the profile predicts the overlapping candidates,
-    so the order is the plain one."""
+    so the order is the plain one. ``placements`` (``placement="auto"``: ``DEDUP_ROUTE``
+    where it can run) come right after the first algorithm's codecs, lossless: the other
+    strategy changes what crosses the nodes (one row per token and node instead of per
+    choice), the largest lever where the link binds, and a time budget that ends the screen
+    early would otherwise never measure it; ``direct`` (the untuned setting) is always
+    measured before it, so it can only win by beating that measurement."""
     order = [("screen", lossless, first)] + [("screen", c, first) for c in lossy]
+    order += [("screen", lossless, p) for p in placements]
     if budgeted:
         order += [("overlap", s, r) for s, r in overlap_trials(schedules, degrees)]
     return order + [("screen", lossless, a) for a in others]
@@ -287,7 +345,10 @@ def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[
 
 def pick(measured: list[dict], margin: float = SIMPLER_MARGIN) -> dict:
     """The winner among the measured candidates: the simplest of those within ``margin`` of
-    the fastest median (fewest chunks, then the sequential schedule, then the fastest). The
+    the fastest median (expert parallelism before ``node_dedup``, then fewest chunks, then
+    the sequential schedule, then the fastest): ``node_dedup`` (``placement="auto"``) wins
+    only where its median beats every measured expert-parallel candidate by more than
+    ``margin``, as an overlapping schedule must beat the sequential one. The
     candidates are timed with 1-2 steps each, and a pipelined one (r > 1, or an overlapping
     schedule) that is faster by less than the step-to-step noise is as likely slower: on the
     emulated 2x2 cluster at 100 Mbit/s OptSche at r = 4 was once measured 0.7 % faster than
@@ -296,7 +357,8 @@ def pick(measured: list[dict], margin: float = SIMPLER_MARGIN) -> dict:
     12-18 % (docs/benchmarks/layer.md, the auto-tuning table at the final code)."""
     fastest = min(m["measured_ms"] for m in measured)
     near = [m for m in measured if m["measured_ms"] <= fastest * (1.0 + margin)]
-    return min(near, key=lambda m: (m["pipeline_degree"], m["schedule"] != "sequential",
+    return min(near, key=lambda m: (m.get("placement", "ep") == "node_dedup",
+                                    m["pipeline_degree"], m["schedule"] != "sequential",
                                     m["measured_ms"]))
 
 
@@ -312,7 +374,9 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
     label = f"autotune {name or 'layer'} (layer_id {requested.layer_id})"
     fixed = placeholder(requested)
     budget = requested.effective_lossy_error_budget      # None unless codec="auto:lossy"
-    common = dict(lossy_error_budget=budget, budget_s=requested.autotune_budget_s)
+    placements = placement_candidates(requested, topo)    # {} unless placement="auto"
+    common = dict(lossy_error_budget=budget, budget_s=requested.autotune_budget_s,
+                  placement=fixed.placement, placements=placements)
     if not topo.distributed or topo.ep_size == 1:
         # No exchange to tune: every algorithm is a no-op, r only adds chunking, a codec
         # only adds error.
@@ -337,7 +401,8 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
         sec = _measure(layer, cfg, x, reps, clock, warmup)
         if sec is None:
             return None
-        m = {"codec": cfg.codec, "a2a": cfg.a2a, "schedule": cfg.schedule,
+        m = {"placement": cfg.placement, "codec": cfg.codec, "a2a": cfg.a2a,
+             "schedule": cfg.schedule,
              "pipeline_degree": cfg.pipeline_degree,
              "predicted_ms": None if pred is None else 1e3 * pred, "measured_ms": 1e3 * sec,
              "stage": stage}
@@ -351,7 +416,8 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             # 1. screen at r = 1, sequential: the placeholder's algorithm (direct) lossless
             #    first; with codec="auto:lossy" then every lossy codec on it, gentlest first,
             #    each one's warm-up step measuring its error (ErrorProbe; over budget: not
-            #    timed); then the other algorithms, lossless
+            #    timed); with placement="auto" then node_dedup (DEDUP_ROUTE) where it can
+            #    run; then the other algorithms, lossless
             first = fixed.a2a if fixed.a2a in algos else algos[0]
             algos = [first] + [a for a in algos if a != first]
             lossless = "none" if budget is not None else fixed.codec
@@ -359,8 +425,12 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             lossy = (gentlest_first(lossy_candidates(x.dtype, x.device), x.shape[-1], x.dtype)
                      if budget is not None else [])
             budgeted = requested.autotune_budget_s is not None
+            dedup = [DEDUP_ROUTE] if placements.get("node_dedup") == "candidate" else []
+            for p, why in placements.items():
+                if why != "candidate":
+                    _say(topo, f"{label}: placement {p} {why}")
             order = screen_order(lossless, first, lossy, algos[1:], schedules, degrees,
-                                 budgeted)
+                                 budgeted, dedup)
             screen: dict[tuple[str, str], float] = {}    # even one pair: the step estimate
             for i, (kind, c, a) in enumerate(order):
                 left = len(order) - i
@@ -372,8 +442,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                 n = reps if not measured or clock.fits((1 + reps) * left) else 1
                 if kind == "overlap":       # (schedule, r) on the best pair screened so far
                     bc, ba = min(screen, key=screen.get)
-                    m = record(fixed.replace(codec=bc, a2a=ba, schedule=c, pipeline_degree=a),
-                               None, "overlap", n)
+                    m = record(concrete(fixed, bc, ba, c, a), None, "overlap", n)
                     if n < reps:
                         clock.note_cut(f"overlap {bc}/{ba}/{c}/r={a}: 1 of {reps} reps")
                     _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={bc} a2a={ba} "
@@ -386,7 +455,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                     def warm(c=c):
                         errors[c] = probe.error()
                         return errors[c] <= budget                       # NaN: dropped
-                m = record(base.replace(codec=c, a2a=a), None, "screen", n, warm)
+                m = record(concrete(base, c, a), None, "screen", n, warm)
                 if m is None:
                     _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c}: error "
                                f"{errors[c]:.2e} over budget {budget:g}, not timed "
@@ -403,17 +472,20 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             #    one pair, then skipped, when the budget cannot hold it
             cands = []
             profile_steps = len(degrees) * (1 + reps)
-            plan = next((p for p in (kept, kept[:1])
-                         if not measured or clock.fits(len(p) * profile_steps)), None)
+            if schedules == ["sequential"] and degrees == [1]:
+                # every candidate is a screened pair at r = 1, sequential: nothing to predict
+                plan = []
+            else:
+                plan = next((p for p in (kept, kept[:1])
+                             if not measured or clock.fits(len(p) * profile_steps)), None)
             if plan is None:
                 clock.note_cut("profile: skipped")
-            else:
+            elif plan:
                 if len(plan) < len(kept):
                     clock.note_cut(f"profile: {len(plan)} of {len(kept)} pairs")
                 for c, a in plan:
                     _, more, _ = choose(
-                        lambda codec, a2a: (apply(layer, base.replace(codec=codec, a2a=a2a)),
-                                            layer)[1],
+                        lambda codec, a2a: (apply(layer, concrete(base, codec, a2a)), layer)[1],
                         x, [c], [a], degrees, schedules, reps=reps)
                     cands += more
                 cands.sort(key=lambda c: c.predicted_s)
@@ -436,8 +508,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                 if measured and not clock.fits(2):
                     clock.note_cut(f"measure: {len(trial) - i} of {len(trial)} unmeasured")
                     break
-                cfg = fixed.replace(codec=c, a2a=a, schedule=s, pipeline_degree=r)
-                m = record(cfg, pred, "measure")
+                m = record(concrete(fixed, c, a, s, r), pred, "measure")
                 p = "-" if pred is None else f"{1e3 * pred:.1f} ms"
                 _say(topo, f"{label}: measure {i + 1}/{len(trial)} codec={c} a2a={a} "
                            f"schedule={s} r={r}: predicted {p}, measured "
@@ -454,13 +525,14 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                          candidates=measured, codec=win["codec"], codec_error=err,
                          codec_errors=errors, budget_cut=list(clock.cut),
                          max_step_ms=1e3 * clock.max_step_s,
-                         **common)
+                         **dict(common, placement=win["placement"]))
     p = "-" if pred is None else f"{pred:.1f} ms"
+    where = (f"placement={choice.placement} " if requested.placement == AUTO else "")
     lossy = "" if err is None else f" (error {err:.2e}, budget {budget:g})"
     cut = (f"; time budget {requested.autotune_budget_s:g} s cut: {'; '.join(clock.cut)}"
            if clock.cut else "")
     _announce(topo, choice, requested.layer_id, x.shape[0],
-              f"{label}, {x.shape[0]} tokens: chose codec={choice.codec}{lossy} "
+              f"{label}, {x.shape[0]} tokens: chose {where}codec={choice.codec}{lossy} "
               f"a2a={choice.a2a} schedule={choice.schedule} r={choice.pipeline_degree} "
               f"({choice.measured_ms:.1f} ms measured, {p} predicted, {len(measured)} "
               f"candidates) in {choice.tune_s:.1f} s{cut}")
@@ -485,8 +557,10 @@ def restore_tuning(model: torch.nn.Module, state: dict[str, dict]) -> list[str]:
             continue
         choice = TunedChoice.from_dict(d)
         budget = m.requested_cfg.effective_lossy_error_budget
+        # a choice saved before placement="auto" existed did not measure node_dedup
         if choice.topology == layout(m.topo) and (
-                "codec" not in m.auto_fields or choice.lossy_error_budget == budget):
+                "codec" not in m.auto_fields or choice.lossy_error_budget == budget) and (
+                "placement" not in m.auto_fields or "placement" in d):
             m.set_tuned(choice)
             done.append(name)
     return done

@@ -15,7 +15,10 @@ during which a computing task ran (:mod:`moeflow.bench.overlap_bench`).
 ``inter_bytes``: the payload bytes the busiest rank sent over inter-node links in the last
 step, forward + backward (``layer.stats["inter_node_bytes"]``; 0 on one node). ``--local-size``
 emulates nodes on one machine (ranks per node) and ``--algorithms`` runs every config under
-each all-to-all algorithm, so the one-hop ``direct`` can be set against the hierarchical ones.
+each all-to-all algorithm, so the one-hop ``direct`` can be set against the hierarchical ones;
+``node_dedup`` and ``auto`` there are placements (``auto``: the auto-tuner's pick of ``direct``
+or ``node_dedup``, tuned before the warm-up and recorded in the row's ``placement`` and
+``tuned``).
 ``--codec NAME`` (``--codec-backward``) runs every config with that codec on its all-to-all
 payloads (ScheMoE Section 3's compression), the names unchanged and the codec in each row, so
 that ``moeflow simulate layer --codec NAME --measured`` finds every row's twin.
@@ -48,6 +51,8 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
     layer.experts.use_grouped_mm = case.grouped_mm
     timer = PhaseTimer()
     x = case_input(tokens, d_model, topo.rank).to(device).requires_grad_()
+    if layer.auto_fields:            # placement="auto" (--algorithms auto): tuned untimed
+        layer.tune(x)
     totals, phases = [], {p: [] for p in PHASES}
     for i in range(warmup + reps):
         layer.timer = timer
@@ -79,7 +84,10 @@ def bench_case(case: BenchCase, topo: Topology, tokens: int, d_model: int, d_exp
             "d_model": d_model, "d_expert": d_expert, "reps": reps,
             "step_ms": 1e3 * step, "tokens_per_s": topo.world_size * tokens / step,
             "phase_ms": {p: 1e3 * statistics.median(v) for p, v in phases.items()},
-            "dropped_fraction": layer.stats["dropped_fraction"], "inter_node_bytes": inter}
+            "dropped_fraction": layer.stats["dropped_fraction"], "inter_node_bytes": inter,
+            # the strategy that ran (--algorithms auto: the tuner's pick) and its measurement
+            "placement": layer.cfg.placement,
+            "tuned": None if layer.tuned is None else layer.tuned.as_dict()}
 
 
 def bench_worker(cases: list[BenchCase], tokens: int, d_model: int, d_expert: int,

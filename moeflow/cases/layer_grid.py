@@ -51,8 +51,10 @@ def cases_for(schedules: list[str], r: int, algorithms: tuple[str, ...] = ("dire
 
 
 # exchanges benchmarked beside the all-to-all algorithms that are strategies of their own
-# (MoEConfig.placement): ``--algorithms direct,node_dedup`` compares them side by side
-EXCHANGE_STRATEGIES = ("node_dedup",)
+# (MoEConfig.placement): ``--algorithms direct,node_dedup`` compares them side by side;
+# ``auto`` is placement="auto", the auto-tuner's pick of direct expert parallelism or
+# node_dedup, measured at the config's schedule (docs/autotune.md, "Tuning the placement")
+EXCHANGE_STRATEGIES = ("node_dedup", "auto")
 
 
 def exchange_fields(name: str) -> dict:

@@ -23,7 +23,9 @@ def add_layer_args(layer: argparse.ArgumentParser) -> None:
     layer.add_argument("--pipeline-degree", type=int, default=2,
                        help="r of the pipelined rows")
     layer.add_argument("--algorithms", default="direct",
-                       help="comma-separated all-to-all algorithms (MoEConfig.a2a): every config "
+                       help="comma-separated all-to-all algorithms (MoEConfig.a2a), or "
+                            "node_dedup / auto (MoEConfig.placement; auto: the tuner picks "
+                            "direct or node_dedup, untimed, before the warm-up): every config "
                             "runs under each (default direct)")
     layer.add_argument("--local-size", type=int, default=None,
                        help="ranks per (emulated) node; the inter_bytes column counts what "

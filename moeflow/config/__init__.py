@@ -15,8 +15,8 @@ from moeflow.config.validation import config_error
 from moeflow.config.model import (MODEL_MOE_DEFAULTS, MODEL_OWNED_MOE_FIELDS, GPTConfig,
                                   ModelConfig, check_model_field_names, check_moe_field_names,
                                   config_differences)
-from moeflow.config.moe import (ACTIVATIONS, AUTO, AUTO_LOSSY, BALANCE_LOSSES,
-                                CAPACITY_PADDINGS, DEFAULT_AUTOTUNE_BUDGET_S,
+from moeflow.config.moe import (ACTIVATIONS, AUTO, AUTO_LOSSY, AUTO_PLACEMENTS,
+                                BALANCE_LOSSES, CAPACITY_PADDINGS, DEFAULT_AUTOTUNE_BUDGET_S,
                                 DEFAULT_CAPACITY_FACTOR, DEFAULT_DOWNSCALE_FACTOR,
                                 DEFAULT_LOSSY_ERROR_BUDGET, FROM_CONFIG, MOE_RECOMPUTES,
                                 PARM_SCHEDULES, STRUCTURES, MoEConfig)
@@ -25,7 +25,8 @@ from moeflow.config.training import DENSE_SHARDS, TRAIN_RECOMPUTES, TrainConfig
 from moeflow.devices import DEVICES, DTYPES
 from moeflow.errors import ConfigError
 
-__all__ = ["ACTIVATIONS", "AUTO", "AUTO_LOSSY", "BALANCE_LOSSES", "CAPACITY_PADDINGS",
+__all__ = ["ACTIVATIONS", "AUTO", "AUTO_LOSSY", "AUTO_PLACEMENTS", "BALANCE_LOSSES",
+           "CAPACITY_PADDINGS",
            "DEFAULT_AUTOTUNE_BUDGET_S", "DEFAULT_CAPACITY_FACTOR", "DEFAULT_DOWNSCALE_FACTOR",
            "DEFAULT_LOSSY_ERROR_BUDGET", "DENSE_SHARDS", "DEVICES", "DTYPES", "FROM_CONFIG",
            "MODEL_MOE_DEFAULTS", "MODEL_OWNED_MOE_FIELDS", "MOE_RECOMPUTES", "PARM_SCHEDULES",

@@ -20,6 +20,11 @@ from moeflow.registry import did_you_mean, registry
 
 AUTO = "auto"      # a2a / schedule / pipeline_degree measured on the cluster (ScheMoE 3.2, 4)
 AUTO_LOSSY = "auto:lossy"   # the codec measured too, lossy ones within their error budget
+# placement="auto": the strategies the tuner measures against each other, the simplest first.
+# Both hold the same whole experts on the same ranks (only the exchange differs: ScheMoE's
+# all-to-all vs the node-deduplicated one of DeepEP's inter-node dispatch), so the choice
+# changes speed only, and a checkpoint of one loads into the other.
+AUTO_PLACEMENTS = ("ep", "node_dedup")
 DEFAULT_LOSSY_ERROR_BUDGET = 1e-2   # what lossy_error_budget=None means with codec auto:lossy
 DEFAULT_AUTOTUNE_BUDGET_S = 30.0    # MoEConfig.autotune_budget_s's default
 PARM_SCHEDULES = ("baseline", "s1", "s2", "auto", "ted")   # Parm Fig. 3a/3b/3c, Algorithm 1;
@@ -244,8 +249,10 @@ class MoEConfig:
     # The strategy, by its registry name (moeflow/strategies/, docs/design.md "Strategies"):
     # "ep" = static expert parallelism; "parm" = Parm's MP / ESP layouts and schedules;
     # "fssdp" = HECATE's experts fully sharded (one owner each), materialized per iteration
-    # by spAG; "node_dedup" = the node-deduplicated exchange. The options of a strategy that
-    # takes some (FSSDP's: a dict or its OPTIONS class) are checked by that class.
+    # by spAG; "node_dedup" = the node-deduplicated exchange; "auto" = "ep" or "node_dedup",
+    # measured by the auto-tuner at the first forward (AUTO_PLACEMENTS, docs/autotune.md).
+    # The options of a strategy that takes some (FSSDP's: a dict or its OPTIONS class) are
+    # checked by that class.
     placement: str = "ep"
     fssdp: dict | None = None
     # Capacity mode's empty slots (moeflow/dispatch/plan.py): "pad" sends and
@@ -278,10 +285,18 @@ class MoEConfig:
         _require(self.a2a != "node_dedup", o, "a2a", self.a2a,
                  "the node-deduplicated exchange is a strategy: set placement='node_dedup' "
                  "(and a2a to a row exchange, e.g. 'direct')")
-        _require(self.placement in strategies, o, "placement", self.placement,
+        _require(self.placement in strategies or self.placement == AUTO, o, "placement",
+                 self.placement,
                  f"choose one of {', '.join(sorted(strategies))} (docs/design.md, "
-                 f"\"Strategies\"){did_you_mean(self.placement, strategies)}")
-        self.fssdp = strategies[self.placement].check_options(self)
+                 f"\"Strategies\"), or 'auto' (the tuner measures "
+                 f"{' and '.join(AUTO_PLACEMENTS)})"
+                 f"{did_you_mean(self.placement, [*strategies, AUTO])}")
+        if self.placement == AUTO:
+            _require(self.fssdp is None, o, "fssdp", self.fssdp,
+                     "FSSDP options need placement='fssdp'; placement='auto' chooses between "
+                     f"{' and '.join(AUTO_PLACEMENTS)}, which take none: drop the options")
+        else:
+            self.fssdp = strategies[self.placement].check_options(self)
         # auto-tuning: a2a / schedule / pipeline_degree may be "auto", resolved
         # collectively by the layer's first forward (moeflow/autotune/tuner.py)
         if self.pipeline_degree != AUTO:
@@ -296,7 +311,8 @@ class MoEConfig:
                  self.capacity_padding, "choose 'auto' (trim on CPU, pad elsewhere), 'pad' "
                  "(send all E*C capacity rows) or 'trim' (send only the kept rows)")
         _require(self.capacity_padding != "trim" or (
-                     strategies[self.placement].supports_trim
+                     all(strategies[p].supports_trim for p in
+                         (AUTO_PLACEMENTS if self.placement == AUTO else (self.placement,)))
                      and self.parallel_schedule == "baseline"),
                  o, "capacity_padding", self.capacity_padding,
                  "'trim' works with a placement that sends only kept rows ('ep', "

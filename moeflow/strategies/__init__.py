@@ -6,8 +6,9 @@ the built-in strategies."""
 
 from __future__ import annotations
 
+from moeflow.config import AUTO, AUTO_PLACEMENTS
 from moeflow.strategies.base import (STRATEGIES, Call, CheckpointEntries, ExpertStrategy,
-                                     register_strategy)
+                                     placements, register_strategy)
 # Importing registers each strategy under its name.
 from moeflow.strategies.expert_parallel import ExpertParallel
 from moeflow.strategies.fssdp.strategy import FSSDP
@@ -15,14 +16,16 @@ from moeflow.strategies.node_dedup.strategy import NodeDedup
 from moeflow.strategies.parm.strategy import Parm
 
 __all__ = ["STRATEGIES", "Call", "CheckpointEntries", "ExpertStrategy", "ExpertParallel",
-           "FSSDP", "NodeDedup", "Parm", "register_strategy", "strategy_for"]
+           "FSSDP", "NodeDedup", "Parm", "placements", "register_strategy", "strategy_for"]
 
 
 def strategy_for(cfg, topo) -> type[ExpertStrategy]:
     """The strategy class ``MoEConfig.placement`` names in the registry. One name is completed
     by the topology: ``"ep"`` on Parm's layouts (model parallelism or ESP shards, Parm
     Section III) is Parm's baseline schedule (Fig. 3a), which is expert parallelism on that
-    layout; ``placement="parm"`` names it directly."""
-    if cfg.placement == "ep" and (topo.mp_size > 1 or topo.esp_size > 1):
+    layout; ``placement="parm"`` names it directly. ``"auto"`` starts as ``"ep"`` (the first
+    of ``AUTO_PLACEMENTS``) until the auto-tuner measures the others (moeflow/autotune/)."""
+    placement = AUTO_PLACEMENTS[0] if cfg.placement == AUTO else cfg.placement
+    if placement == "ep" and (topo.mp_size > 1 or topo.esp_size > 1):
         return Parm
-    return STRATEGIES[cfg.placement]
+    return STRATEGIES[placement]

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from moeflow.config import AUTO, AUTO_PLACEMENTS
 from moeflow.dispatch import DispatchPlan, make_plan, permute
 from moeflow.errors import ConfigError
 from moeflow.registry import Registry
@@ -225,3 +226,9 @@ class ExpertStrategy:
 
 STRATEGIES = Registry("strategy", ExpertStrategy)
 register_strategy = STRATEGIES.register
+
+
+def placements(cfg) -> tuple[str, ...]:
+    """The registry names a layer of ``cfg`` may run with: ``cfg.placement``, or each of
+    ``AUTO_PLACEMENTS`` for ``placement="auto"`` (the auto-tuner chooses among them)."""
+    return AUTO_PLACEMENTS if cfg.placement == AUTO else (cfg.placement,)

@@ -13,7 +13,7 @@ from typing import Callable
 from torch import nn
 
 from moeflow.errors import ConfigError
-from moeflow.strategies.base import STRATEGIES, CheckpointEntries, ExpertStrategy
+from moeflow.strategies.base import STRATEGIES, CheckpointEntries, ExpertStrategy, placements
 
 
 def strategy_layers(model: nn.Module) -> dict[type, list]:
@@ -62,7 +62,9 @@ def refuse_block_recompute(moe_configs, where: str, setting_first: bool = False)
     recomputation. ``moe_configs``: (MoE layer index, MoEConfig) pairs; ``where``: what asked
     for the recomputation; ``setting_first``: name the layer's setting first in the message."""
     for i, cfg in moe_configs:
-        refused = STRATEGIES[cfg.placement].refuses_block_recompute(cfg)
+        # placement="auto": refused where any strategy it may choose refuses (none does yet)
+        refused = next((r for r in (STRATEGIES[p].refuses_block_recompute(cfg)
+                                    for p in placements(cfg)) if r is not None), None)
         if refused is None:
             continue
         setting, why = refused

@@ -1,7 +1,9 @@
 """``moeflow bench group-limited --algorithms direct,node_dedup`` on 4 gloo ranks as 2 emulated
 nodes x 2 (``--local-size 2``): the JSON's fields, the measured inter-node bytes equal to the
 ones computed from the routing, and ``node_dedup`` sending fewer bytes than ``direct`` under
-node-limited routing (every remote token's k choices on one node: one row instead of k)."""
+node-limited routing (every remote token's k choices on one node: one row instead of k);
+``--algorithms direct,node_dedup,auto``: the ``placement="auto"`` row runs the tuner's pick
+(its bytes those of the strategy it chose) with its ratios to both forced ones."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ def test_bad_algorithm_is_refused():
     with pytest.raises(ConfigError, match="--algorithms='direct,hier9'.*node_dedup"):
         group_limited.parse_algorithms("direct,hier9")
     assert group_limited.parse_algorithms("direct, node_dedup") == ["direct", "node_dedup"]
+    assert group_limited.parse_algorithms("direct,auto") == ["direct", "auto"]
 
 
 def test_node_limits_are_checked():
@@ -75,3 +78,32 @@ def test_node_limits_are_checked():
     labels = [label for label, _ in group_limited.variants(8, (1, 4))]
     assert labels == ["top-k (n_group=1)", "group-limited (n_group=8, topk_group=1)",
                       "group-limited (n_group=8, topk_group=4)"]
+
+
+def _auto_worker() -> dict:
+    torch.set_num_threads(1)
+    return group_limited.bench(dict(OPTS, algorithms="direct,node_dedup,auto"))
+
+
+@pytest.mark.multirank
+def test_auto_row_runs_the_tuners_pick_beside_both_forced_ones():
+    res = launch_local(_auto_worker, 4, timeout_s=300)[0]
+    rows = {(r["routing"].split(" ")[0], r["algorithm"]): r for r in res["rows"]}
+    for routing in ("top-k", "group-limited"):
+        auto = rows[(routing, "auto")]
+        assert auto["placement"] in ("ep", "node_dedup")
+        assert auto["tuned"]["placement"] == auto["placement"]
+        assert {m["placement"] for m in auto["tuned"]["candidates"]} == {"ep", "node_dedup"}
+        forced = rows[(routing, "direct" if auto["placement"] == "ep" else "node_dedup")]
+        # it ran the strategy it chose: the same bytes as that one forced
+        assert auto["inter_node_bytes_per_step"] == forced["inter_node_bytes_per_step"]
+        assert auto["routing_inter_node_bytes_per_step"] == \
+            forced["routing_inter_node_bytes_per_step"]
+        assert rows[(routing, "direct")]["tuned"] is None
+    over = [(q["routing"].split(" ")[0], q["over"].split(" step")[0]) for q in res["ratios"]]
+    assert over == [("top-k", "direct / node_dedup"), ("group-limited", "direct / node_dedup"),
+                    ("top-k", "auto / direct"), ("top-k", "auto / node_dedup"),
+                    ("group-limited", "auto / direct"), ("group-limited", "auto / node_dedup")]
+    for q in res["ratios"][2:]:
+        assert len(q["paired"]) == 2 and q["min"] <= q["median"] <= q["max"]
+        assert q["placement"] == rows[(q["routing"].split(" ")[0], "auto")]["placement"]

@@ -156,12 +156,39 @@ def test_bench_layer_cli_reports_inter_node_bytes(tmp_path, capsys):
         main(["bench", "layer", "--algorithms", "hier2"])
 
 
+def test_bench_layer_auto_rows_run_the_tuners_placement(tmp_path):
+    """``--algorithms direct,auto`` on 2 emulated nodes x 1: the ``auto`` rows
+    (placement="auto") record the strategy the tuner kept and both measured placements."""
+    out = tmp_path / "layer.json"
+    assert main(["bench", "layer", "--tokens", "16", "--d-model", "8", "--d-expert", "16",
+                 "--warmup", "1", "--reps", "1", "--nproc", "2", "--local-size", "1",
+                 "--algorithms", "direct,auto", "--out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    auto = rows["dropless-top2@auto"]
+    assert auto["placement"] in ("ep", "node_dedup")
+    assert auto["placement"] == auto["tuned"]["placement"]
+    assert {m["placement"] for m in auto["tuned"]["candidates"]} == {"ep", "node_dedup"}
+    assert rows["dropless-top2@direct"]["placement"] == "ep"
+    assert rows["dropless-top2@direct"]["tuned"] is None
+
+
 def test_train_steps_5_needs_no_other_flag():
     from moeflow.cli import build_parser
     from moeflow.commands.train_command import configs_from_args
 
     _, tcfg = configs_from_args(build_parser().parse_args(["train", "--steps", "5"]))
     assert (tcfg.steps, tcfg.warmup_steps) == (5, 0)
+
+
+def test_train_tunes_the_placement_only_when_asked():
+    from moeflow.cli import build_parser
+    from moeflow.commands.train_command import configs_from_args
+
+    plain, _ = configs_from_args(build_parser().parse_args(["train", "--steps", "5"]))
+    assert plain.moe.placement == "ep" and plain.moe.a2a == "auto"
+    auto, _ = configs_from_args(build_parser().parse_args(
+        ["train", "--steps", "5", "--set", "moe.placement=auto"]))
+    assert (auto.moe.placement, auto.moe.a2a, auto.moe.schedule) == ("auto", "auto", "auto")
 
 
 def _walk(parser, path=("moeflow",)):
