@@ -46,9 +46,11 @@ _CHUNKS = {"forward": "forward_one_chunk", "backward": "backward_one_chunk",
 
 
 class _Timers:
-    """Seconds and calls of the wrapped methods since the last :meth:`reset`."""
+    """Seconds and calls of the wrapped methods since the last :meth:`reset` (on CUDA the
+    device is synchronised at both ends, so a chunk's kernels count, not their launch)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.cuda = device if device.type == "cuda" else None
         self.reset()
 
     def reset(self):
@@ -59,10 +61,14 @@ class _Timers:
         fn = getattr(obj, attr)
 
         def timed(*args, **kwargs):
+            if self.cuda is not None:
+                torch.cuda.synchronize(self.cuda)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if self.cuda is not None:
+                    torch.cuda.synchronize(self.cuda)
                 self.s[key] += time.perf_counter() - t0
                 self.n[key] += 1
         setattr(obj, attr, timed)
@@ -77,7 +83,7 @@ class _CaseRun:
         topo = Topology.from_env() if case.pp > 1 else Topology.from_env(ep_size=tcfg.ep_size)
         self.trainer = Trainer(mcfg, tcfg, out_dir, topo, progress=False)
         self.layers = [m for m in self.trainer.model.modules() if isinstance(m, MoELayer)]
-        self.timers = _Timers()
+        self.timers = _Timers(self.trainer.device)
         runner = self.trainer.pipeline
         if runner is not None:
             for stage in runner.pipe_stages:
@@ -93,6 +99,8 @@ class _CaseRun:
         dist.barrier()
         t0 = time.perf_counter()
         self.trainer.train_step()
+        if self.trainer.device.type == "cuda":
+            torch.cuda.synchronize(self.trainer.device)
         dist.barrier()
         step = time.perf_counter() - t0
         a2a = exposed = 0.0
@@ -104,9 +112,9 @@ class _CaseRun:
         return {"step_s": step, "a2a_s": a2a, "a2a_exposed_s": exposed,
                 "chunk_s": dict(self.timers.s), "chunk_n": dict(self.timers.n)}
 
-    def memory(self, device: torch.device) -> dict:
+    def memory(self) -> dict:
         """Tensor bytes: parameters and optimizer state, and one step's peak above them."""
-        opt = self.trainer.opt
+        opt, device = self.trainer.opt, self.trainer.device
         state = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
         state += sum(t.numel() * t.element_size() for s in opt.state.values()
                      for t in s.values() if torch.is_tensor(t))
@@ -137,18 +145,16 @@ def bench_worker(cases: list[PipelineCase], mcfg, global_batch: int, micro: int,
                  warmup: int, reps: int, device_name: str) -> dict:
     """One rank's part (torch.distributed initialised); rank 0 returns the record."""
     world, load_start = dist.get_world_size(), os.getloadavg()
-    device = torch.device(device_name if device_name != "cuda"
-                          else f"cuda:{torch.cuda.current_device()}")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, case in enumerate(cases):
             tcfg = case_train_config(case, world, global_batch, micro, warmup + 1 + reps)
-            tcfg.device = device.type
+            tcfg.device = device_name
             runs.append(_CaseRun(case, mcfg, tcfg, f"{tmp}/{i}"))
         for run in runs:
             for _ in range(warmup):
                 run.trainer.train_step()
-        memory = [run.memory(device) for run in runs]
+        memory = [run.memory() for run in runs]
         for _ in range(reps):                          # interleaved, round by round
             for run in runs:
                 run.samples.append(run.timed_step())
