@@ -316,7 +316,8 @@ class Trainer:
         # the data-parallel position (the batch drawn); with --pp, the rank's place in its stage
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp_size
         if train_cfg.pp > 1:
-            self.dp_rank = stage_dp_rank(topo.rank, topo.world_size, train_cfg.pp)
+            self.dp_rank = stage_dp_rank(topo.rank, topo.world_size, train_cfg.pp,
+                                         train_cfg.pp_layout)
             self.dp_size = topo.world_size // train_cfg.pp
         if train_cfg.deterministic:
             use_deterministic_algorithms(train_cfg.seed + self.dp_rank)
@@ -689,7 +690,8 @@ def train_worker(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str,
     published yet)."""
     if train_cfg.pp > 1:        # the world's groups (the stages' own: pipeline_parallel.mesh)
         topo = Topology.from_env()
-        dp_rank = stage_dp_rank(topo.rank, topo.world_size, train_cfg.pp)
+        dp_rank = stage_dp_rank(topo.rank, topo.world_size, train_cfg.pp,
+                                train_cfg.pp_layout)
     else:
         topo = Topology.from_env(ep_size=train_cfg.ep_size, mp_size=train_cfg.mp_size,
                                  esp_size=train_cfg.esp_size, esp_in_node=train_cfg.esp_in_node)

@@ -8,7 +8,7 @@ import sys
 
 from moeflow.bench.layer_bench import bench_worker, format_table, write_json
 from moeflow.cases.layer_grid import cases_for
-from moeflow.commands import bench_compute, bench_curves, bench_net
+from moeflow.commands import bench_compute, bench_curves, bench_net, bench_pipeline
 from moeflow.commands.bench_papers import BenchChoices, register_paper_benchmarks
 from moeflow.commands.layer_args import add_layer_args
 from moeflow.commands.common import (add_device_arg, add_launch_args, cpu_per_rank_record,
@@ -25,6 +25,7 @@ def register(sub) -> None:
     bench_compute.register_bench(bsub)
     bench_curves.register_bench(bsub)
     bench_net.register_bench(bsub)
+    bench_pipeline.register_bench(bsub)
     register_paper_benchmarks(bsub)
 
     sched = bsub.add_parser("schedule", help="ScheMoE ablation (codec, Pipe-A2A, OptSche) and "

@@ -54,8 +54,12 @@ TRAIN_HELP = {
                    "(FSDP2 shards them, their gradients and AdamW state over the data-parallel "
                    "ranks; with --mp, each MP rank's shards over its data-parallel ranks)",
     "pp": "pipeline-parallel stages: the GPT's blocks are cut into this many stages on "
-          "consecutive blocks of nproc / pp ranks, each stage expert parallel over its own ranks "
-          "(docs/training.md, 'Pipeline parallelism'; default 1: none)",
+          "groups of nproc / pp ranks (--pp-layout), each stage expert parallel over its own "
+          "ranks (docs/training.md, 'Pipeline parallelism'; default 1: none)",
+    "pp_layout": "where the pipeline ranks sit: across-nodes (default: a stage is a block of "
+                 "consecutive ranks, the pipeline crosses the nodes, EP inside them) or "
+                 "within-nodes (a stage is strided over the nodes, each node holds whole "
+                 "pipelines, EP across the nodes)",
     "pp_schedule": "the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
                    "interleaved-1f1b, zbv or dualpipev (the last three: 2 stages per rank); "
                    "the --grad-accum micro-batches are the pipeline's",
@@ -163,9 +167,11 @@ def check_layout(mcfg: ModelConfig, tcfg: TrainConfig, world: int,
     check_deterministic(mcfg, tcfg)
     if tcfg.pp > 1:            # the expert-parallel layout below lives inside a pipeline stage
         from moeflow.pipeline_parallel import check_pipeline
+        from moeflow.pipeline_parallel.mesh import stage_ranks_per_node
 
-        world = check_pipeline(mcfg, tcfg, world)
-        local = min(local or world, world)
+        stage = check_pipeline(mcfg, tcfg, world, local)
+        local = stage_ranks_per_node(world, tcfg.pp, local or world, tcfg.pp_layout)
+        world = stage
     if tcfg.mp_size > 1 or tcfg.esp_size > 1:
         check_parm_sizes(mcfg, tcfg, world, local or world)
     esp = tcfg.esp_size if world % tcfg.esp_size == 0 else 1

@@ -15,6 +15,9 @@ DENSE_SHARDS = ("replicate", "fsdp")              # TrainConfig.dense_shard
 # TrainConfig.pp_schedule: torch.distributed.pipelining's schedules
 # (moeflow.pipeline_parallel.pipeline_schedules)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+# TrainConfig.pp_layout: where the pipeline ranks sit on the nodes
+# (moeflow.pipeline_parallel.mesh): stages across the nodes (EP inside a node), or inside one
+PP_LAYOUTS = ("across-nodes", "within-nodes")
 
 
 @dataclass
@@ -65,10 +68,12 @@ class TrainConfig:
     # grad_accum micro-batches run through them by torch.distributed.pipelining's schedule
     pp: int = 1
     pp_schedule: str = "1f1b"
+    pp_layout: str = "across-nodes"
 
     # the moeflow train option of each field: --field-name, except these
     FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
-             "esp_in_node": "--esp-placement", "pp": "--pp", "pp_schedule": "--pp-schedule"}
+             "esp_in_node": "--esp-placement", "pp": "--pp", "pp_schedule": "--pp-schedule",
+             "pp_layout": "--pp-layout"}
 
     @classmethod
     def flag(cls, name: str) -> str:
@@ -132,6 +137,11 @@ class TrainConfig:
                       "must be an integer >= 1 (pipeline stages; 1: no pipeline parallelism)")
         self._require(self.pp_schedule in PP_SCHEDULES, "pp_schedule",
                       f"choose one of {', '.join(PP_SCHEDULES)}")
+        self._require(self.pp_layout in PP_LAYOUTS, "pp_layout",
+                      f"choose one of {', '.join(PP_LAYOUTS)} (across-nodes: a stage is a "
+                      "block of consecutive ranks, the pipeline crosses the nodes; "
+                      "within-nodes: a stage is strided over the nodes, each node holds whole "
+                      "pipelines)")
         if self.pp == 1:
             return
         refused = [(self.dense_shard != "replicate", "dense_shard", "--dense-shard replicate"),

@@ -1,5 +1,6 @@
 """What ``moeflow train --pp`` can run, checked before the ranks start (and again when a rank
-builds its stages): the stage size, the EP size inside a stage, the blocks per stage, and the
+builds its stages): the stage size, its placement on the nodes (``--pp-layout``), the EP size
+inside a stage, the blocks per stage, and the
 expert strategies that compose with pipeline parallelism (plain expert parallelism), and no
 auto-tuned exchange setting (the tuner's timings are world-wide collectives)."""
 
@@ -16,12 +17,15 @@ PP_PLACEMENTS = ("ep",)        # MoEConfig.placement values that compose with --
 PP_FIXED = {"a2a": "direct", "schedule": "sequential", "pipeline_degree": 1, "codec": "none"}
 
 
-def check_pipeline(mcfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
+def check_pipeline(mcfg: ModelConfig, tcfg: TrainConfig, world: int,
+                   local: int | None = None) -> int:
     """Raise ``ConfigError`` naming the flags when ``--pp`` cannot run this model on ``world``
-    ranks; return the stage group size (ranks per pipeline rank)."""
-    from moeflow.pipeline_parallel.mesh import stage_size
+    ranks (nodes of ``local`` ranks, default one node; ``--pp-layout`` places the stages on
+    them); return the stage group size (ranks per pipeline rank)."""
+    from moeflow.pipeline_parallel.mesh import stage_ranks_per_node, stage_size
 
     size = stage_size(world, tcfg.pp)
+    stage_ranks_per_node(world, tcfg.pp, local or world, tcfg.pp_layout)
     stage_blocks(mcfg.n_layers, num_stages(tcfg.pp_schedule, tcfg.pp))
     ep = tcfg.ep_size or size
     if size % ep:

@@ -65,7 +65,8 @@ class PipelineRunner:
         sched, pp, n = train_cfg.pp_schedule, train_cfg.pp, train_cfg.grad_accum
         v_shape = VIRTUAL_STYLE.get(sched) == "v"
         self.mesh = mesh or build_pipeline_mesh(pp, train_cfg.ep_size,
-                                                tied_across_ranks=not v_shape)
+                                                tied_across_ranks=not v_shape,
+                                                layout=train_cfg.pp_layout)
         n_stages = num_stages(sched, pp)
         blocks = stage_blocks(model_cfg.n_layers, n_stages)
         stages: list[GPTStage] = []
