@@ -203,8 +203,9 @@ def candidate_algorithms(requested: MoEConfig, topo) -> list[str]:
 
 def placement_candidates(requested: MoEConfig, topo) -> dict[str, str]:
     """With ``placement="auto"``: each of ``AUTO_PLACEMENTS`` -> ``"candidate"``, or why the
-    tuner does not measure it (``node_dedup``'s own ConfigError: one node, an EP group
-    smaller than the world, Parm's MP / ESP, ``recompute="moe_act"``, ...). ``"ep"`` is
+    tuner does not measure it (top-1 routing, which leaves nothing to deduplicate, or
+    ``node_dedup``'s own ConfigError: one node, an EP group smaller than the world, Parm's
+    MP / ESP, ``recompute="moe_act"``, ...). ``"ep"`` is
     always a candidate (on Parm's layouts it is Parm's baseline schedule, expert
     parallelism there). Empty for any other placement."""
     from moeflow.errors import ConfigError
@@ -214,6 +215,13 @@ def placement_candidates(requested: MoEConfig, topo) -> dict[str, str]:
         return {}
     out = {}
     for name in AUTO_PLACEMENTS:
+        if name == "node_dedup" and requested.top_k == 1:
+            # one expert per token puts it on one node: the deduplicated exchange sends the
+            # same inter-node rows as the direct one and only adds the relay hop (measured
+            # 1.21x slower at top-1, docs/benchmarks/layer.md), so it is never worth a screen
+            out[name] = ("not a candidate: top_k=1 sends each token to one node, so there "
+                         "is nothing to deduplicate")
+            continue
         try:
             STRATEGIES[name].check_config(placeholder(requested).replace(placement=name), topo)
             out[name] = "candidate"

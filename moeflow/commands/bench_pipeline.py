@@ -55,6 +55,10 @@ def bench_configs(args: argparse.Namespace, world: int, local: int):
                               "it must be >= 1")
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup} is invalid: it must be >= 0")
+    out_dir = os.path.dirname(args.out or "") or "."
+    if args.out and not os.path.isdir(out_dir):     # checked before minutes of steps
+        raise ConfigError(f"--out {args.out}: the folder {out_dir!r} does not exist; create it "
+                          f"(mkdir -p {out_dir}) or write elsewhere")
     mcfg = model_preset(args.preset, **parse_overrides(args.overrides, ModelConfig))
     cases = parse_cases(args.configs)
     for case in cases:

@@ -54,7 +54,8 @@ def test_node_dedup_is_a_candidate_only_where_it_runs_and_the_reason_is_kept():
             (_layout(1, 4), auto, "several nodes"),
             (_layout(2, 2, ep=2), auto, "ep_size=2"),
             (_layout(2, 2, mp=2), auto, "MP/ESP"),
-            (_layout(2, 2), auto.replace(recompute="moe_act"), "recompute")]:
+            (_layout(2, 2), auto.replace(recompute="moe_act"), "recompute"),
+            (_layout(2, 2), auto.replace(top_k=1), "top_k=1")]:
         got = placement_candidates(cfg, layout)
         assert got["ep"] == "candidate"
         assert got["node_dedup"].startswith("not a candidate") and why in got["node_dedup"]

@@ -78,6 +78,9 @@ def test_cli_refuses_before_the_ranks_start():
     args = parser.parse_args(["bench", "pipeline", "--micro-batches", "0"])
     with pytest.raises(ConfigError, match=r"^--micro-batches 0 is invalid"):
         bench_configs(args, 4, 4)
+    args = parser.parse_args(["bench", "pipeline", "--out", "no/such/folder/pp.json"])
+    with pytest.raises(ConfigError, match=r"^--out no/such/folder/pp.json: the folder"):
+        bench_configs(args, 4, 4)
 
 
 def _sample(step, fwd, bwd, sched, a2a=0.1, exposed=0.05):
