@@ -275,7 +275,7 @@ class MoELayer(nn.Module):
         if not this.replay:
             self._note_rows(call.plan, training=call.checkpointed)
         y = self._stage("combine", back, lambda b: b if strategy.combines_in_exchange
-                        else combine(b, call.plan, routing.weights))
+                        else combine(b, call.plan, routing.weights, tokens.dtype))
         y = self._project("up", y)                     # BigMac: ascend after combine
         if shared_y is not None:                       # DeepSeek-V3 Eq. 12: + sum FFN^(s)
             y = y + shared_y.to(y.dtype)
@@ -283,7 +283,9 @@ class MoELayer(nn.Module):
         if not this.replay:                # a recomputation leaves the forward's results
             self.aux_loss = aux_loss
             self._record_stats(routing, call.plan, runner.nonfinite, runner.inter_node_bytes)
-        y = self._timer.mark(y, None).reshape(x.shape)
+        # the input's dtype (under autocast too, as torchtitan's layer): the gated sum above
+        # is in the router's float32; a strategy that sums in its exchange is cast
+        y = self._timer.mark(y.to(x.dtype), None).reshape(x.shape)
         if self.attach_aux_loss:        # the aux loss rides on y's backward
             y = attach_aux_loss(y, aux_loss, self.aux_loss_backward_scale)
             if not this.replay:

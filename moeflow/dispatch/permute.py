@@ -100,6 +100,10 @@ class _Permute(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
+    """The gate-weighted sum; ``back`` may be lower precision than ``gate`` (bf16 expert
+    outputs, float32 gates): the products and the sum are then in ``gate``'s dtype, without a
+    full-precision copy of ``back``."""
+
     @staticmethod
     def forward(ctx, back, gate, maps, k, T):
         ctx.maps, ctx.k, ctx.T = maps, k, T
@@ -110,15 +114,17 @@ class _Combine(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gy):
         back, gate = ctx.saved_tensors
-        m, k, T = ctx.maps, ctx.k, ctx.T
-        gy = gy.contiguous()
+        m = ctx.maps
+        # each send row's token gradient, gathered once for both inputs' gradients
+        g_rows = gy.contiguous().index_select(0, m.token_of_row)
         grad_back = grad_gate = None
+        if ctx.needs_input_grad[1]:     # <back[i], gy[token(i)]> per row, then per choice
+            per_row = (back * g_rows).sum(-1)
+            grad_gate = per_row.index_select(0, m.row_of_choice)
         if ctx.needs_input_grad[0]:
             ext = torch.cat([gate, gate.new_zeros(1)])            # empty rows carry no gate
-            grad_back = _spread(gy, m, ext.index_select(0, m.choice_of_row))
-        if ctx.needs_input_grad[1]:
-            rows = back.index_select(0, m.row_of_choice).view(k, T, back.shape[1])
-            grad_gate = (rows * gy.unsqueeze(0)).sum(-1).reshape(-1)
+            grad_back = g_rows.mul_(ext.index_select(0, m.choice_of_row).unsqueeze(1)
+                                    ).to(back.dtype)
         return grad_back, grad_gate, None, None, None
 
 
@@ -129,14 +135,21 @@ def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return _Permute.apply(x, _maps(plan), plan.top_k, plan.num_tokens)
 
 
-def combine(back: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor) -> torch.Tensor:
+def combine(back: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Returned rows ``(send_rows, M)`` -> ``(T, M)``: sum over kept choices of gate * output,
-    summed in choice order for every token (deterministic, no atomics)."""
+    summed in choice order for every token (deterministic, no atomics), in the gates'
+    precision at least: expert outputs in bf16 / fp16 (autocast, a bf16 model) are weighted
+    and summed in the router's float32, as torchtitan's and Megatron-core's combines do, then
+    cast to ``out_dtype`` (the layer input's dtype; ``back``'s when None)."""
     T, k, M = plan.num_tokens, plan.top_k, back.shape[1]
+    out_dtype = back.dtype if out_dtype is None else out_dtype
+    acc = torch.promote_types(back.dtype, weights.dtype)
     if T == 0 or plan.send_rows == 0:
-        return back.new_zeros(T, M) + back.sum() * 0 + weights.sum().to(back.dtype) * 0
+        return (back.new_zeros(T, M, dtype=out_dtype) + back.sum().to(out_dtype) * 0
+                + weights.sum().to(out_dtype) * 0)
     m = _maps(plan)
-    gate = weights.t().reshape(-1).to(back.dtype)          # (T*k,) choice-major like the plan
+    gate = weights.t().reshape(-1).to(acc)                 # (T*k,) choice-major like the plan
     if m.kept is not None:
         gate = gate * m.kept.to(gate.dtype)
-    return _Combine.apply(back.contiguous(), gate, m, k, T)
+    return _Combine.apply(back.contiguous(), gate, m, k, T).to(out_dtype)

@@ -25,7 +25,10 @@ def _check(results: dict) -> None:
     for key, got in results.items():
         case = dict(key)
         codecs.add(case["codec"])
-        assert got["dtype"] == got["dense_dtype"] == torch.bfloat16, f"{case}: {got}"
+        # a dense FFN gives bf16 under autocast; the layer returns its input's float32
+        # (the gated sum in the router's precision, docs/guide.md "Autocast")
+        assert got["dense_dtype"] == torch.bfloat16 and got["dtype"] == torch.float32, \
+            f"{case}: {got}"
         assert got["grad_dtype"] == torch.float32, f"{case}: {got}"
         if got["syncs"] is None:
             continue
