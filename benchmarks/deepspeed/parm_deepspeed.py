@@ -370,6 +370,17 @@ def compare_outputs(base: MoEConfig, topo: Topology, x: torch.Tensor) -> dict:
     return got
 
 
+def auto_choice(layer) -> str:
+    """The schedule Algorithm 1 took on ``layer``'s last call (``parallel_schedule="auto"``);
+    "baseline" where the layout runs no paused-MP schedule (no MP / ESP)."""
+    parts = layer.strategy.parts
+    if parts is None:
+        return "baseline"
+    if parts.auto is None or parts.auto.last is None:
+        raise ValueError("auto_choice: the layer is not parallel_schedule='auto' or has not run")
+    return parts.auto.last.schedule
+
+
 def compare_worker(opts: dict) -> dict:
     world = Topology.from_env()
     device = resolve_device(opts.get("device", "cpu"))
@@ -401,12 +412,14 @@ def compare_worker(opts: dict) -> dict:
                 if i >= opts["warmup"]:
                     for ts, t in zip(times, got):
                         ts.append(t)
+            chosen = auto_choice(layers[labels.index("auto") - len(dsl)])
             for layer in layers:
                 layer.lane.close()
             med = {v: 1e3 * statistics.median(ts) for v, ts in zip(labels, times)}
             rows.append({"n_mp": mp, "n_ep": ep, "n_esp": esp, "tokens_per_rank": tokens,
                          "d_model": M, "d_expert": 2 * M, "num_experts": cfg.num_experts,
-                         "top_k": cfg.top_k, "capacity_factor": f, "step_ms": med,
+                         "top_k": cfg.top_k, "capacity_factor": f, "auto_choice": chosen,
+                         "step_ms": med,
                          "speedup_over_deepspeed": {v: med["deepspeed"] / med[v] for v in labels},
                          "samples_ms": {v: [1e3 * t for t in ts]
                                         for v, ts in zip(labels, times)}})
@@ -430,8 +443,10 @@ def format_compare(res: dict) -> str:
         t, s = r["step_ms"], r["speedup_over_deepspeed"]
         lines.append(f"{r['tokens_per_rank']:>5} {r['capacity_factor']:>5} "
                      + " ".join(f"{t[v]:>12.1f}" for v in labels) + "   "
-                     + " ".join(f"{s[v]:.2f}x" for v in labels[1:]))
-    lines.append("step ms: median forward + backward, slowest rank")
+                     + " ".join(f"{s[v]:.2f}x" for v in labels[1:])
+                     + f"   auto took {r.get('auto_choice', '-')}")
+    lines.append("step ms: median forward + backward, slowest rank; auto took: Algorithm 1's "
+                 "schedule for the case (- in results recorded before it was kept)")
     if ORDER_081 in dsl:
         lines.append(f"{ORDER_081}: the {res['deepspeed_version']} layer with its MP drop/gather "
                      "off (0.8.1's order for tensor-parallel experts, emulated)")

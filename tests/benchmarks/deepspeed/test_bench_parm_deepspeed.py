@@ -5,6 +5,8 @@ run by hand (docs/benchmarks/parm.md, "Against DeepSpeed-MoE"), not in CI."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from benchmarks.deepspeed import parm_deepspeed as pd
@@ -96,7 +98,8 @@ def _result(version: str, labels: list[str]) -> dict:
                        "max_abs_output": 2.0, "tolerance": pd.TOLERANCE, "agrees": True}
     return {"topology": "T", "deepspeed_version": version, "deepspeed_labels": labels,
             "numeric_check": [check],
-            "rows": [{"tokens_per_rank": 64, "capacity_factor": 1.25, "step_ms": step,
+            "rows": [{"tokens_per_rank": 64, "capacity_factor": 1.25, "auto_choice": "ted",
+                      "step_ms": step,
                       "speedup_over_deepspeed": {v: step["deepspeed"] / step[v] for v in cols}}]}
 
 
@@ -110,6 +113,19 @@ def test_format_names_the_installed_version_and_its_columns():
     assert "baseline vs deepspeed-0.8.1-order" in new
     # the speedup column of the emulation: 10.0 / 11.0
     assert "0.91x" in new.splitlines()[3]
+    assert "auto took ted" in new.splitlines()[3]
+
+
+def _layer(parts):
+    return SimpleNamespace(strategy=SimpleNamespace(parts=parts))
+
+
+def test_auto_choice_reads_the_schedule_algorithm1_took():
+    took = SimpleNamespace(auto=SimpleNamespace(last=SimpleNamespace(schedule="ted")))
+    assert pd.auto_choice(_layer(took)) == "ted"
+    assert pd.auto_choice(_layer(None)) == "baseline"       # no MP / ESP: no paused-MP schedule
+    with pytest.raises(ValueError, match="has not run"):
+        pd.auto_choice(_layer(SimpleNamespace(auto=SimpleNamespace(last=None))))
 
 
 def test_installed_deepspeed_order_and_sampling_switch():
