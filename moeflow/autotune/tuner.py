@@ -20,8 +20,11 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    (:func:`placement_candidates`: several nodes, its ``check_config``; otherwise
    ``TunedChoice.placements`` says why not); with a time budget, then the overlap trials on
    the best pair so far (OptSche at each r > 1, :func:`screen_order`); then every other
-   usable all-to-all algorithm (``check_topology`` passes), lossless. The best two (codec,
-   algorithm or ``DEDUP_ROUTE``) pairs are kept.
+   usable all-to-all algorithm (``check_topology`` passes), lossless. With ``node_dedup``
+   screened, the paired placement screen (:mod:`moeflow.autotune.paired`) re-times it and
+   expert parallelism on the first algorithm in interleaved pairs and decides by the median
+   of the pairs' ratios whether ``node_dedup`` stays a candidate (:func:`pick`'s
+   ``dedup_ok``). The best two (codec, algorithm or ``DEDUP_ROUTE``) pairs are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
@@ -57,7 +60,8 @@ they re-tune together (EP groups may see different rows: deciding alone could le
 waiting in the tuner's collectives).
 
 Without a time budget the cost is bounded by construction: ``(algorithms + lossy codecs) x
-(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps.
+(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps,
+plus ``2 x (1 + PAIRED_REPS)`` for the paired placement screen with ``placement="auto"``.
 
 Output (logger ``moeflow.autotune``, rank 0): each stage logs a detail line with its elapsed
 time at DEBUG, and each tuning one INFO line (layer, token count, the choice, the tuning's
