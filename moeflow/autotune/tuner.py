@@ -356,6 +356,22 @@ def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[
     return [((pair[0], pair[1], s, r), None) for s in order] if r is not None else []
 
 
+def _time_step(layer, cfg: MoEConfig, x: torch.Tensor, clock: TuneClock) -> float:
+    """One forward + backward step of ``layer`` with the settings of ``cfg``, in seconds,
+    the slowest rank's (the same on every rank); it becomes the clock's step estimate."""
+    from moeflow.measure.timing import time_aligned
+
+    def run():
+        y = layer(x)
+        (y.float().square().mean() + layer.aux_loss).backward()
+
+    apply(layer, cfg)
+    t = time_aligned(run, layer.topo, x.device)
+    layer.zero_grad(set_to_none=True)
+    clock.note_step(t)
+    return t
+
+
 def _paired_placement(layer, x: torch.Tensor, clock: TuneClock, measured: list[dict],
                       screen: dict, ep_cfg: MoEConfig, dedup_cfg: MoEConfig) -> bool:
     """The placement screen (:mod:`moeflow.autotune.paired`): ``ep_cfg`` and ``dedup_cfg``
@@ -363,20 +379,8 @@ def _paired_placement(layer, x: torch.Tensor, clock: TuneClock, measured: list[d
     and ``screen`` become the medians of the paired steps, and the result says whether
     ``node_dedup`` beats expert parallelism by more than ``SIMPLER_MARGIN`` (the same on
     every rank: every time is the slowest rank's)."""
-    from moeflow.measure.timing import time_aligned
-
     def timed(cfg):
-        def run():
-            y = layer(x)
-            (y.float().square().mean() + layer.aux_loss).backward()
-
-        def one() -> float:
-            apply(layer, cfg)
-            t = time_aligned(run, layer.topo, x.device)
-            layer.zero_grad(set_to_none=True)
-            clock.note_step(t)
-            return t
-        return one
+        return lambda: _time_step(layer, cfg, x, clock)
 
     ep, dedup = paired_times(timed(ep_cfg), timed(dedup_cfg), PAIRED_REPS, clock.fits)
     if len(ep) < PAIRED_REPS:
