@@ -20,8 +20,11 @@ each (r, schedule), Theorem 1's OptSche is among the candidates). At the layer's
    (:func:`placement_candidates`: several nodes, its ``check_config``; otherwise
    ``TunedChoice.placements`` says why not); with a time budget, then the overlap trials on
    the best pair so far (OptSche at each r > 1, :func:`screen_order`); then every other
-   usable all-to-all algorithm (``check_topology`` passes), lossless. The best two (codec,
-   algorithm or ``DEDUP_ROUTE``) pairs are kept.
+   usable all-to-all algorithm (``check_topology`` passes), lossless. With ``node_dedup``
+   screened, the paired placement screen (:mod:`moeflow.autotune.paired`) re-times it and
+   expert parallelism on the first algorithm in interleaved pairs and decides by the median
+   of the pairs' ratios whether ``node_dedup`` stays a candidate (:func:`pick`'s
+   ``dedup_ok``). The best two (codec, algorithm or ``DEDUP_ROUTE``) pairs are kept.
 2. Profile + predict: :func:`moeflow.schedule.chooser.choose` profiles those at r in
    ``DEGREES`` and predicts every (codec, algorithm, schedule, r) candidate.
 3. Measure: the ``MEASURE_TOP`` best predictions are run (1 warm-up + ``reps`` steps), but
@@ -57,7 +60,8 @@ they re-tune together (EP groups may see different rows: deciding alone could le
 waiting in the tuner's collectives).
 
 Without a time budget the cost is bounded by construction: ``(algorithms + lossy codecs) x
-(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps.
+(1 + reps) + 2 x choose's profile steps + MEASURE_TOP x (1 + reps)`` forward + backward steps,
+plus ``2 x (1 + PAIRED_REPS)`` for the paired placement screen with ``placement="auto"``.
 
 Output (logger ``moeflow.autotune``, rank 0): each stage logs a detail line with its elapsed
 time at DEBUG, and each tuning one INFO line (layer, token count, the choice, the tuning's
@@ -76,6 +80,7 @@ import torch
 
 from moeflow.autotune.clock import TuneClock
 from moeflow.autotune.lossy import ErrorProbe, gentlest_first, lossy_candidates
+from moeflow.autotune.paired import PAIRED_REPS, dedup_wins, paired_times
 from moeflow.autotune.settings import _Preserved, apply
 from moeflow.config import AUTO, AUTO_LOSSY, AUTO_PLACEMENTS, MoEConfig
 
@@ -351,7 +356,46 @@ def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[
     return [((pair[0], pair[1], s, r), None) for s in order] if r is not None else []
 
 
-def pick(measured: list[dict], margin: float = SIMPLER_MARGIN) -> dict:
+def _time_step(layer, cfg: MoEConfig, x: torch.Tensor, clock: TuneClock) -> float:
+    """One forward + backward step of ``layer`` with the settings of ``cfg``, in seconds,
+    the slowest rank's (the same on every rank); it becomes the clock's step estimate."""
+    from moeflow.measure.timing import time_aligned
+
+    def run():
+        y = layer(x)
+        (y.float().square().mean() + layer.aux_loss).backward()
+
+    apply(layer, cfg)
+    t = time_aligned(run, layer.topo, x.device)
+    layer.zero_grad(set_to_none=True)
+    clock.note_step(t)
+    return t
+
+
+def _paired_placement(layer, x: torch.Tensor, clock: TuneClock, measured: list[dict],
+                      screen: dict, ep_cfg: MoEConfig, dedup_cfg: MoEConfig) -> bool:
+    """The placement screen (:mod:`moeflow.autotune.paired`): ``ep_cfg`` and ``dedup_cfg``
+    (both screened already) timed in interleaved pairs; their screen entries in ``measured``
+    and ``screen`` become the medians of the paired steps, and the result says whether
+    ``node_dedup`` beats expert parallelism by more than ``SIMPLER_MARGIN`` (the same on
+    every rank: every time is the slowest rank's)."""
+    def timed(cfg):
+        return lambda: _time_step(layer, cfg, x, clock)
+
+    ep, dedup = paired_times(timed(ep_cfg), timed(dedup_cfg), PAIRED_REPS, clock.fits)
+    if len(ep) < PAIRED_REPS:
+        clock.note_cut(f"paired placement screen: {len(ep)} of {PAIRED_REPS} pairs")
+    for cfg, times in ((ep_cfg, ep), (dedup_cfg, dedup)):
+        key = (cfg.codec, DEDUP_ROUTE if cfg.placement == "node_dedup" else cfg.a2a,
+               cfg.schedule, cfg.pipeline_degree)
+        m = next(m for m in measured if m["stage"] == "screen" and _key(m) == key)
+        m["measured_ms"] = 1e3 * statistics.median(times)
+        m["paired_ms"] = [1e3 * t for t in times]
+        screen[(cfg.codec, _route(m))] = m["measured_ms"]
+    return dedup_wins(ep, dedup, SIMPLER_MARGIN)
+
+
+def pick(measured: list[dict], margin: float = SIMPLER_MARGIN, dedup_ok: bool = True) -> dict:
     """The winner among the measured candidates: the simplest of those within ``margin`` of
     the fastest median (expert parallelism before ``node_dedup``, then fewest chunks, then
     the sequential schedule, then the fastest): ``node_dedup`` (``placement="auto"``) wins
@@ -363,6 +407,8 @@ def pick(measured: list[dict], margin: float = SIMPLER_MARGIN) -> dict:
     r = 1 in one step (1778 vs 1791 ms) and then ran at a median of 1935 ms over 25 steps
     (r = 1: 1692 and 1722 ms in two other runs), while where overlap pays it beat r = 1 by
     12-18 % (docs/benchmarks/layer.md, the auto-tuning table at the final code)."""
+    if not dedup_ok:      # the paired placement screen kept expert parallelism
+        measured = [m for m in measured if m.get("placement", "ep") != "node_dedup"] or measured
     fastest = min(m["measured_ms"] for m in measured)
     near = [m for m in measured if m["measured_ms"] <= fastest * (1.0 + margin)]
     return min(near, key=lambda m: (m.get("placement", "ep") == "node_dedup",
@@ -475,6 +521,15 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                 err = f", error {errors[c]:.2e}" if c in errors else ""
                 _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c} a2a={a} r=1: "
                            f"{screen[(c, a)]:.1f} ms{err} {elapsed()}")
+            dedup_ok = True
+            if (lossless, DEDUP_ROUTE) in screen and (lossless, first) in screen:
+                dedup_ok = _paired_placement(layer, x, clock, measured, screen,
+                                             concrete(base, lossless, first),
+                                             concrete(base, lossless, DEDUP_ROUTE))
+                _say(topo, f"{label}: paired screen direct vs node_dedup: "
+                           f"{screen[(lossless, first)]:.1f} vs "
+                           f"{screen[(lossless, DEDUP_ROUTE)]:.1f} ms (medians), node_dedup "
+                           f"{'kept' if dedup_ok else 'dropped'} {elapsed()}")
             kept = sorted(screen, key=screen.get)[:KEEP_ALGOS]
             # 2. ScheMoE's profiler + chooser on the kept (codec, algorithm) pairs, cut to
             #    one pair, then skipped, when the budget cannot hold it
@@ -523,7 +578,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                            f"{m['measured_ms']:.1f} ms {elapsed()}")
         finally:
             layer._tuning = False
-    win = pick(measured)
+    win = pick(measured, dedup_ok=dedup_ok)
     pred = win["predicted_ms"]
     if pred is None:      # measured in the screen: the chooser's prediction, where it made one
         pred = next((1e3 * c.predicted_s for c in cands if _key(c) == _key(win)), None)

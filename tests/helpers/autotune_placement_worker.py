@@ -38,6 +38,22 @@ def _injected(dedup_s: float, ep_s: float):
     return measure
 
 
+def _injected_step(dedup_s: float, ep_s: float):
+    """``tuner._time_step`` (the paired placement screen's steps) likewise: each step run
+    for real, the given seconds reported."""
+    real = tuner._time_step
+
+    def step(layer, cfg, x, clock):
+        real(layer, cfg, x, clock)
+        return dedup_s if cfg.placement == "node_dedup" else ep_s
+    return step
+
+
+def _inject(dedup_s: float, ep_s: float) -> None:
+    tuner._measure = _injected(dedup_s, ep_s)
+    tuner._time_step = _injected_step(dedup_s, ep_s)
+
+
 def _grads(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, checkpointed: bool,
            between=None) -> dict:
     x = x.clone().requires_grad_()
@@ -76,11 +92,11 @@ def worker(ckpt_dir: str) -> dict:
     seen: dict = {}
     out["measured"] = dict(parity.run_rank(CASE, two_nodes, _tune_and_keep(seen),
                                            placement="auto", autotune_budget_s=None), **seen)
-    real = tuner._measure
+    real, real_step = tuner._measure, tuner._time_step
     try:
         # 2. node_dedup 10x faster: kept, and the step after tuning (with node_dedup) equals
         #    the reference: tuning changed no parameter, gradient or random state
-        tuner._measure = _injected(0.001, 0.010)
+        _inject(0.001, 0.010)
         seen = {}
         out["dedup_wins"] = dict(parity.run_rank(CASE, two_nodes, _tune_and_keep(seen),
                                                  placement="auto", autotune_budget_s=None,
@@ -90,7 +106,7 @@ def worker(ckpt_dir: str) -> dict:
         #     recomputation: the recomputation replays the forward's strategy (node_dedup)
         out["replay"] = _replay_after_retune(two_nodes)
         # 3. node_dedup 3 % faster (within SIMPLER_MARGIN): expert parallelism is kept
-        tuner._measure = _injected(0.0097, 0.010)
+        _inject(0.0097, 0.010)
         seen = {}
         out["within_margin"] = dict(parity.run_rank(CASE, two_nodes, _tune_and_keep(seen),
                                                     placement="auto", autotune_budget_s=None),
@@ -98,7 +114,7 @@ def worker(ckpt_dir: str) -> dict:
         # 4. checkpoints: a layer that chose node_dedup saves; the same keys load into a
         #    placement="ep" layer and into a placement="auto" one, which restores the choice
         #    (no re-tuning) and runs node_dedup
-        tuner._measure = _injected(0.001, 0.010)
+        _inject(0.001, 0.010)
         layer = parity.make_layer(CASE, two_nodes, placement="auto", autotune_budget_s=None)
         x, _ = parity.make_batch(CASE, two_nodes.rank)
         layer.tune(x)
@@ -119,7 +135,7 @@ def worker(ckpt_dir: str) -> dict:
                 "y": y.detach(), "strategy": other.strategy.name}
         out["checkpoint"] = dict(loaded, tuning_calls=len(calls), y_saved=layer(x).detach())
     finally:
-        tuner._measure = real
+        tuner._measure, tuner._time_step = real, real_step
     # 5. one node of 4 ranks: node_dedup is not a candidate, and the record says why
     one_node = Topology.from_env()
     seen = {}
