@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from moeflow.commands.common import run_meta
 from moeflow.registry import did_you_mean
@@ -32,8 +33,23 @@ def register_bench(bsub) -> None:
                    help="torch CPU threads (default 1: one rank's share on a shared machine)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape")
     p.add_argument("--reps", type=int, default=5, help="timed calls per shape (median kept)")
-    p.add_argument("--out", default=None, help="write the fits as JSON (moeflow.compute/1)")
+    p.add_argument("--out", default=None,
+                   help="write the fits as JSON (moeflow.compute/1); a {rank} in the name is "
+                        "replaced by the launcher's RANK (0 outside a launcher), so every rank "
+                        "of `moeflow cluster run --cpu-per-rank X -- moeflow bench compute` "
+                        "writes its own fit, taken under its own CPU quota")
     p.set_defaults(func=run_compute)
+
+
+def out_path(template: str, env) -> str:
+    """`--out` with `{rank}` replaced by the launcher's RANK (torchrun sets it; 0 without one)."""
+    if "{rank}" not in template:
+        return template
+    rank = env.get("RANK", "0")
+    if not rank.isdigit():
+        raise SystemExit(f"moeflow bench compute: RANK={rank!r} is not a rank number; "
+                         "unset it or run under a launcher that sets it")
+    return template.replace("{rank}", rank)
 
 
 def run_compute(args: argparse.Namespace) -> int:
@@ -67,8 +83,9 @@ def run_compute(args: argparse.Namespace) -> int:
         raise SystemExit(f"moeflow bench compute: {err}")
     print(compute.format_table(res))
     if args.out:
+        out = out_path(args.out, os.environ)
         res["run_meta"] = run_meta()
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(res, f, indent=1)
-        print(f"wrote {args.out}")
+        print(f"wrote {out}")
     return 0
