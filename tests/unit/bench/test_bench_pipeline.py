@@ -42,10 +42,15 @@ def test_bubble_refusals():
 
 
 def test_configs_are_parsed_and_refused_by_name():
-    cases = parse_cases("ep, pp2:1f1b,pp2:zbv:within-nodes")
+    cases = parse_cases("ep, pp2:1f1b,pp2:zbv:within-nodes,pp2:dualpipev:overlap=off,"
+                        "pp2:dualpipev:within-nodes:overlap=on")
     assert cases == [PipelineCase("ep"), PipelineCase("pp2:1f1b", 2, "1f1b"),
-                     PipelineCase("pp2:zbv:within-nodes", 2, "zbv", "within-nodes")]
-    for bad in ("pp1:1f1b", "pp2:zb", "pp2:1f1b:diagonal", "dp"):
+                     PipelineCase("pp2:zbv:within-nodes", 2, "zbv", "within-nodes"),
+                     PipelineCase("pp2:dualpipev:overlap=off", 2, "dualpipev", overlap="off"),
+                     PipelineCase("pp2:dualpipev:within-nodes:overlap=on", 2, "dualpipev",
+                                  "within-nodes", "on")]
+    assert case_train_config(cases[3], 4, 16, 4, 3).pp_overlap == "off"
+    for bad in ("pp1:1f1b", "pp2:zb", "pp2:1f1b:diagonal", "dp", "pp2:dualpipev:overlap=x"):
         with pytest.raises(ConfigError, match=rf"^--configs has '{bad}'"):
             parse_cases(bad)
     with pytest.raises(ConfigError, match="each once"):
@@ -85,6 +90,8 @@ def test_cli_refuses_before_the_ranks_start():
 
 def _sample(step, fwd, bwd, sched, a2a=0.1, exposed=0.05):
     return {"step_s": step, "a2a_s": a2a, "a2a_exposed_s": exposed,
+            "clock_total_s": 2 * a2a, "clock_exposed_s": exposed, "clock_count": 8.0,
+            "clock_handed": 0.0,
             "chunk_s": {"forward": fwd, "backward": bwd, "weight": 0.0, "schedule": sched},
             "chunk_n": {"forward": 4, "backward": 4, "weight": 0, "schedule": 1}}
 
@@ -107,9 +114,11 @@ def test_record_from_per_rank_samples():
     assert b["chunk_mean_s"]["forward"] == pytest.approx((0.4 + 0.4 + 0.3 + 0.3) / 16)
     assert b["theory"] == pytest.approx(1 / 5)
     assert rec["a2a_per_rank"][0]["a2a_exposed_s"]["median"] == 0.05
+    assert rec["a2a_per_rank"][0]["clock_total_s"]["median"] == 0.2
+    assert rec["a2a_hidden_share"] == pytest.approx(1 - 0.05 / 0.2)
     assert rec["samples_per_rank"][1] == ranks[1]["samples"]
     ep = summarise(PipelineCase("ep"), case_train_config(PipelineCase("ep"), 4, 16, 4, 3),
                    ranks, tokens=3000, micro=4)
     assert "bubble" not in ep and ep["schedule"] is None
     table = format_table({"cases": [rec, ep]})
-    assert "0.30/0.20" in table and "1750" in table
+    assert "0.30/0.20" in table and "1750" in table and "0.75" in table
