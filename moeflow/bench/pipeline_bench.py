@@ -10,7 +10,8 @@ timed step and rank it records:
 - under a pipeline, the schedule's seconds (``PipelineRunner.forward_backward``) and the
   seconds inside the stages' compute (torch's ``PipelineStage.forward_one_chunk``,
   ``backward_one_chunk``, ``backward_weight_one_chunk``, the MoE exchanges inside them
-  included): the measured bubble is the rest, ``1 - compute / schedule``, set beside the
+  included; the union of their spans, so an overlapped pair's two chunks count once): the
+  measured bubble is the rest, ``1 - compute / schedule``, set beside the
   schedule's theoretical share (:mod:`moeflow.bench.pipeline_bubble`) from the mean chunk
   times of all ranks;
 - the MoE layers' all-to-all: the comm-lane seconds of each layer's timeline, and the part of
@@ -32,6 +33,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -54,15 +56,33 @@ _CHUNKS = {"forward": "forward_one_chunk", "backward": "backward_one_chunk",
 
 class _Timers:
     """Seconds and calls of the wrapped methods since the last :meth:`reset` (on CUDA the
-    device is synchronised at both ends, so a chunk's kernels count, not their launch)."""
+    device is synchronised at both ends, so a chunk's kernels count, not their launch), and
+    ``compute``: the seconds during which at least one chunk ran (an overlapped pair's two
+    chunks run at once, DeepSeek-V3 Section 3.2.1; their union counts once)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device if device.type == "cuda" else None
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self):
-        self.s = {k: 0.0 for k in (*_CHUNKS, "schedule")}
+        self.s = {k: 0.0 for k in (*_CHUNKS, "schedule", "compute")}
         self.n = {k: 0 for k in self.s}
+        self._active, self._since = 0, 0.0
+
+    def _enter(self, key: str, t: float) -> None:
+        if key in _CHUNKS:
+            with self._lock:
+                if self._active == 0:
+                    self._since = t
+                self._active += 1
+
+    def _leave(self, key: str, t: float) -> None:
+        if key in _CHUNKS:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self.s["compute"] += t - self._since
 
     def wrap(self, obj, attr: str, key: str) -> None:
         fn = getattr(obj, attr)
@@ -71,13 +91,17 @@ class _Timers:
             if self.cuda is not None:
                 torch.cuda.synchronize(self.cuda)
             t0 = time.perf_counter()
+            self._enter(key, t0)
             try:
                 return fn(*args, **kwargs)
             finally:
                 if self.cuda is not None:
                     torch.cuda.synchronize(self.cuda)
-                self.s[key] += time.perf_counter() - t0
-                self.n[key] += 1
+                t1 = time.perf_counter()
+                self._leave(key, t1)
+                with self._lock:
+                    self.s[key] += t1 - t0
+                    self.n[key] += 1
         setattr(obj, attr, timed)
 
 
@@ -199,6 +223,11 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _compute_s(chunk_s: dict) -> float:
+    """The seconds some chunk ran (the union; the chunks' sum in records without it)."""
+    return chunk_s.get("compute", sum(chunk_s[k] for k in _CHUNKS))
+
+
 def _hidden_share(ranks: list[dict]) -> float | None:
     """``1 - exposed / total`` of the clock over every rank and timed step (None: no
     exchange timed, e.g. one EP rank)."""
@@ -223,7 +252,7 @@ def summarise(case: PipelineCase, tcfg, ranks: list[dict], tokens: int, micro: i
            "a2a_hidden_share": _hidden_share(ranks),
            "samples_per_rank": [r["samples"] for r in ranks]}
     if case.pp > 1:
-        idle = [[1.0 - sum(s["chunk_s"][k] for k in _CHUNKS) / s["chunk_s"]["schedule"]
+        idle = [[1.0 - _compute_s(s["chunk_s"]) / s["chunk_s"]["schedule"]
                  for s in r["samples"]] for r in ranks]
         mean = {k: sum(s["chunk_s"][k] for r in ranks for s in r["samples"])
                 / max(1, sum(s["chunk_n"][k] for r in ranks for s in r["samples"]))

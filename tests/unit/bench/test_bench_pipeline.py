@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from moeflow.bench.pipeline_bench import format_table, summarise
 from moeflow.bench.pipeline_bubble import bubble_share, bubble_time
@@ -31,6 +32,34 @@ def test_bubble_matches_the_papers_closed_forms(p, m):
     assert bubble_time("dualpipev", p, 1.0, 1.0, 1.0) == 0.0
     share = bubble_share("dualpipev", p, m, 1.0, 2.0, 0.0, fb=2.5)
     assert share == pytest.approx((p - 1) * 4.5 / ((p - 1) * 4.5 + 2 * m * 3.0))
+
+
+def test_chunk_timers_count_overlapping_chunks_once():
+    import threading
+    import time
+
+    from moeflow.bench.pipeline_bench import _Timers
+
+    class _Stage:
+        def forward_one_chunk(self):
+            time.sleep(0.2)
+
+        def backward_one_chunk(self):
+            time.sleep(0.2)
+
+    stage, timers = _Stage(), _Timers(torch.device("cpu"))
+    timers.wrap(stage, "forward_one_chunk", "forward")
+    timers.wrap(stage, "backward_one_chunk", "backward")
+    pair = [threading.Thread(target=stage.forward_one_chunk),
+            threading.Thread(target=stage.backward_one_chunk)]
+    for t in pair:
+        t.start()
+    for t in pair:
+        t.join()
+    assert timers.s["forward"] >= 0.2 and timers.s["backward"] >= 0.2
+    assert 0.2 <= timers.s["compute"] < 0.35      # the overlapping spans once
+    stage.forward_one_chunk()
+    assert 0.4 <= timers.s["compute"] < 0.6
 
 
 def test_bubble_refusals():
@@ -120,5 +149,11 @@ def test_record_from_per_rank_samples():
     ep = summarise(PipelineCase("ep"), case_train_config(PipelineCase("ep"), 4, 16, 4, 3),
                    ranks, tokens=3000, micro=4)
     assert "bubble" not in ep and ep["schedule"] is None
+    # an overlapped pair's chunks run at once: the union of their spans is the compute
+    for r in ranks:
+        for smp in r["samples"]:
+            smp["chunk_s"]["compute"] = 0.5
+    assert summarise(case, tcfg, ranks, tokens=3000, micro=4)["bubble"]["measured_mean"] == \
+        pytest.approx(0.5)
     table = format_table({"cases": [rec, ep]})
     assert "0.30/0.20" in table and "1750" in table and "0.75" in table
