@@ -64,7 +64,10 @@ def test_cli_flags_reach_the_config():
     args = parser.parse_args(["train", "--pp", "2", "--pp-schedule", "zbv", "--grad-accum",
                               "4", "--eval-batches", "4"])
     mcfg, tcfg = train_cmd.configs_from_args(args)
-    assert (tcfg.pp, tcfg.pp_schedule, tcfg.grad_accum) == (2, "zbv", 4)
+    assert (tcfg.pp, tcfg.pp_schedule, tcfg.grad_accum, tcfg.pp_overlap) == (2, "zbv", 4, "auto")
+    args = parser.parse_args(["train", "--pp", "2", "--pp-schedule", "dualpipev", "--grad-accum",
+                              "4", "--eval-batches", "4", "--pp-overlap", "off"])
+    assert train_cmd.configs_from_args(args)[1].pp_overlap == "off"
     # --pp runs fixed exchange settings (the tuner's barriers span the world), not "auto"
     assert "auto" not in (mcfg.moe.a2a, mcfg.moe.schedule, mcfg.moe.pipeline_degree)
     check_pipeline(mcfg, tcfg, 4)
