@@ -70,19 +70,12 @@ class _Timers:
         self.n = {k: 0 for k in self.s}
         self._active, self._since = 0, 0.0
 
-    def _enter(self, key: str, t: float) -> None:
-        if key in _CHUNKS:
-            with self._lock:
-                if self._active == 0:
-                    self._since = t
-                self._active += 1
-
-    def _leave(self, key: str, t: float) -> None:
-        if key in _CHUNKS:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    self.s["compute"] += t - self._since
+    def _span(self, key: str, t: float, step: int) -> None:
+        """A chunk begins (``step`` 1) or ends (-1) at ``t``: the union of their spans."""
+        with self._lock:
+            self._since = t if self._active == 0 else self._since
+            self._active += step * (key in _CHUNKS)
+            self.s["compute"] += (t - self._since) * (self._active == 0 and key in _CHUNKS)
 
     def wrap(self, obj, attr: str, key: str) -> None:
         fn = getattr(obj, attr)
@@ -91,14 +84,14 @@ class _Timers:
             if self.cuda is not None:
                 torch.cuda.synchronize(self.cuda)
             t0 = time.perf_counter()
-            self._enter(key, t0)
+            self._span(key, t0, 1)
             try:
                 return fn(*args, **kwargs)
             finally:
                 if self.cuda is not None:
                     torch.cuda.synchronize(self.cuda)
                 t1 = time.perf_counter()
-                self._leave(key, t1)
+                self._span(key, t1, -1)
                 with self._lock:
                     self.s[key] += t1 - t0
                     self.n[key] += 1
@@ -127,9 +120,8 @@ class _CaseRun:
         self.timers.reset()
         for layer in self.layers:
             layer.timeline = Timeline()
-        runner = self.trainer.pipeline
         # a pipeline's runner installs its own clock for its schedule; ep: this one
-        clock = runner.a2a_clock if runner is not None else A2AClock()
+        clock = getattr(self.trainer.pipeline, "a2a_clock", None) or A2AClock()
         clock.take()
         previous = wait_watch.install(clock)
         dist.barrier()
@@ -211,10 +203,8 @@ def bench_worker(cases: list[PipelineCase], mcfg, global_batch: int, micro: int,
             "load_end": os.getloadavg(), "memory_count": MEMORY_COUNT,
             "a2a_count": "comm-lane seconds of the MoE layers' timelines; exposed: not covered "
                          "by the same layer's compute tasks",
-            "clock_count": "A2AClock: the exchanges' issue-to-completion seconds (total) and "
-                           "the seconds blocked in their wait (exposed), so another "
-                           "micro-batch's compute (--pp-overlap) counts as hiding; "
-                           "a2a_hidden_share = 1 - exposed / total",
+            "clock_count": "A2AClock: exchanges' issue-to-completion (total) and blocked-in-"
+                           "wait (exposed) seconds; a2a_hidden_share = 1 - exposed / total",
             "cases": [summarise(run.case, run.tcfg, [every[r][i] for r in range(world)],
                                 tokens, micro) for i, run in enumerate(runs)]}
 
@@ -223,16 +213,14 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def _compute_s(chunk_s: dict) -> float:
-    """The seconds some chunk ran (the union; the chunks' sum in records without it)."""
+def _compute_s(chunk_s: dict) -> float:       # the union; the sum in records without it
     return chunk_s.get("compute", sum(chunk_s[k] for k in _CHUNKS))
 
 
 def _hidden_share(ranks: list[dict]) -> float | None:
-    """``1 - exposed / total`` of the clock over every rank and timed step (None: no
-    exchange timed, e.g. one EP rank)."""
-    total = sum(s["clock_total_s"] for r in ranks for s in r["samples"])
-    exposed = sum(s["clock_exposed_s"] for r in ranks for s in r["samples"])
+    """``1 - exposed / total`` of the clock over every rank and step (None: none timed)."""
+    total, exposed = (sum(s[k] for r in ranks for s in r["samples"])
+                      for k in ("clock_total_s", "clock_exposed_s"))
     return 1.0 - exposed / total if total > 0 else None
 
 
