@@ -71,24 +71,38 @@ class Turns:
             self._cv.notify_all()
 
 
-def _in_thread(name: str, turns: Turns, fn, device_type: str, errors: dict):
-    """``fn`` on a thread of its own, under the caller's autocast state (thread-local)."""
-    enabled = torch.is_autocast_enabled(device_type)
-    dtype = torch.get_autocast_dtype(device_type)
+class PairThreads:
+    """The two threads that run the pairs' halves, kept for the runner's life: a fresh thread
+    per pair pays the math libraries' per-thread set-up again and again."""
 
-    def body():
-        try:
-            turns.begin(name)
-            with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                fn()
-        except BaseException as e:          # re-raised by the caller after the join
-            errors[name] = e
-        finally:
-            turns.finish(name)
-    return threading.Thread(target=body, name=f"moeflow-pp-{name}", daemon=True)
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"moeflow-pp-{name}")
+                      for name in (FORWARD, BACKWARD)}
+
+    def run(self, halves: dict, turns: Turns, device_type: str) -> None:
+        """Run ``halves[FORWARD]`` and ``halves[BACKWARD]`` in ``turns`` under the caller's
+        autocast state (thread-local); re-raise the first error after both ended."""
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def body(name):
+            try:
+                turns.begin(name)
+                with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                    halves[name]()
+            finally:
+                turns.finish(name)
+        futures = {name: self.pools[name].submit(body, name) for name in (FORWARD, BACKWARD)}
+        errors = [f.exception() for f in futures.values()]      # waits for both
+        for e in errors:
+            if e is not None:
+                raise e
 
 
-def run_overlapped_pair(action, ctx, clock, device_type: str, timeout_s: float) -> None:
+def run_overlapped_pair(action, ctx, clock, threads: PairThreads, device_type: str,
+                        timeout_s: float) -> None:
     """Run ``action`` (``OVERLAP_F_B``: a ``FORWARD`` and a ``FULL_BACKWARD`` sub-action) with
     the two halves overlapped; the bookkeeping around them as torch's runtime does it for the
     sub-actions one at a time (receives waited, the loss computed and kept, the same-rank
@@ -117,20 +131,12 @@ def run_overlapped_pair(action, ctx, clock, device_type: str, timeout_s: float) 
     def backward():
         b_stage.backward_one_chunk(b_mb, loss=loss, full_backward=True, last_backward=last)
 
-    turns, errors = Turns(timeout_s), {}
-    threads = [_in_thread(FORWARD, turns, forward, device_type, errors),
-               _in_thread(BACKWARD, turns, backward, device_type, errors)]
+    turns = Turns(timeout_s)
     clock.turns = turns
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        threads.run({FORWARD: forward, BACKWARD: backward}, turns, device_type)
     finally:
         clock.turns = None
-    for name in (FORWARD, BACKWARD):
-        if name in errors:
-            raise errors[name]
     if fwd.stage_index + 1 in stages:
         stages[fwd.stage_index + 1].set_local_fwd_input(out["y"], f_mb)
     if bwd.stage_index - 1 in stages:

@@ -29,7 +29,7 @@ from moeflow.devices import autocast
 from moeflow.parallel.grad_sync import sync_gradients
 from moeflow.pipeline_parallel.a2a_clock import A2AClock
 from moeflow.pipeline_parallel.layout_checks import check_pipeline
-from moeflow.pipeline_parallel.overlap_fb import overlaps, run_overlapped_pair
+from moeflow.pipeline_parallel.overlap_fb import PairThreads, overlaps, run_overlapped_pair
 from moeflow.pipeline_parallel.grads import clip_pipeline_gradients, sum_tied_embedding
 from moeflow.pipeline_parallel.mesh import PipelineMesh, build_pipeline_mesh
 from moeflow.pipeline_parallel.pipeline_schedules import (VIRTUAL_STYLE, build_eval_schedule,
@@ -102,7 +102,8 @@ class PipelineRunner:
         self.overlap = overlaps(train_cfg)
         if self.overlap:
             self.schedule.register_custom_function(OVERLAP_F_B, functools.partial(
-                run_overlapped_pair, clock=self.a2a_clock, device_type=device.type,
+                run_overlapped_pair, clock=self.a2a_clock, threads=PairThreads(),
+                device_type=device.type,
                 timeout_s=train_cfg.collective_timeout_s))
         self.has_first = 0 in self.stage_ids
         self.has_last = n_stages - 1 in self.stage_ids
