@@ -1,8 +1,9 @@
 """The configurations ``moeflow bench pipeline`` compares, from its ``--configs`` list, and
 the ``TrainConfig`` of each at one global batch: ``ep`` (expert parallelism over every rank,
-no pipeline) and ``pp<N>:<schedule>[:<layout>]`` (``N`` pipeline stages on groups of
-``world / N`` ranks, each expert parallel over its own ranks; torch.distributed.pipelining's
-schedules, docs/training.md "Pipeline parallelism")."""
+no pipeline) and ``pp<N>:<schedule>[:<layout>][:overlap=<auto|on|off>]`` (``N`` pipeline
+stages on groups of ``world / N`` ranks, each expert parallel over its own ranks;
+torch.distributed.pipelining's schedules, docs/training.md "Pipeline parallelism"; ``overlap``:
+``--pp-overlap``, DualPipe's overlapped forward / backward pairs, DeepSeek-V3 Section 3.2.1)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import re
 from dataclasses import dataclass
 
 from moeflow.config import TrainConfig
-from moeflow.config.training import PP_LAYOUTS, PP_SCHEDULES
+from moeflow.config.training import PP_LAYOUTS, PP_OVERLAPS, PP_SCHEDULES
 from moeflow.errors import ConfigError
 
-_PP = re.compile(r"^pp(\d+):([a-z0-9-]+)(?::([a-z-]+))?$")
+_PP = re.compile(r"^pp(\d+):([a-z0-9-]+)(?::([a-z-]+))?(?::overlap=([a-z]+))?$")
 
 
 @dataclass(frozen=True)
@@ -22,10 +23,12 @@ class PipelineCase:
     pp: int = 1
     schedule: str = "1f1b"
     layout: str = "across-nodes"
+    overlap: str = "auto"         # TrainConfig.pp_overlap
 
 
 def parse_cases(text: str) -> list[PipelineCase]:
-    """``--configs``: comma-separated ``ep`` / ``pp<N>:<schedule>[:<layout>]``, each once."""
+    """``--configs``: comma-separated ``ep`` / ``pp<N>:<schedule>[:<layout>][:overlap=<o>]``,
+    each once."""
     cases = []
     for item in [t.strip() for t in text.split(",") if t.strip()]:
         if item == "ep":
@@ -33,12 +36,16 @@ def parse_cases(text: str) -> list[PipelineCase]:
             continue
         m = _PP.match(item)
         if m is None or int(m[1]) < 2 or m[2] not in PP_SCHEDULES or \
-                (m[3] is not None and m[3] not in PP_LAYOUTS):
-            raise ConfigError(f"--configs has {item!r}: give ep or pp<N>:<schedule>[:<layout>] "
-                              f"with N >= 2, schedule one of {', '.join(PP_SCHEDULES)}, layout "
-                              f"one of {', '.join(PP_LAYOUTS)} (default across-nodes), e.g. "
-                              "ep,pp2:1f1b,pp2:dualpipev:within-nodes")
-        cases.append(PipelineCase(item, int(m[1]), m[2], m[3] or "across-nodes"))
+                (m[3] is not None and m[3] not in PP_LAYOUTS) or \
+                (m[4] is not None and m[4] not in PP_OVERLAPS):
+            raise ConfigError(f"--configs has {item!r}: give ep or pp<N>:<schedule>[:<layout>]"
+                              f"[:overlap=<o>] with N >= 2, schedule one of "
+                              f"{', '.join(PP_SCHEDULES)}, layout one of {', '.join(PP_LAYOUTS)} "
+                              f"(default across-nodes), o one of {', '.join(PP_OVERLAPS)} "
+                              "(--pp-overlap, default auto), e.g. "
+                              "ep,pp2:1f1b,pp2:dualpipev:within-nodes,pp2:dualpipev:overlap=off")
+        cases.append(PipelineCase(item, int(m[1]), m[2], m[3] or "across-nodes",
+                                  m[4] or "auto"))
     if not cases or len({c.name for c in cases}) < len(cases):
         raise ConfigError(f"--configs {text!r}: give at least one configuration, each once")
     return cases
@@ -58,4 +65,5 @@ def case_train_config(case: PipelineCase, world: int, global_batch: int, micro: 
                           f"positions x {accum} micro-batches; --micro-batches {micro})")
     return TrainConfig(steps=steps, batch_size=global_batch // (dp * accum), grad_accum=accum,
                        warmup_steps=0, eval_batches=accum, pp=case.pp,
-                       pp_schedule=case.schedule, pp_layout=case.layout)
+                       pp_schedule=case.schedule, pp_layout=case.layout,
+                       pp_overlap=case.overlap)

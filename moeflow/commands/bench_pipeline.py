@@ -9,7 +9,8 @@ import os
 from moeflow.commands.common import (add_device_arg, add_launch_args, parse_overrides, report,
                                      run_on_ranks)
 
-DEFAULT_CONFIGS = "ep,pp2:gpipe,pp2:1f1b,pp2:interleaved-1f1b,pp2:zbv,pp2:dualpipev"
+DEFAULT_CONFIGS = ("ep,pp2:gpipe,pp2:1f1b,pp2:interleaved-1f1b,pp2:zbv,pp2:dualpipev,"
+                   "pp2:dualpipev:overlap=off")
 
 
 def register_bench(bsub) -> None:
@@ -22,8 +23,9 @@ def register_bench(bsub) -> None:
                         description=pipeline_bench.__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="comma-separated configurations: ep (expert parallelism over every "
-                        "rank) or pp<N>:<schedule>[:<layout>] with layout across-nodes "
-                        f"(default) or within-nodes (default {DEFAULT_CONFIGS})")
+                        "rank) or pp<N>:<schedule>[:<layout>][:overlap=<o>] with layout "
+                        "across-nodes (default) or within-nodes, o auto (default), on or off "
+                        f"(--pp-overlap) (default {DEFAULT_CONFIGS})")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=V",
                    help="override a ModelConfig field or moe.FIELD, as in moeflow train")

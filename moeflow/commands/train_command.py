@@ -60,6 +60,10 @@ TRAIN_HELP = {
                  "consecutive ranks, the pipeline crosses the nodes, EP inside them) or "
                  "within-nodes (a stage is strided over the nodes, each node holds whole "
                  "pipelines, EP across the nodes)",
+    "pp_overlap": "auto, on or off: with --pp-schedule dualpipev, run each overlapped forward "
+                  "/ backward pair so that one micro-batch's MoE all-to-all is in flight "
+                  "while the other computes (DeepSeek-V3 Section 3.2.1; auto: on with "
+                  "dualpipev; off: the pair's halves one after the other)",
     "pp_schedule": "the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
                    "interleaved-1f1b, zbv or dualpipev (the last three: 2 stages per rank); "
                    "the --grad-accum micro-batches are the pipeline's",

@@ -18,6 +18,9 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 # TrainConfig.pp_layout: where the pipeline ranks sit on the nodes
 # (moeflow.pipeline_parallel.mesh): stages across the nodes (EP inside a node), or inside one
 PP_LAYOUTS = ("across-nodes", "within-nodes")
+# TrainConfig.pp_overlap: DualPipe's overlapped forward / backward pairs
+# (moeflow.pipeline_parallel.overlap_fb); auto: on with dualpipev, the schedule that has them
+PP_OVERLAPS = ("auto", "on", "off")
 
 
 @dataclass
@@ -69,11 +72,14 @@ class TrainConfig:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_layout: str = "across-nodes"
+    # dualpipev's OVERLAP_F_B pairs: one micro-batch's all-to-all in flight while the other
+    # computes (DeepSeek-V3 Section 3.2.1); "off" runs the pair's halves one after the other
+    pp_overlap: str = "auto"
 
     # the moeflow train option of each field: --field-name, except these
     FLAGS = {"collective_timeout_s": "--timeout", "mp_size": "--mp", "esp_size": "--esp",
              "esp_in_node": "--esp-placement", "pp": "--pp", "pp_schedule": "--pp-schedule",
-             "pp_layout": "--pp-layout"}
+             "pp_layout": "--pp-layout", "pp_overlap": "--pp-overlap"}
 
     @classmethod
     def flag(cls, name: str) -> str:
@@ -142,6 +148,13 @@ class TrainConfig:
                       "block of consecutive ranks, the pipeline crosses the nodes; "
                       "within-nodes: a stage is strided over the nodes, each node holds whole "
                       "pipelines)")
+        self._require(self.pp_overlap in PP_OVERLAPS, "pp_overlap",
+                      f"choose one of {', '.join(PP_OVERLAPS)} (auto: on with --pp-schedule "
+                      "dualpipev)")
+        self._require(self.pp_overlap != "on" or self.pp_schedule == "dualpipev", "pp_overlap",
+                      f"only --pp-schedule dualpipev has overlapped forward / backward pairs "
+                      f"(--pp-schedule is {self.pp_schedule}); use --pp-overlap auto or off, "
+                      "or --pp-schedule dualpipev")
         if self.pp == 1:
             return
         refused = [(self.dense_shard != "replicate", "dense_shard", "--dense-shard replicate"),

@@ -15,14 +15,21 @@ holds its data-parallel position's full values.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+from moeflow.comm import wait_watch
 
 from moeflow.config import ModelConfig, TrainConfig
 from moeflow.devices import autocast
 from moeflow.parallel.grad_sync import sync_gradients
+from moeflow.pipeline_parallel.a2a_clock import A2AClock
 from moeflow.pipeline_parallel.layout_checks import check_pipeline
+from moeflow.pipeline_parallel.overlap_fb import PairThreads, overlaps, run_overlapped_pair
 from moeflow.pipeline_parallel.grads import clip_pipeline_gradients, sum_tied_embedding
 from moeflow.pipeline_parallel.mesh import PipelineMesh, build_pipeline_mesh
 from moeflow.pipeline_parallel.pipeline_schedules import (VIRTUAL_STYLE, build_eval_schedule,
@@ -91,6 +98,13 @@ class PipelineRunner:
         self.schedule = build_schedule(sched, self.pipe_stages, n, self._loss)
         self.eval_schedule = (build_eval_schedule(sched, self.pipe_stages, n, pp, self._loss)
                               or self.schedule)
+        self.a2a_clock = A2AClock()
+        self.overlap = overlaps(train_cfg)
+        if self.overlap:
+            self.schedule.register_custom_function(OVERLAP_F_B, functools.partial(
+                run_overlapped_pair, clock=self.a2a_clock, threads=PairThreads(),
+                device_type=device.type,
+                timeout_s=train_cfg.collective_timeout_s))
         self.has_first = 0 in self.stage_ids
         self.has_last = n_stages - 1 in self.stage_ids
 
@@ -135,11 +149,16 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         target = y if self.has_last else None
-        with autocast(self.device, self.autocast_dtype or torch.float32):
-            if train:
-                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-            else:
-                self.eval_schedule.eval(*args, target=target, losses=losses)
+        previous = wait_watch.install(self.a2a_clock if train else None)
+        try:
+            with autocast(self.device, self.autocast_dtype or torch.float32):
+                if train:
+                    self.schedule.step(*args, target=target, losses=losses,
+                                       return_outputs=False)
+                else:
+                    self.eval_schedule.eval(*args, target=target, losses=losses)
+        finally:
+            wait_watch.install(previous)
         if not losses:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([l.detach().double() for l in losses]).sum() * self.n_micro
@@ -159,6 +178,12 @@ class PipelineRunner:
         stats = torch.stack([ce_sum, aux, bal]) / self.n_micro
         dist.all_reduce(stats, group=self.mesh.pp_group)
         return stats
+
+    def take_a2a_times(self) -> dict[str, float]:
+        """This rank's MoE all-to-all time in the training steps since the last call
+        (:class:`~moeflow.pipeline_parallel.a2a_clock.A2AClock`: ``a2a_exposed_s``,
+        ``a2a_total_s``, ``a2a_count``)."""
+        return self.a2a_clock.take()
 
     def sync_and_clip(self, max_norm: float) -> torch.Tensor:
         """Once per optimizer step: the data-parallel synchronisation inside each stage group,

@@ -61,25 +61,27 @@ def reference_worker() -> dict:
 
 
 def pipeline_worker(schedules: list[str]) -> dict:
-    """PP 2 x EP 2 on 4 ranks, one step of each schedule from the same start."""
+    """PP 2 x EP 2 on 4 ranks, one step of each schedule from the same start (``S:off``:
+    schedule S with ``pp_overlap="off"``, ``S:on`` with it on)."""
     from moeflow.pipeline_parallel import PipelineRunner, build_pipeline_mesh
 
     torch.manual_seed(0)
     out = {}
     meshes = {}
-    for sched in schedules:
+    for name in schedules:
+        sched, _, overlap = name.partition(":")
         v_shape = sched in ("zbv", "dualpipev")
         if v_shape not in meshes:
             meshes[v_shape] = build_pipeline_mesh(2, 2, tied_across_ranks=not v_shape)
         tcfg = TrainConfig(pp=2, pp_schedule=sched, grad_accum=N, batch_size=B, ep_size=2,
-                           eval_batches=N)
+                           eval_batches=N, pp_overlap=overlap or "auto")
         runner = PipelineRunner(CFG, tcfg, torch.device("cpu"), param_dtype=torch.float64,
                                 mesh=meshes[v_shape])
         val = float(runner.evaluate_batches(eval_batches(runner.dp_rank)))
         x, y = batch(runner.dp_rank)
         stats = runner.forward_backward(x, y)
         norm = runner.sync_and_clip(0.0)
-        out[sched] = {"dp_rank": runner.dp_rank, "pp_rank": runner.mesh.pp_rank,
-                      "grads": _grads(runner.model), "stats": stats.tolist(),
-                      "norm": float(norm), "val": val}
+        out[name] = {"dp_rank": runner.dp_rank, "pp_rank": runner.mesh.pp_rank,
+                     "grads": _grads(runner.model), "stats": stats.tolist(),
+                     "norm": float(norm), "val": val, "a2a": runner.take_a2a_times()}
     return out

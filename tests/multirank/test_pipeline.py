@@ -28,6 +28,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
     (dict(pp=2, grad_accum=2, mp_size=2), r"^--mp with --pp: "),
     (dict(pp=2, grad_accum=2, esp_size=2), r"^--esp with --pp: "),
     (dict(pp=2, grad_accum=2, recompute="full"), r"^--recompute with --pp: "),
+    (dict(pp=2, grad_accum=4, pp_overlap="yes"), r"^--pp-overlap: .*auto, on, off"),
+    (dict(pp=2, grad_accum=4, pp_overlap="on"), r"^--pp-overlap: .*only --pp-schedule dualpipev"),
 ])
 def test_pipeline_options_are_validated(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -62,7 +64,10 @@ def test_cli_flags_reach_the_config():
     args = parser.parse_args(["train", "--pp", "2", "--pp-schedule", "zbv", "--grad-accum",
                               "4", "--eval-batches", "4"])
     mcfg, tcfg = train_cmd.configs_from_args(args)
-    assert (tcfg.pp, tcfg.pp_schedule, tcfg.grad_accum) == (2, "zbv", 4)
+    assert (tcfg.pp, tcfg.pp_schedule, tcfg.grad_accum, tcfg.pp_overlap) == (2, "zbv", 4, "auto")
+    args = parser.parse_args(["train", "--pp", "2", "--pp-schedule", "dualpipev", "--grad-accum",
+                              "4", "--eval-batches", "4", "--pp-overlap", "off"])
+    assert train_cmd.configs_from_args(args)[1].pp_overlap == "off"
     # --pp runs fixed exchange settings (the tuner's barriers span the world), not "auto"
     assert "auto" not in (mcfg.moe.a2a, mcfg.moe.schedule, mcfg.moe.pipeline_degree)
     check_pipeline(mcfg, tcfg, 4)
@@ -86,7 +91,7 @@ def reference():
     return {r["dp_rank"]: r for r in res.values()}
 
 
-def _check_schedule(reference, schedule: str) -> None:
+def _check_schedule(reference, schedule: str) -> dict:
     res = launch_local(cases.pipeline_worker, 4, [schedule], timeout_s=300)
     seen: dict[int, set] = {0: set(), 1: set()}
     for rank_res in res.values():
@@ -102,6 +107,7 @@ def _check_schedule(reference, schedule: str) -> None:
         assert r["val"] == pytest.approx(ref["val"], rel=1e-12)
     for dp, names in seen.items():          # every parameter has its gradient on some stage
         assert names == set(reference[dp]["grads"]), schedule
+    return {rank: rank_res[schedule]["a2a"] for rank, rank_res in res.items()}
 
 
 @pytest.mark.multirank
@@ -111,6 +117,22 @@ def test_1f1b_equals_the_unpipelined_step(reference):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "1f1b"])
+def test_overlapped_dualpipev_equals_the_unpipelined_step(reference):
+    """DualPipe's overlapped pairs (DeepSeek-V3 Section 3.2.1): the same step, with
+    exchanges that handed the turn to the other micro-batch, on every rank; the clock's
+    exposed time is part of the exchanges' total."""
+    a2a = _check_schedule(reference, "dualpipev:on")
+    for rank, t in a2a.items():
+        # 4 exchanges per MoE layer and micro-batch (dispatch, combine; forward, backward);
+        # each pipeline rank holds one MoE layer (blocks 1 and 3 of stages 0-3 in a V)
+        assert t["a2a_count"] == 4 * cases.N, rank
+        assert t["a2a_handed"] > 0, rank
+        assert 0 <= t["a2a_exposed_s"] <= t["a2a_total_s"], rank
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s not in ("1f1b", "dualpipev")]
+                         + ["dualpipev:off"])     # dualpipev (overlapped): the test above
 def test_schedule_equals_the_unpipelined_step(reference, schedule):
     _check_schedule(reference, schedule)

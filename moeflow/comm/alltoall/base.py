@@ -22,20 +22,26 @@ from typing import Callable
 
 import torch
 
+from moeflow.comm import wait_watch
 from moeflow.registry import Registry
 from moeflow.topology import Topology
 
 
 class Pending:
-    """An exchange in flight; ``wait()`` returns the received tensor."""
+    """An exchange in flight; ``wait()`` returns the received tensor. ``work``: the
+    collective's work handle, reported to the process's
+    :mod:`~moeflow.comm.wait_watch` watcher if one is installed (which then runs the wait)."""
 
-    def __init__(self, wait: Callable[[], torch.Tensor]):
+    def __init__(self, wait: Callable[[], torch.Tensor], work=None):
         self._wait = wait
         self._result: torch.Tensor | None = None
+        self._watcher = wait_watch.current() if work is not None else None
+        self._token = self._watcher.issued(work) if self._watcher is not None else None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = self._wait()
+            self._result = (self._wait() if self._watcher is None
+                            else self._watcher.wait(self._token, self._wait))
         return self._result
 
 

@@ -26,4 +26,4 @@ class DirectAllToAll(AllToAll):
         def wait() -> torch.Tensor:
             work.wait()
             return out
-        return Pending(wait)
+        return Pending(wait, work)

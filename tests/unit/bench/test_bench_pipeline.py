@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from moeflow.bench.pipeline_bench import format_table, summarise
 from moeflow.bench.pipeline_bubble import bubble_share, bubble_time
@@ -33,6 +34,34 @@ def test_bubble_matches_the_papers_closed_forms(p, m):
     assert share == pytest.approx((p - 1) * 4.5 / ((p - 1) * 4.5 + 2 * m * 3.0))
 
 
+def test_chunk_timers_count_overlapping_chunks_once():
+    import threading
+    import time
+
+    from moeflow.bench.pipeline_bench import _Timers
+
+    class _Stage:
+        def forward_one_chunk(self):
+            time.sleep(0.2)
+
+        def backward_one_chunk(self):
+            time.sleep(0.2)
+
+    stage, timers = _Stage(), _Timers(torch.device("cpu"))
+    timers.wrap(stage, "forward_one_chunk", "forward")
+    timers.wrap(stage, "backward_one_chunk", "backward")
+    pair = [threading.Thread(target=stage.forward_one_chunk),
+            threading.Thread(target=stage.backward_one_chunk)]
+    for t in pair:
+        t.start()
+    for t in pair:
+        t.join()
+    assert timers.s["forward"] >= 0.2 and timers.s["backward"] >= 0.2
+    assert 0.2 <= timers.s["compute"] < 0.35      # the overlapping spans once
+    stage.forward_one_chunk()
+    assert 0.4 <= timers.s["compute"] < 0.6
+
+
 def test_bubble_refusals():
     with pytest.raises(ConfigError, match="--pp-schedule 'x' has no bubble formula"):
         bubble_time("x", 2, 1.0, 1.0)
@@ -42,10 +71,15 @@ def test_bubble_refusals():
 
 
 def test_configs_are_parsed_and_refused_by_name():
-    cases = parse_cases("ep, pp2:1f1b,pp2:zbv:within-nodes")
+    cases = parse_cases("ep, pp2:1f1b,pp2:zbv:within-nodes,pp2:dualpipev:overlap=off,"
+                        "pp2:dualpipev:within-nodes:overlap=on")
     assert cases == [PipelineCase("ep"), PipelineCase("pp2:1f1b", 2, "1f1b"),
-                     PipelineCase("pp2:zbv:within-nodes", 2, "zbv", "within-nodes")]
-    for bad in ("pp1:1f1b", "pp2:zb", "pp2:1f1b:diagonal", "dp"):
+                     PipelineCase("pp2:zbv:within-nodes", 2, "zbv", "within-nodes"),
+                     PipelineCase("pp2:dualpipev:overlap=off", 2, "dualpipev", overlap="off"),
+                     PipelineCase("pp2:dualpipev:within-nodes:overlap=on", 2, "dualpipev",
+                                  "within-nodes", "on")]
+    assert case_train_config(cases[3], 4, 16, 4, 3).pp_overlap == "off"
+    for bad in ("pp1:1f1b", "pp2:zb", "pp2:1f1b:diagonal", "dp", "pp2:dualpipev:overlap=x"):
         with pytest.raises(ConfigError, match=rf"^--configs has '{bad}'"):
             parse_cases(bad)
     with pytest.raises(ConfigError, match="each once"):
@@ -85,6 +119,8 @@ def test_cli_refuses_before_the_ranks_start():
 
 def _sample(step, fwd, bwd, sched, a2a=0.1, exposed=0.05):
     return {"step_s": step, "a2a_s": a2a, "a2a_exposed_s": exposed,
+            "clock_total_s": 2 * a2a, "clock_exposed_s": exposed, "clock_count": 8.0,
+            "clock_handed": 0.0,
             "chunk_s": {"forward": fwd, "backward": bwd, "weight": 0.0, "schedule": sched},
             "chunk_n": {"forward": 4, "backward": 4, "weight": 0, "schedule": 1}}
 
@@ -107,9 +143,17 @@ def test_record_from_per_rank_samples():
     assert b["chunk_mean_s"]["forward"] == pytest.approx((0.4 + 0.4 + 0.3 + 0.3) / 16)
     assert b["theory"] == pytest.approx(1 / 5)
     assert rec["a2a_per_rank"][0]["a2a_exposed_s"]["median"] == 0.05
+    assert rec["a2a_per_rank"][0]["clock_total_s"]["median"] == 0.2
+    assert rec["a2a_hidden_share"] == pytest.approx(1 - 0.05 / 0.2)
     assert rec["samples_per_rank"][1] == ranks[1]["samples"]
     ep = summarise(PipelineCase("ep"), case_train_config(PipelineCase("ep"), 4, 16, 4, 3),
                    ranks, tokens=3000, micro=4)
     assert "bubble" not in ep and ep["schedule"] is None
+    # an overlapped pair's chunks run at once: the union of their spans is the compute
+    for r in ranks:
+        for smp in r["samples"]:
+            smp["chunk_s"]["compute"] = 0.5
+    assert summarise(case, tcfg, ranks, tokens=3000, micro=4)["bubble"]["measured_mean"] == \
+        pytest.approx(0.5)
     table = format_table({"cases": [rec, ep]})
-    assert "0.30/0.20" in table and "1750" in table
+    assert "0.30/0.20" in table and "1750" in table and "0.75" in table
