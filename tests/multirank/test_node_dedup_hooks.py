@@ -40,6 +40,7 @@ def test_scheduled_backward_under_hooks_with_an_empty_chunk_on_one_rank(hooks_re
             assert torch.equal(a, b), (rank, case, hooks)
 
 
+@pytest.mark.slow   # padded node_dedup's parity runs in the default tests/multirank/test_node_dedup.py
 def test_padded_gathers_once_per_token_count():
     plain = launch_local(cases.padded_gather_worker, 2, False, timeout_s=300, threads=1)
     promised = launch_local(cases.padded_gather_worker, 2, True, timeout_s=300, threads=1)

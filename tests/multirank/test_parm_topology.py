@@ -54,6 +54,7 @@ def _topology_worker():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow   # the Parm parity tests of the default run build these groups (test_parm_schedules.py, test_parm_ted.py)
 def test_groups_and_placements():
     out = launch_local(_topology_worker, WORLD)
     for r in range(WORLD):

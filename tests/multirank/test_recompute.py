@@ -169,6 +169,7 @@ def _check_fssdp_moe_act(results: dict, variant: str, rematerialize: bool) -> No
 
 
 @pytest.mark.multirank
+@pytest.mark.slow   # the holding variant below and the trainer's fssdp_moe_act (above) run by default
 def test_fssdp_moe_act_equals_none_with_rematerialization():
     """HECATE-RM (Algorithm 1 from the load window, calibration), r = 1, 4 float64 ranks."""
     _check_fssdp_moe_act(_fssdp_moe_act(["fssdp_rm_r1"]), "fssdp_rm_r1", True)

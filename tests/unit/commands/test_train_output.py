@@ -71,6 +71,7 @@ def test_the_gradient_norm_is_logged_with_the_loss(tuned_run):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow          # the one-process tests/unit/core/test_train_tuned_choices.py guards --deterministic
 def test_deterministic_runs_log_identical_losses(tmp_path):
     runs = [tmp_path / "a", tmp_path / "b"]
     for out in runs:
