@@ -246,6 +246,15 @@ def concrete(cfg: MoEConfig, codec: str, route: str, schedule: str | None = None
     return cfg.replace(codec=codec, a2a=route, **more)
 
 
+def _step_of(layer, x: torch.Tensor):
+    """The forward + backward step every timing of the tuner runs (:func:`_measure`,
+    :func:`_time_step`)."""
+    def step():
+        y = layer(x)
+        (y.float().square().mean() + layer.aux_loss).backward()
+    return step
+
+
 def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock,
              warmup=None) -> float | None:
     """Median seconds of up to ``reps`` forward + backward steps (after one warm-up), each step
@@ -256,10 +265,7 @@ def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock
     of ``codec="auto:lossy"``; None is returned when it says no."""
     from moeflow.measure.timing import time_aligned
 
-    def step():
-        y = layer(x)
-        (y.float().square().mean() + layer.aux_loss).backward()
-
+    step = _step_of(layer, x)
     apply(layer, cfg)
     times, go = [], [True]
     for i in range(1 + reps):
@@ -361,12 +367,8 @@ def _time_step(layer, cfg: MoEConfig, x: torch.Tensor, clock: TuneClock) -> floa
     the slowest rank's (the same on every rank); it becomes the clock's step estimate."""
     from moeflow.measure.timing import time_aligned
 
-    def run():
-        y = layer(x)
-        (y.float().square().mean() + layer.aux_loss).backward()
-
     apply(layer, cfg)
-    t = time_aligned(run, layer.topo, x.device)
+    t = time_aligned(_step_of(layer, x), layer.topo, x.device)
     layer.zero_grad(set_to_none=True)
     clock.note_step(t)
     return t
