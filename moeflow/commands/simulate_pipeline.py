@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 
 from moeflow.errors import ConfigError
-
-OPTIMIZER_BYTES_PER_PARAM = 28      # as moeflow.simulate.train_model (AdamW, fp32; assumed)
-ACCUMULATE_BYTES_PER_PARAM = 12
+from moeflow.simulate.train_model import ACCUMULATE_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 
 
 def add_pipeline_args(p) -> None:
@@ -134,7 +132,8 @@ def after_schedule(costs, mcfg, tcfg, world: int, per: int, blocks: list[range],
     over the whole stage leaves no expert-data-parallel copy), ``tied_embedding`` (the first and
     last stage's copies summed, on different ranks), ``pp_all_reduce`` (the step's statistics,
     3 float64, and the global norm, 1 float32, over the pipeline ranks), ``grad_accumulate``
-    and ``optimizer`` (memory traffic per local parameter, as :mod:`moeflow.simulate.train_model`)."""
+    and ``optimizer`` (memory traffic per local parameter, as
+    :mod:`moeflow.simulate.train_model`)."""
     from moeflow.pipeline_parallel.mesh import global_rank
 
     pp, n = tcfg.pp, tcfg.grad_accum
