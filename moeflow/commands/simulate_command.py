@@ -492,6 +492,8 @@ def add_train_parser(ssub) -> None:
                         "fssdp:sparse, a2a:NAME, codec:NAME), with the ratio to the first "
                         "(default: the config's own: placement / parallel_schedule); BigMac: "
                         "--set moe.structure=bigmac")
+    from moeflow.commands.simulate_pipeline import add_pipeline_args
+    add_pipeline_args(p)
     p.set_defaults(func=run_simulate_train)
 
 
@@ -543,6 +545,8 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                              f"at run time and not modelled; give --set moe.{name}=VALUE")
     nodes, per = _train_layout(args)
     world = nodes * per
+    if args.pp != 1:          # moeflow train --pp: the pipeline model
+        return _simulate_pipeline(args, mcfg, nodes, per)
     if args.mp > 1 or args.esp > 1:
         if mcfg.d_ff % args.mp or mcfg.n_heads % args.mp:
             raise SystemExit(f"moeflow simulate train: --mp {args.mp} must divide n_heads "
@@ -670,3 +674,19 @@ def format_train_table(rows: list[dict], label: str, world: int) -> str:
                  "micro-batches; grad_accumulate, the gradient all-reduces and the optimizer "
                  "once; tok/s: distinct tokens per step / step")
     return "\n".join(lines)
+
+
+def _simulate_pipeline(args: argparse.Namespace, mcfg, nodes: int, per: int) -> int:
+    """``--pp N``: :mod:`moeflow.commands.simulate_pipeline`."""
+    from moeflow.commands.simulate_pipeline import format_pipeline, run_pipeline
+    from moeflow.measure.profiles import load_profile
+    from moeflow.simulate import cost_model
+
+    profile = load_profile(args.profile) if args.profile else None
+    costs = cost_model(args.links, args.compute, profile, nodes, per, args.link_model,
+                       args.dtype)
+    row = run_pipeline(args, mcfg, costs, nodes, per)
+    label = (f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
+             + f" --batch-size {args.batch_size} --grad-accum {args.grad_accum}")
+    print(format_pipeline(row, label, nodes * per))
+    return write_rows(args, costs, [row])
