@@ -143,3 +143,21 @@ def test_checkpoint_keeps_the_codec_and_a_new_budget_retunes(two_ranks):
         assert r["calls"] == 0 and r["codec"] == res["wide"]["choice"]["codec"]
         assert r["codec_class"] == res["wide"]["codec_class"] and r["y_equal"]
         assert res["other_budget_calls"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_zero_budget_is_the_lossless_layer_at_every_budget_cut():
+    # the forced tuning cut after 0, 1, 2, ... of the time budget's questions until nothing
+    # is cut: wherever the cut falls (mid-repetitions, mid-screen, profile, measure), the
+    # step after it is the lossless step of the chosen settings, bit for bit
+    from tests.helpers.autotune_lossy_worker import cut_sweep_worker
+
+    runs = launch_local(cut_sweep_worker, 2, timeout_s=600)
+    cuts = runs[0]["cuts"]
+    assert len(cuts) > 10 and not cuts[max(cuts)]["choice"]["budget_cut"]
+    assert {c["choice"]["pipeline_degree"] for c in cuts.values()} == {1, 2}
+    for rank, res in runs.items():
+        for answers, z in res["cuts"].items():
+            _assert_lossless(z | {"plain": res["plain"]}, f"rank {rank}, cut after "
+                                                           f"{answers} answers")
