@@ -1,5 +1,6 @@
 """Rank body of tests/multirank/test_autotune.py (importable by spawned ranks): an auto-tuned layer next
-to the same layer with fixed settings, float64, on 2 gloo ranks."""
+to the same layer with fixed settings (direct / sequential / r = 1, and the settings it chose),
+float64, on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -44,7 +45,11 @@ def worker(ckpt_dir: str) -> dict:
     torch.manual_seed(5)
     got = _step(auto, x)            # tunes first (state restored), then the real forward
     again = _step(auto, x)          # no re-tune for the same size
-    out = {"ref": ref, "got": got, "choice": auto.tuned.as_dict(), "stats": auto.stats,
+    t = auto.tuned
+    chosen = MoELayer(_config(**t.settings()), topo).train()     # its choice, fixed
+    torch.manual_seed(5)
+    out = {"ref": ref, "got": got, "chosen": _step(chosen, x), "choice": t.as_dict(),
+           "stats": auto.stats,
            "calls_first": list(calls), "again_y": again["y"]}
     # a resume (checkpoint with the choice) does not re-tune
     opt = torch.optim.AdamW(auto.parameters())
