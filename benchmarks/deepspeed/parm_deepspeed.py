@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.parm.parm import PIPELINED, PIPELINED_CONFIG
 from moeflow.bench.schedule_bench import step_once
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import MoEConfig
@@ -80,6 +81,7 @@ MOEFLOW_VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
                     ("s1", dict(parallel_schedule="s1")),
                     ("s2", dict(parallel_schedule="s2")),
                     ("ted", dict(parallel_schedule="ted")),
+                    (PIPELINED, PIPELINED_CONFIG),     # the pipelined ted, 4 chunks
                     ("auto", dict(parallel_schedule="auto"))]
 ORDER_081 = "deepspeed-0.8.1-order"
 TOLERANCE = 1e-5      # float32: |y_moeflow - y_deepspeed| <= 1e-5 max(1, max|y|), and of dL/dx

@@ -5,12 +5,14 @@ or the ``layouts`` given, e.g. N_MP = 4 across two nodes, each row recording whi
 cross the nodes, :func:`crossing`) and every MoE case (tokens per rank
 ``B L``, width ``M`` with ``H = 2 M``, capacity factor ``f``), one MoE layer per variant --
 ``baseline`` (DeepSpeed-MoE's order, Fig. 3a), ``s1``, ``s2`` (SAA), ``s2-aas``, ``ted``
-(DeepSpeed-TED's order with the node-once exchange, beyond the paper) and ``auto`` (Algorithm 1,
-with ``ted`` as a third candidate) -- runs forward + backward round-robin on the same input
-(an MP group's ranks hold the same tokens), after warm-up; each repetition's time is the slowest rank's; medians
-are reported. Per layout, the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the
-running cluster first (:func:`moeflow.strategies.parm.fits.measure_parm_fits`), twice: at the
-default 16 Ki-256 Ki elements and at sizes spanning the messages this grid sends on the layout
+(DeepSpeed-TED's order with the node-once exchange, beyond the paper), ``ted-r4`` (the same in
+4 pipelined chunks, beyond the paper) and ``auto`` (Algorithm 1, with ``ted`` and the pipelined
+``ted`` at 2 and 4 chunks as further candidates; the row's ``auto_choice``) -- runs forward +
+backward round-robin on the same input (an MP group's ranks hold the same tokens), after
+warm-up; each repetition's time is the slowest rank's; medians are reported. Per layout,
+the alpha-beta fits of AG_MP, A2A_EP&ESP and SAA are measured on the running cluster first
+(:func:`moeflow.strategies.parm.fits.measure_parm_fits`), twice: at the default 16 Ki-256 Ki
+elements and at sizes spanning the messages this grid sends on the layout
 (:func:`benchmarks.parm.parm_collectives.grid_elements`); the auto layers take the set
 ``fit_sizes`` names, and both sets' Algorithm 1 predictions (communication only, Eq. 13 and
 line 5) are recorded next to the measured step times. With ``collectives`` every forward
@@ -34,13 +36,20 @@ from moeflow.devices import resolve_device
 from moeflow.strategies.parm.algorithm1 import algorithm1, use_fits
 from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates
 from moeflow.strategies.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
+from moeflow.strategies.parm.ted_pipelined import (AUTO_TED_CHUNKS, pipelined_chunks,
+                                                   pipelined_name)
 from moeflow.topology import Topology
 
+#: the pipelined ted (beyond the paper, docs/parm.md): its 4 chunks, chunk c+1's EP-AlltoAll under
+#: chunk c's ESP collectives and experts (one of the chunk counts auto weighs)
+PIPELINED = pipelined_name(4)
+PIPELINED_CONFIG = dict(parallel_schedule="ted", pipeline_degree=4, schedule="pipelined")
 VARIANTS = [("baseline", dict(parallel_schedule="baseline")),
             ("s1", dict(parallel_schedule="s1")),
             ("s2", dict(parallel_schedule="s2")),
             ("s2-aas", dict(parallel_schedule="s2", parm_saa=False)),
             ("ted", dict(parallel_schedule="ted")),
+            (PIPELINED, PIPELINED_CONFIG),
             ("auto", dict(parallel_schedule="auto"))]
 
 
@@ -128,7 +137,10 @@ def bench_worker(opts: dict) -> dict:
                 base = case_config(M, E, k, f)
                 x = case_input(tokens, M, topo.rank // mp).to(device)
                 got = time_variants(base, list(VARIANTS), topo, x, opts["warmup"], opts["reps"])
-                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp, ep)
+                # the auto layer's own candidates (AutoSchedule: ted and the pipelined ted at
+                # AUTO_TED_CHUNKS) from the fits it was given, on the same token count on every
+                # rank: the schedule it ran
+                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp, ep, AUTO_TED_CHUNKS)
                          for lab, fs in fit_sets.items()}
                 pred = preds[opts.get("fit_sizes", "grid")]
                 row = {"n_mp": mp, "n_ep": ep, "n_esp": esp, "esp_in_node": in_node,
@@ -138,13 +150,14 @@ def bench_worker(opts: dict) -> dict:
                        "step_ms": {r["variant"]: r["step_ms"] for r in got},
                        "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
                        "auto_choice": pred.schedule,
-                       "predicted_comm_ms": {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2,
-                                             "ted": None if pred.t_ted is None
-                                             else 1e3 * pred.t_ted},
+                       "predicted_comm_ms": predicted_ms(pred),
                        "algorithm1": {lab: {"choice": p.schedule, "t_d1_ms": 1e3 * p.t_d1,
                                             "t_d2_ms": 1e3 * p.t_d2,
                                             "t_ted_ms": None if p.t_ted is None
-                                            else 1e3 * p.t_ted}
+                                            else 1e3 * p.t_ted,
+                                            "t_ted_pipelined_ms": {
+                                                pipelined_name(r): 1e3 * t
+                                                for r, t in p.t_ted_pipelined}}
                                       for lab, p in preds.items()}}
                 if opts.get("collectives"):
                     msgs = messages(topo, tokens, M, E, k, f)
@@ -153,6 +166,13 @@ def bench_worker(opts: dict) -> dict:
                 rows.append(row)
     return {"topology": repr(world_topo), "fit_sizes": opts.get("fit_sizes", "grid"),
             "fits": fits_out, "rows": rows, "summary": summarize(rows)}
+
+
+def predicted_ms(pred) -> dict:
+    """Algorithm 1's predicted communication per candidate, ms (None: not weighed)."""
+    return {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2,
+            "ted": None if pred.t_ted is None else 1e3 * pred.t_ted,
+            **{pipelined_name(r): 1e3 * t for r, t in pred.t_ted_pipelined}}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -178,8 +198,11 @@ def summarize(rows: list[dict]) -> dict:
         if "ted" in t:                  # Algorithm 1 with the ted schedule (beyond the paper)
             sp.setdefault("ted", []).append(t["baseline"] / t["ted"])
             ted["beats_baseline"] += t["ted"] < t["baseline"]
-            first, second = sorted(("s1", "s2", "ted"), key=t.get)[:2]
-            if t[second] > 1.1 * t[first]:
+            # the candidates with a column (the pipelined ted's: newer results); a choice
+            # without a column (another chunk count) cannot be scored
+            cands = [v for v in t if v in ("s1", "s2", "ted") or pipelined_chunks(v)]
+            first, second = sorted(cands, key=t.get)[:2]
+            if t[second] > 1.1 * t[first] and r["auto_choice"] in cands:
                 ted["decided"] += 1
                 ted["picked_fastest"] += r["auto_choice"] == first
     n = len(rows)
@@ -228,14 +251,14 @@ def accuracy(rows: list[dict]) -> dict:
 def format_result(res: dict) -> str:
     lines = [res["topology"],
              f"{'MP,EP,ESP':>9} {'BL':>5} {'f':>4} " + " ".join(f"{v:>9}" for v, _ in VARIANTS)
-             + f" {'alg1':>5} {'pred s1':>8} {'pred s2':>8}", "-" * 100]
+             + f" {'alg1':>6} {'pred s1':>8} {'pred s2':>8}", "-" * 100]
     for r in res["rows"]:
         t = r["step_ms"]
         lay = f"{r['n_mp']},{r['n_ep']},{r['n_esp']}" + ("" if r.get("esp_in_node", True) else "e")
         lines.append(f"{lay:<9} {r['tokens_per_rank']:>5} "
                      f"{r['capacity_factor']:>4} "       # results from before ted: "-"
                      + " ".join(f"{t[v]:>9.1f}" if v in t else f"{'-':>9}" for v, _ in VARIANTS)
-                     + f" {r['auto_choice']:>5} {r['predicted_comm_ms']['s1']:>8.2f} "
+                     + f" {r['auto_choice']:>6} {r['predicted_comm_ms']['s1']:>8.2f} "
                      f"{r['predicted_comm_ms']['s2']:>8.2f}")
     s = res["summary"]
     lines.append("step ms (median); pred = Algorithm 1's communication time, ms; "

@@ -34,7 +34,10 @@ LAYOUTS_8 = {"mp2_ep2_esp2_esp_in_node": (2, 2, 2, True),
 #: ranks) beside the schedules, on the 4-rank cases (tiny tensors: the cases take a few
 #: seconds, the spawn of 8 ranks the rest)
 SCHEDULES_8 = {"baseline": {}, **SCHEDULES,
-               "ted": dict(parallel_schedule="ted", parm_check_plan=True)}
+               "ted": dict(parallel_schedule="ted", parm_check_plan=True),
+               # the pipelined ted (ted_pipelined.py): MP, EP and ESP groups all of 2 ranks
+               "ted_r2": dict(parallel_schedule="ted", parm_check_plan=True, pipeline_degree=2,
+                              schedule="pipelined")}
 # composability on one layout: BigMac (exact), a lossy codec with chunks and OptSche on the
 # EP&ESP payloads (close to the reference: bf16 rounding)
 EXTRAS_LAYOUT = "mp2_esp2_esp_in_node"
@@ -187,9 +190,10 @@ def reference_parts(name: str, world: int, mp: int, parts_per_batch: int, **kw) 
 
 
 def check_eight_ranks() -> None:
-    """Baseline, S1, S2 (SAA), S2 (AAS) and ted at (N_MP, N_EP, N_ESP) = (2, 2, 2) on 8 ranks as
-    2 nodes x 4, both placements, the cases of ``schedule_cases`` (capacity and dropless, top-2,
-    biases and SwiGLU, 2 chunks, shared experts), against the single-process references;
+    """Baseline, S1, S2 (SAA), S2 (AAS), ted and ted in 2 pipelined chunks at (N_MP, N_EP,
+    N_ESP) = (2, 2, 2) on 8 ranks as 2 nodes x 4, both placements, the cases of
+    ``schedule_cases`` (capacity and dropless, top-2, biases and SwiGLU, 2 chunks, shared
+    experts), against the single-process references;
     SAA == AAS (outputs and input gradients) bit for bit with 4 phases.
     ``tests/multirank/test_parm_schedules.py``, or ``python -m tests.helpers.parm_sched_cases``."""
     from moeflow.launch import launch_local

@@ -1,6 +1,7 @@
 """The ``ted`` schedule (DeepSpeed-TED's order, node-once EP&ESP exchange; beyond the Parm
-paper, ``moeflow/strategies/parm/ted.py``): float64 parity with the single-process reference on
-the five 4-rank layouts, every case, and its collectives' sizes."""
+paper, ``moeflow/strategies/parm/ted.py``) and its pipelined chunks (ScheMoE's pipelining on
+its order, ``ted_pipelined.py``): float64 parity with the single-process reference on the five
+4-rank layouts, every case, its collectives' sizes and order, and Algorithm 1's choice."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from moeflow.launch import launch_local
 from moeflow.measure.linkmodel import AlphaBeta
-from moeflow.strategies.parm.algorithm1 import algorithm1, ted_time
+from moeflow.strategies.parm.algorithm1 import (_from_terms, _terms, algorithm1,
+                                                ted_pipelined_time, ted_time)
 from moeflow.strategies.parm.fits import ParmFits
 from tests.helpers import parm_cases, parm_ted_cases as cases
 
@@ -124,3 +126,92 @@ def test_fits_round_trip_with_and_without_the_ted_terms():
     assert (back.a2a_ep.beta, back.ag_esp.alpha, back.rs_esp.beta) == (8, 9, 3)
     old = ParmFits(_ab(1, 2), _ab(3, 4), _ab(5, 6)).to_json()
     assert "a2a_ep" not in old and ParmFits.from_json(old).a2a_ep is None
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", list(parm_cases.LAYOUTS))
+def test_pipelined_ted_parity(results, layout):
+    """The ted schedule in 2 pipelined chunks (every case) and in 3 sequential ones: outputs,
+    aux loss, input and parameter gradients, clipped norm and parameters after an SGD step
+    equal the single-process reference's, as the unchunked ted's do."""
+    mp = parm_cases.LAYOUTS[layout][0]
+    for variant, names in cases.PIPELINED_CASES.items():
+        for name in names:
+            ref = parm_cases.reference(name, WORLD, mp)
+            for rank in range(WORLD):
+                parm_cases.assert_rank_matches(results[rank][(layout, variant, name)], ref,
+                                               rank, WORLD, f"({layout}, {variant}, {name})")
+
+
+@pytest.mark.multirank
+def test_pipelined_ted_interleaves_the_ep_and_esp_collectives(results):
+    """(1,2,2), ESP in the node, 2 chunks: chunk 1's EP-AlltoAll is issued before chunk 0's
+    ESP-AllGather / ReduceScatter (it runs under them), chunk 0's EP-AlltoAll back after them;
+    each chunk moves half of the unchunked sizes; the backward the same on the gradients."""
+    half = ECM // 2
+    got = _kinds(results[0][("ep2_esp2_esp_in_node", "trace_pipelined")][0])
+    order = [("all_to_all", 2, half), ("all_to_all", 2, half), ("all_gather", 2, half),
+             ("reduce_scatter", 2, ECM), ("all_to_all", 2, half), ("all_gather", 2, half),
+             ("reduce_scatter", 2, ECM), ("all_to_all", 2, half)]
+    assert got == [("forward",) + c for c in order] + [("backward",) + c for c in order]
+    for rank in range(WORLD):      # the same bytes cross the nodes as without chunks
+        assert results[rank][("ep2_esp2_esp_in_node", "trace_pipelined")][1] == 4 * ECM
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", list(parm_cases.LAYOUTS))
+def test_auto_takes_the_pipelined_ted_where_it_wins(results, layout):
+    """Bandwidth-bound EP and ESP fits: with both groups (1,2,2) the 4 pipelined chunks win;
+    with one of them of one rank there is nothing to overlap and the chunks only add
+    latencies, so the unchunked ted is taken. The output is the ted schedule's."""
+    both = parm_cases.LAYOUTS[layout][1] > 1 and parm_cases.LAYOUTS[layout][2] > 1
+    for rank in range(WORLD):
+        schedule, y = results[rank][(layout, "auto_pipelined")]
+        assert schedule == ("ted-r4" if both else "ted")
+        torch.testing.assert_close(y, results[rank][(layout, "capacity_k2")]["y"])
+
+
+@pytest.mark.multirank
+def test_other_schedulers_are_refused_for_the_ted_chunks(results):
+    msg = results[0]["refusal_optsche"]
+    assert "MoEConfig.schedule='optsche' is not supported with parallel_schedule='ted'" in msg
+    assert "sequential, pipelined" in msg
+
+
+def test_pipelined_time_is_the_fill_plus_the_slower_group_per_chunk():
+    """t = t_ep + t_esp + (r - 1) max(t_ep, t_esp) + t_ag_mp, per chunk of z / r rows; r = 1
+    is t_TED; a group of one rank costs nothing."""
+    fits = ParmFits(_ab(1e-3, 1e-9), _ab(0, 0), _ab(0, 0), a2a_ep=_ab(2e-3, 2e-9),
+                    ag_esp=_ab(3e-3, 3e-9), rs_esp=_ab(4e-3, 4e-9))
+    z = 2 * 1.5 * 512 * 64 / 2
+    for r in (1, 2, 4):
+        ep = 2 * (2e-3 + 2e-9 * z / r)
+        esp = 3e-3 + 3e-9 * 2 * z / r + 4e-3 + 4e-9 * 2 * z / r
+        want = ep + esp + (r - 1) * max(ep, esp) + 1e-3 + 1e-9 * 2 * z
+        assert ted_pipelined_time(fits, 512, 64, 2, 1.5, 2, 2, 4, r) == pytest.approx(want)
+    assert ted_pipelined_time(fits, 512, 64, 2, 1.5, 2, 2, 4, 1) == pytest.approx(
+        ted_time(fits, 512, 64, 2, 1.5, 2, 2, 4))
+    ep = 2 * (2e-3 + 2e-9 * z / 4)                                      # no ESP group
+    assert ted_pipelined_time(fits, 512, 64, 2, 1.5, 1, 2, 4, 4) == pytest.approx(
+        4 * ep + 1e-3 + 1e-9 * 2 * z)
+
+
+def test_algorithm1_weighs_the_pipelined_ted_on_made_up_fits():
+    """Bandwidth-bound EP and ESP of comparable times: 4 chunks beat 2, which beat none;
+    latency-bound ones: the unchunked ted; S1 / S2 cheapest: they stay; no ted fits: no
+    pipelined candidate either. The prediction survives the ranks' all-reduce encoding."""
+    dear, cheap = _ab(1e-3, 1e-6), _ab(1e-6, 1e-12)
+    bw = _ab(1e-9, 1e-8)
+    fits = ParmFits(dear, dear, dear, a2a_ep=bw, ag_esp=bw, rs_esp=bw)
+    p = algorithm1(fits, 512, 8, 64, 2, 1.2, 2, 1, n_ep=4, ted_chunks=(2, 4))
+    times = dict(p.t_ted_pipelined)
+    assert p.schedule == "ted-r4" and times[4] < times[2] < p.t_ted
+    assert _from_terms(_terms(p)) == p
+    lat = ParmFits(dear, dear, dear, a2a_ep=_ab(1e-2, 1e-12), ag_esp=cheap, rs_esp=cheap)
+    assert algorithm1(lat, 512, 8, 64, 2, 1.2, 2, 1, n_ep=4, ted_chunks=(2, 4)).schedule == "ted"
+    low = ParmFits(cheap, cheap, cheap, a2a_ep=dear, ag_esp=dear, rs_esp=dear)
+    p = algorithm1(low, 512, 8, 64, 2, 1.2, 2, 1, n_ep=4, ted_chunks=(2, 4))
+    assert p.schedule in ("s1", "s2")
+    paper = ParmFits(dear, dear, dear)
+    p = algorithm1(paper, 512, 8, 64, 2, 1.2, 2, 1, n_ep=4, ted_chunks=(2, 4))
+    assert p.t_ted is None and p.t_ted_pipelined == () and _from_terms(_terms(p)) == p

@@ -80,7 +80,7 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
     by_layout: dict[str, dict[str, list[float]]] = {}
     for row in res["rows"]:
         s, key = row["samples_ms"], layout(row)
-        for v in [v for v in ("s1", "s2", "ted", "auto") if v in s]:     # ted: newer runs
+        for v in [v for v in ("s1", "s2", "ted", "ted-r4", "auto") if v in s]:   # newer runs
             by_layout.setdefault(key, {}).setdefault(v, []).append(
                 statistics.median(paired(s["baseline"], s[v])))
     for key, per in by_layout.items():
@@ -91,8 +91,9 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
 
 
 def compare_rows(res: dict) -> list[str]:
-    labels = res["deepspeed_labels"] + [v for v in ("baseline", "s1", "s2", "ted", "auto")
-                                        if v in res["rows"][0]["samples_ms"]]
+    labels = res["deepspeed_labels"] + [
+        v for v in ("baseline", "s1", "s2", "ted", "ted-r4", "auto")
+        if v in res["rows"][0]["samples_ms"]]
     ds = res["deepspeed_labels"][0]
     out = [f"deepspeed {res['deepspeed_version']}, {res['topology']}; speedup over DeepSpeed's "
            "layer per round, median (min-max)",

@@ -45,6 +45,7 @@ from moeflow.devices import host_all_reduce
 from moeflow.errors import ConfigError
 from moeflow.experts.structure import comm_width
 from moeflow.strategies.parm.fits import ParmFits, elements_around, measure_parm_fits
+from moeflow.strategies.parm.ted_pipelined import AUTO_TED_CHUNKS, pipelined_name
 from moeflow.topology import Topology
 
 log = logging.getLogger("moeflow.parm")
@@ -53,18 +54,25 @@ _FITS: dict[int, ParmFits] = {}            # measured fits per topology (id), sh
 
 @dataclass(frozen=True)
 class Prediction:
-    schedule: str          # "s1", "s2" or "ted"
+    schedule: str          # "s1", "s2", "ted" or the pipelined ted "ted-r<chunks>"
     t_d1: float            # seconds, Eq. 13 / line 4
     t_d2: float            # seconds, line 5
     t_ted: float | None = None     # seconds, the ted schedule (beyond the paper); or None
+    # (chunks, seconds) of the pipelined ted per chunk count weighed (beyond the paper)
+    t_ted_pipelined: tuple[tuple[int, float], ...] = ()
 
 
-def _pick(t1: float, t2: float, t3: float | None) -> Prediction:
-    """Lines 6-9, with the ted schedule as a third branch where it is weighed."""
-    best = "s1" if t1 <= t2 else "s2"
-    if t3 is not None and t3 < min(t1, t2):
-        best = "ted"
-    return Prediction(best, t1, t2, t3)
+def _pick(t1: float, t2: float, t3: float | None,
+          piped: tuple[tuple[int, float], ...] = ()) -> Prediction:
+    """Lines 6-9, with the ted schedule and the pipelined ted as further branches where they
+    are weighed: the least prediction, the earlier candidate on a tie (S1 before S2, as line
+    6's ``<=``; a further candidate only where strictly faster)."""
+    cands = [("s1", t1), ("s2", t2)]
+    if t3 is not None:
+        cands.append(("ted", t3))
+    cands += [(pipelined_name(r), t) for r, t in piped]
+    best = min(cands, key=lambda c: c[1])[0]
+    return Prediction(best, t1, t2, t3, tuple(piped))
 
 
 def ted_time(fits: ParmFits, tokens: int, M: int, k: int, f: float, n_esp: int, n_mp: int,
@@ -84,10 +92,39 @@ def ted_time(fits: ParmFits, tokens: int, M: int, k: int, f: float, n_esp: int, 
     return total
 
 
+def ted_pipelined_time(fits: ParmFits, tokens: int, M: int, k: int, f: float, n_esp: int,
+                       n_mp: int, n_ep: int, chunks: int) -> float | None:
+    """The pipelined ted in ``chunks`` chunks (:mod:`.ted_pipelined`, beyond the Parm paper),
+    or None when the fits lack a term: per chunk of ``z / r`` rows, the EP group carries
+    ``t_ep = 2 (alpha_ep + beta_ep z / r)`` (out and back) and the ESP group ``t_esp =
+    alpha_ag_esp + beta_ag_esp N_ESP z / r + alpha_rs_esp + beta_rs_esp N_ESP z / r``; they
+    overlap chunk by chunk, so ``t = t_ep + t_esp + (r - 1) max(t_ep, t_esp) + alpha_ag +
+    beta_ag N_MP z``: the fill (the first chunk's EP-AlltoAll and the last one's ESP
+    collectives and EP-AlltoAll back run alone), ``r - 1`` overlapped steps bounded by the
+    slower group, and the MP-AllGather after. ``r = 1`` is :func:`ted_time`. The experts'
+    computation is in neither (as in Eq. 13 / 14), so the gain of hiding it is not predicted."""
+    z = k * f * tokens * M / n_mp
+    zc = z / chunks
+    terms = {"ep": (fits.a2a_ep, zc, 2, n_ep), "esp_ag": (fits.ag_esp, n_esp * zc, 1, n_esp),
+             "esp_rs": (fits.rs_esp, n_esp * zc, 1, n_esp), "mp": (fits.ag_mp, n_mp * z, 1, n_mp)}
+    t = {}
+    for name, (ab, elements, times, group) in terms.items():
+        if group == 1:
+            t[name] = 0.0
+            continue
+        if ab is None:
+            return None
+        t[name] = times * (ab.alpha + ab.beta * elements)
+    ep, esp = t["ep"], t["esp_ag"] + t["esp_rs"]
+    return ep + esp + (chunks - 1) * max(ep, esp) + t["mp"]
+
+
 def algorithm1(fits: ParmFits, tokens: int, E: int, M: int, k: int, f: float, n_esp: int,
-               n_mp: int, n_ep: int | None = None) -> Prediction:
+               n_mp: int, n_ep: int | None = None, ted_chunks: tuple[int, ...] = ()
+               ) -> Prediction:
     """Algorithm 1 for ``tokens = B L`` on one rank; with ``n_ep`` (the EP group's size) the
-    ted schedule is weighed too where the fits have its terms (beyond the paper)."""
+    ted schedule is weighed too where the fits have its terms, and the pipelined ted at each of
+    ``ted_chunks`` (beyond the paper)."""
     x = tokens * M                                               # line 1
     T = k * f * tokens / E                                       # line 2 (tokens per expert)
     y = E * T * M * n_esp                                        # line 3
@@ -95,7 +132,10 @@ def algorithm1(fits: ParmFits, tokens: int, E: int, M: int, k: int, f: float, n_
     t_d1 = 2 * (a.alpha + a.beta * y / n_mp) + ag.alpha + ag.beta * x    # line 4 (Eq. 13)
     t_d2 = a.alpha + a.beta * y / n_mp + o.alpha + o.beta * y           # line 5
     t_ted = None if n_ep is None else ted_time(fits, tokens, M, k, f, n_esp, n_mp, n_ep)
-    return _pick(t_d1, t_d2, t_ted)                                     # lines 6-9
+    piped = () if t_ted is None else tuple(
+        (r, ted_pipelined_time(fits, tokens, M, k, f, n_esp, n_mp, n_ep, r))
+        for r in ted_chunks)
+    return _pick(t_d1, t_d2, t_ted, piped)                              # lines 6-9
 
 
 def use_fits(topo: Topology, fits: ParmFits) -> None:
@@ -126,7 +166,9 @@ class AutoSchedule:
                 _FITS[key] = measure_parm_fits(self.topo, elements=sizes, width=M,
                                                device=device)
             self.fits = _FITS[key]
-        # the ted schedule is weighed where it can run (no codecs, no chunks: checks.check_ted)
+        # the ted schedule is weighed where it can run (no codecs; checks.check_ted), and so
+        # is the pipelined ted at AUTO_TED_CHUNKS, with auto's own chunks: where the layer's
+        # exchange is unchunked (pipeline_degree 1), so S1 / S2 run as Algorithm 1 models them
         self._n_ep = (self.topo.ep_size if cfg.codec == "none" and cfg.pipeline_degree == 1
                       else None)
         if cfg.equal_rank_tokens:
@@ -135,17 +177,14 @@ class AutoSchedule:
                 pred = self._known[(tokens, top_k, f)] = self._agree_once(cfg, tokens, top_k,
                                                                           f, M)
         else:
-            mine = algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f,
-                              self.topo.esp_size, self.topo.mp_size, self._n_ep)
-            ted = -1.0 if mine.t_ted is None else mine.t_ted     # the same on every rank
-            t1, t2, t3 = host_all_reduce([mine.t_d1, mine.t_d2, ted], "sum",
-                                         self.topo.world_group)
-            n = self.topo.world_size
-            pred = _pick(t1 / n, t2 / n, None if ted < 0 else t3 / n)      # the ranks' mean
+            mine = self._predict(cfg, tokens, top_k, f, M)
+            sums = host_all_reduce(_terms(mine), "sum", self.topo.world_group)
+            pred = _from_terms([t / self.topo.world_size for t in sums])    # the ranks' mean
         if self.last is None or pred.schedule != self.last.schedule:
-            log.info("Parm Algorithm 1: %s (predicted t_D1 %.3g s, t_D2 %.3g s, ted %s)",
-                     pred.schedule, pred.t_d1, pred.t_d2,
-                     "-" if pred.t_ted is None else f"{pred.t_ted:.3g} s")
+            piped = ", ".join(f"{pipelined_name(r)} {t:.3g} s" for r, t in pred.t_ted_pipelined)
+            log.info("Parm Algorithm 1: %s (predicted t_D1 %.3g s, t_D2 %.3g s, ted %s, "
+                     "pipelined ted %s)", pred.schedule, pred.t_d1, pred.t_d2,
+                     "-" if pred.t_ted is None else f"{pred.t_ted:.3g} s", piped or "-")
         self.last = pred
         return pred.schedule
 
@@ -155,16 +194,35 @@ class AutoSchedule:
         predictions and of ``tokens`` and ``-tokens`` (their max and min): the promise holds
         iff they agree, and every rank then computed the same prediction from the same fits
         (taking the max keeps the choice the same on every rank even if given fits differ)."""
-        mine = algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f, self.topo.esp_size,
-                          self.topo.mp_size, self._n_ep)
-        ted = -1.0 if mine.t_ted is None else mine.t_ted
-        t1, t2, t3, most, neg_least = host_all_reduce(
-            [mine.t_d1, mine.t_d2, ted, float(tokens), -float(tokens)], "max",
-            self.topo.world_group)
+        mine = self._predict(cfg, tokens, top_k, f, M)
+        *terms, most, neg_least = host_all_reduce(
+            _terms(mine) + [float(tokens), -float(tokens)], "max", self.topo.world_group)
         if most != -neg_least:
             raise ConfigError(
                 "MoEConfig.equal_rank_tokens=True is invalid: the ranks called the layer with "
                 f"different token counts (from {int(-neg_least)} to {int(most)}), so Parm's "
                 "Algorithm 1 cannot skip the all-reduce of its predictions; set "
                 "equal_rank_tokens=False, or give every rank batches of the same shape")
-        return _pick(t1, t2, None if ted < 0 else t3)
+        return _from_terms(terms)
+
+    def _predict(self, cfg: MoEConfig, tokens: int, top_k: int, f: float,
+                 M: int) -> Prediction:
+        """This rank's prediction (before the ranks agree)."""
+        return algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f, self.topo.esp_size,
+                          self.topo.mp_size, self._n_ep,
+                          AUTO_TED_CHUNKS if self._n_ep is not None else ())
+
+
+def _terms(p: Prediction) -> list[float]:
+    """A prediction as a fixed-length list for the ranks' all-reduce (the same length on every
+    rank): t_D1, t_D2, then the ted schedule's and the pipelined ted's at each of
+    ``AUTO_TED_CHUNKS``, -1 where not weighed (times are >= 0)."""
+    piped = dict(p.t_ted_pipelined)
+    return ([p.t_d1, p.t_d2, -1.0 if p.t_ted is None else p.t_ted]
+            + [piped.get(r, -1.0) for r in AUTO_TED_CHUNKS])
+
+
+def _from_terms(t: list[float]) -> Prediction:
+    """:func:`_terms` back (after the all-reduce), the choice made again (lines 6-9)."""
+    piped = tuple((r, v) for r, v in zip(AUTO_TED_CHUNKS, t[3:]) if v >= 0)
+    return _pick(t[0], t[1], None if t[2] < 0 else t[2], piped)

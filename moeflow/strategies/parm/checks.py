@@ -9,6 +9,8 @@ from moeflow.topology import Topology
 # all-to-all algorithms that only use the group's own ranks (the hierarchical ones assume that
 # EP groups map onto nodes, which ESP and the EP&ESP block change)
 ESP_ALLTOALLS = ("direct", "pairwise")
+# how the ted schedule's chunks run (strategies/parm/ted_pipelined.py): its own pipeline
+TED_SCHEDULERS = ("sequential", "pipelined")
 
 
 def uses_parm(topo: Topology) -> bool:
@@ -63,13 +65,22 @@ def check_parm_layer(cfg: MoEConfig, topo: Topology, hidden: int) -> None:
 
 
 def check_ted(cfg: MoEConfig, pipeline_degree: int) -> None:
-    """The ``ted`` schedule's exchange runs its own collectives: no codecs, no chunks."""
-    if cfg.codec != "none" or pipeline_degree > 1:
+    """The ``ted`` schedule's exchange runs its own collectives: no codecs; its chunks
+    (``pipeline_degree`` > 1, :mod:`.ted_pipelined`) run one after the other
+    (``schedule="sequential"``) or pipelined (``"pipelined"``), no other scheduler."""
+    if cfg.codec != "none":
         raise ConfigError(
-            f"MoEConfig.parallel_schedule='ted' is not supported with codec={cfg.codec!r}, "
-            f"pipeline_degree={pipeline_degree}: its node-once exchange (EP-AlltoAll, "
-            "ESP-AllGather, ESP-ReduceScatter) runs without codecs or chunks; set codec='none' "
-            "and pipeline_degree=1, or use parallel_schedule='s1' / 's2' with parm_saa=False")
+            f"MoEConfig.parallel_schedule='ted' is not supported with codec={cfg.codec!r}: "
+            "its node-once exchange (EP-AlltoAll, ESP-AllGather, ESP-ReduceScatter) runs "
+            "without codecs; set codec='none', or use parallel_schedule='s1' / 's2' with "
+            "parm_saa=False")
+    if pipeline_degree > 1 and cfg.schedule not in TED_SCHEDULERS:
+        raise ConfigError(
+            f"MoEConfig.schedule={cfg.schedule!r} is not supported with "
+            f"parallel_schedule='ted' and pipeline_degree={pipeline_degree}: the ted "
+            "schedule's chunks run one after the other ('sequential') or pipelined, chunk "
+            "c+1's EP-AlltoAll under chunk c's ESP collectives and experts ('pipelined'); "
+            f"set schedule to one of {', '.join(TED_SCHEDULERS)}")
 
 
 def check_saa(cfg: MoEConfig, pipeline_degree: int) -> None:

@@ -1,5 +1,5 @@
-"""How MoELayer runs Parm's schedules S1, S2, ``ted`` and ``auto`` (the baseline is in
-:mod:`.baseline`).
+"""How MoELayer runs Parm's schedules S1, S2, ``ted`` (also in pipelined chunks) and ``auto``
+(the baseline is in :mod:`.baseline`).
 
 :class:`ParmParts` holds what the EP&ESP exchange needs (the local experts as shard partials,
 the all-to-all algorithm over the EP&ESP block) and, for ``parallel_schedule="auto"``, the
@@ -25,6 +25,7 @@ from moeflow.strategies.parm.ep_esp import ShardPartials, ep_esp_experts, ep_esp
 from moeflow.strategies.parm.s1 import mp_gather_tokens, mp_mean_loss, mp_split_tokens
 from moeflow.strategies.parm.s2 import s2_experts
 from moeflow.strategies.parm.ted import ted_experts
+from moeflow.strategies.parm.ted_pipelined import pipelined_chunks
 from moeflow.schedule.pipeline import ScheduledExperts
 from moeflow.topology import Topology
 
@@ -68,11 +69,17 @@ class ParmParts:
         self.stats.clear()
         if sched == "s1":
             return ep_esp_experts(send, plan, ep_esp, self.topo)
-        if sched == "ted":               # one plan split over the MP group, as S2
-            check_ted(cfg, runner.r)     # the degree may have changed since construction
+        chunks = pipelined_chunks(sched)             # auto's pipelined ted: its own chunks
+        if sched == "ted" or chunks is not None:     # one plan split over MP, as S2
+            if chunks is None:                       # the config's: pipeline_degree, schedule
+                check_ted(cfg, runner.r)             # (the degree may have changed since)
+                chunks, overlap = runner.r, cfg.schedule == "pipelined"
+            else:
+                overlap = True
             if cfg.parm_check_plan:
                 check_plan_agrees(plan, self.topo)
-            return ted_experts(send, plan, self.partials, self.topo, self.stats)
+            return ted_experts(send, plan, self.partials, self.topo, self.stats, chunks,
+                               overlap)
         check_saa(cfg, runner.r)         # the degree may have changed since construction
         if cfg.parm_check_plan:          # S2 splits one plan over the MP group
             check_plan_agrees(plan, self.topo)

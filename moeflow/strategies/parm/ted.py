@@ -28,8 +28,9 @@ Per rank and pass, with ``y = k f B L M`` the send buffer (capacity: ``E C M``):
 ``y / N_MP`` x 2, ESP-AllGather ``y N_ESP / N_MP`` gathered, ESP-ReduceScatter ``y N_ESP /
 N_MP`` reduced, MP-AllGather ``y`` gathered. The MP ranks must route identically (one plan split
 over them, as S2): ``gate_noise > 0`` with ``mp_size > 1`` is refused, ``parm_check_plan=True``
-checks the plans. The exchange runs its own collectives on the calling thread (no codecs,
-chunks or schedulers: refused by :mod:`.checks`).
+checks the plans. The exchange runs its own collectives on the calling thread (no codecs:
+refused by :mod:`.checks`); with ``pipeline_degree`` > 1 it runs in chunks, pipelined with
+``schedule="pipelined"`` (:mod:`.ted_pipelined`, beyond the paper).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from moeflow.schedule.chunks import Grouping, to_device
 from moeflow.strategies.parm.baseline_mp import mp_shares
 from moeflow.strategies.parm.collectives import (all_to_all, esp_all_gather, esp_reduce_scatter,
                                                  mp_gather_replicated, mp_split)
+from moeflow.strategies.parm.ted_pipelined import pipelined_node_once_experts
 from moeflow.topology import Topology
 
 
@@ -76,11 +78,13 @@ def node_once_experts(piece: torch.Tensor, C: np.ndarray, experts, topo: Topolog
 
 
 def ted_experts(send: torch.Tensor, plan: DispatchPlan, experts, topo: Topology,
-                stats: dict | None = None) -> torch.Tensor:
+                stats: dict | None = None, chunks: int = 1, overlap: bool = True
+                ) -> torch.Tensor:
     """Differentiable: the whole send buffer (the same on every MP rank) -> the experts'
     outputs of its rows (same order), in DeepSpeed-TED's order (module docstring). ``stats``:
     gets ``parm_inter_node_bytes``, the forward's bytes to other nodes (:func:`inter_node_rows`;
-    the backward moves the same)."""
+    the backward moves the same). ``chunks`` > 1: the exchange in that many chunks, pipelined
+    when ``overlap`` (:mod:`.ted_pipelined`; the same bytes)."""
     C, rows = mp_shares(plan, topo)
     mp, me_mp, dev = topo.mp_size, topo.mp_rank, send.device
     if stats is not None:
@@ -88,12 +92,19 @@ def ted_experts(send: torch.Tensor, plan: DispatchPlan, experts, topo: Topology,
             inter_node_rows(C, [r.size for r in rows], topo) * send.shape[1]
             * send.element_size())
     if mp == 1:
-        return node_once_experts(send, C, experts, topo)
+        return _exchange(send, C, experts, topo, chunks, overlap)
     piece = mp_split(send, [to_device(r, dev) for r in rows], me_mp, topo.mp_group)
-    back = node_once_experts(piece, C, experts, topo)
+    back = _exchange(piece, C, experts, topo, chunks, overlap)
     gathered = mp_gather_replicated(back, [r.size for r in rows], me_mp, topo.mp_group)
     order = np.argsort(np.concatenate(rows), kind="stable")      # back to buffer order
     return gathered.index_select(0, to_device(order, dev))
+
+
+def _exchange(piece: torch.Tensor, C: np.ndarray, experts, topo: Topology, chunks: int,
+              overlap: bool) -> torch.Tensor:
+    if chunks == 1:
+        return node_once_experts(piece, C, experts, topo)
+    return pipelined_node_once_experts(piece, C, experts, topo, chunks, overlap, slot_of(topo))
 
 
 def inter_node_rows(C: np.ndarray, mp_rows: list[int], topo: Topology) -> int:

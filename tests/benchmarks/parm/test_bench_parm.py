@@ -91,3 +91,16 @@ def test_summary_scores_the_three_way_choice_where_ted_ran():
             s["algorithm1_three_way_picked_fastest"]) == (1, 1)
     assert s["mean_speedup_over_baseline"]["N_MP=2,N_ESP=2"]["ted"] == pytest.approx(
         (10 / 4 + 10 / 5.2) / 2)
+
+
+def test_summary_scores_the_pipelined_ted_as_a_candidate_where_it_ran():
+    """Rows with a ``ted-r4`` column: auto's choice of it is scored among S1, S2, ted and
+    ted-r4; a choice without a column (``ted-r2``) cannot be scored and is not."""
+    rows = [_row(2, 2, [10, 5, 6, 6, 4], "ted-r4"), _row(2, 2, [10, 5, 6, 6, 4], "ted-r2")]
+    for r in rows:
+        r["step_ms"].update({"ted": 4.8, "ted-r4": 4.0})       # ted-r4 fastest by 20 %
+    s = summarize(rows)
+    assert (s["algorithm1_three_way_cases_differing_by_10pct"],
+            s["algorithm1_three_way_picked_fastest"]) == (1, 1)
+    text = format_result({"topology": "T", "rows": rows, "summary": s})
+    assert "ted-r4" in text.splitlines()[1]                    # the column's header
