@@ -285,7 +285,12 @@ def run_on_ranks(fn: Callable, args: argparse.Namespace, *fn_args,
                           "torchrun --nproc-per-node")
         init_from_env(args.timeout, backend)
         result = fn(*fn_args)
-        return result if dist.get_rank() == 0 else None
+        # as launch_local's ranks do: a process group left to the interpreter's exit can
+        # abort the rank there ("terminate called without an active exception": gloo's
+        # worker threads still joinable when their objects are torn down)
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        return result if rank == 0 else None
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is invalid: start at least one rank")
     check_local_ranks(device_type, args.nproc)

@@ -22,7 +22,10 @@ counted layout (:mod:`moeflow.strategies.node_dedup.trimmed`); padded capacity m
 and sums at the relay. The backward is the mirror: the gradients of the partial sums cross
 once per (token, node), and the gradients of the tokens and gates once per (token, node) the
 other way. (The step simulator, :func:`moeflow.comm.alltoall.phases.node_dedup_phases`, models
-the intra-node hop per choice.)
+the intra-node hop per choice.) Trimmed, with several ranks per node, the two hops
+overlap per source node as in DeepEP's normal mode: the relay forwards the rows already
+received while the other nodes' are in flight, and returns each node's sums while it gathers
+the next (:mod:`moeflow.strategies.node_dedup.overlap`).
 
 Pipelining (``pipeline_degree`` r > 1, any scheduler; ScheMoE section 4): the tokens are cut
 into r chunks of consecutive tokens and each chunk runs the whole exchange above as the seven
