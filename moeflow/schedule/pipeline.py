@@ -54,8 +54,11 @@ def pack(payloads: list[torch.Tensor]) -> tuple[torch.Tensor, list | None]:
     """A codec's payloads (same rows) -> one tensor for one collective, and its layout."""
     if len(payloads) == 1:
         return payloads[0], None
-    # explicit widths: a chunk may have no rows, where reshape(0, -1) is ambiguous
-    parts = [p.reshape(p.shape[0], math.prod(p.shape[1:])).contiguous().view(torch.uint8)
+    # explicit widths: a chunk may have no rows, where reshape(0, -1) is ambiguous; an empty
+    # payload is rebuilt with standard strides (a codec's may carry strides a byte view
+    # refuses, e.g. int8's (0, 1) scales), which for no elements is the same tensor
+    parts = [(p if p.numel() else p.new_empty(p.shape))
+             .reshape(p.shape[0], math.prod(p.shape[1:])).contiguous().view(torch.uint8)
              for p in payloads]
     layout = [(p.dtype, tuple(p.shape[1:]), part.shape[1]) for p, part in zip(payloads, parts)]
     return torch.cat(parts, 1), layout

@@ -86,10 +86,7 @@ def _encoded(hop: Hop, codec, coded: torch.Tensor, raw: list[torch.Tensor]):
     """``_coded``'s sending half: the non-finite count, the encoding and the packed buffer."""
     if hop.nonfinite is not None and not codec.represents_nonfinite:
         hop.nonfinite.add_(torch.isfinite(coded).logical_not().sum())
-    # a source node with no rows here: a codec's empty payload may carry strides that
-    # pack's byte view refuses (e.g. int8's (0, 1) scales); empty, any layout is the same
-    payloads = [p if p.shape[0] else p.new_empty(p.shape)
-                for p in codec.encode(coded.contiguous())]
+    payloads = codec.encode(coded.contiguous())    # pack rebuilds an empty payload's strides
     buf, layout = pack(payloads + [t.contiguous() for t in raw])
     return buf, layout, len(payloads)
 

@@ -24,6 +24,16 @@ def test_payloads_pack_into_one_tensor_and_back(codec):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def test_an_empty_payload_with_odd_strides_packs():
+    # a rank or chunk with no rows: a codec's empty payload may carry strides that a byte
+    # view refuses ("stride(-1) must be 1", int8's (0, 1) scales); empty, any layout is equal
+    odd = torch.empty_strided((0, 1), (1, 2))
+    buf, layout = pack([torch.empty(0, 24, dtype=torch.int8), odd])
+    assert buf.shape == (0, 28)
+    a, b = unpack(buf, layout)
+    assert (a.shape, a.dtype, b.shape, b.dtype) == ((0, 24), torch.int8, (0, 1), torch.float32)
+
+
 def test_chunks_split_every_block_and_cover_all_rows():
     counts = np.array([[5, 0, 3, 1], [2, 2, 7, 0]])
     parts = chunk_counts(counts, 3)
