@@ -1,4 +1,4 @@
-"""The relay's overlapped hops (:mod:`moeflow.strategies.node_dedup.overlap`) against the
+"""The relay's overlapped hops (:mod:`moeflow.strategies.node_dedup.relay_overlap`) against the
 one-shot exchange they replace, on random routings (importable by spawned ranks): the rows,
 their order, the sums and the bytes counted must be the same, bit for bit, in both directions
 (the forward's dispatch and combine, and their backward's mirrors)."""
@@ -12,7 +12,7 @@ from moeflow import Topology
 from moeflow.bench.syncs import counting
 from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.comm.codecs import CODECS
-from moeflow.strategies.node_dedup.overlap import overlapped_combine, overlapped_dispatch
+from moeflow.strategies.node_dedup.relay_overlap import overlapped_combine, overlapped_dispatch
 from moeflow.strategies.node_dedup.steps import (AllToAll, CodedAllToAll, Hop, exchange_rows,
                                                  hop_backward)
 from moeflow.strategies.node_dedup.trimmed import RankLayout, _selected, relay_rows

@@ -164,12 +164,20 @@ def test_node_dedup_backward_hops_are_lane_tasks_in_schedule_order(events, case)
     backward included, is issued by the lane; the backward's lane tasks run in OptSche's
     order of the chunks; and each issues its chunk's hops in the mirror of its forward
     task's (backward A1, the partial sums' gradients: inter-node then the fan-in's reverse;
-    backward A2: the fan-out's reverse, then inter-node)."""
+    backward A2: the fan-out's reverse, then inter-node; in trimmed mode the relay's hops per
+    source node, overlapped)."""
     from moeflow.schedule import SCHEDULERS
     order = SCHEDULERS["optsche"]().order(2)
     want = [("A1" if t.kind == "C1" else "A2", t.chunk) for t in order
             if t.kind in ("C1", "C2")]
-    hops = {"A1": [True, False], "A2": [False, True]}     # inter-node first, or second
+    if case == "node_dedup_pad_r2":
+        hops = {"A1": [True, False], "A2": [False, True]}     # inter-node first, or second
+    else:
+        # trimmed mode overlaps the relay's hops (strategies/node_dedup/relay_overlap.py): on 2
+        # nodes the dispatch's inter-node step, then one intra-node all-to-all for its own
+        # node's rows and one for the other node's as they land; the combine gathers the other
+        # node's sums, sends them back, then gathers its own node's
+        hops = {"A1": [True, False, False], "A2": [False, True, False]}
     for rank in range(WORLD):
         a2a = [e for e in events[rank][case] if e[1] == "all_to_all_single"]
         off = [e[3] for e in a2a if not e[3].startswith(worker.LANE_THREAD)]
@@ -177,7 +185,7 @@ def test_node_dedup_backward_hops_are_lane_tasks_in_schedule_order(events, case)
         back = [(kind, chunk) for kind, chunk, phase, lane, *_ in events[rank]["tasks"][case]
                 if phase == "backward" and lane == "comm"]
         assert back == want * 2, f"rank {rank}: backward lane tasks {back}, want {want} x 2"
-        # per step: the forward's lane tasks, then the backward's, two hops each
+        # per step: the forward's lane tasks, then the backward's, each with its hops
         steps = [_inter(e[0]) for e in a2a]
         per_step = [h for kind, _c in want for h in hops[kind]]
         assert steps == per_step * 4, f"rank {rank}: inter-node hops at {steps}"

@@ -77,6 +77,7 @@ def test_node_dedup_pipelined_optsche_matches_reference():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow   # the default run: test_collective_order's node_dedup cases (backward hops as lane tasks in schedule order)
 def test_node_dedup_backward_hops_overlap_the_experts():
     """The backward is scheduled (moeflow/strategies/node_dedup/backward.py; ScheMoE section
     4): with OptSche at r = 2, a chunk's backward hops (lane) run while the computing lane

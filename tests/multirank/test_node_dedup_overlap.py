@@ -1,5 +1,5 @@
 """The relay's two hops overlapped per source node (DeepEP's normal mode:
-:mod:`moeflow.strategies.node_dedup.overlap`) give the rows, order, sums and byte counts of the
+:mod:`moeflow.strategies.node_dedup.relay_overlap`) give the rows, order, sums and byte counts of the
 one-shot exchange, bit for bit, forward and backward, on 3 emulated nodes x 2 gloo ranks (each
 rank's steps reach every other node) with random routings and ranks without tokens, raw in
 float64 and through a lossy codec (int8) in float32, with no host synchronisation."""

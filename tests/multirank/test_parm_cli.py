@@ -37,6 +37,7 @@ def _records(out) -> list[dict]:
 
 
 @pytest.mark.multirank
+@pytest.mark.slow   # the default run: test_gpt_tp (MP x EP training), test_checkpoint_layouts (resume across layouts)
 def test_train_with_mp_and_esp_then_resume_without(tmp_path, capsys):
     out = tmp_path / "run"
     common = ["train", *SMALL, "--batch-size", "2", "--eval-batches", "1", "--warmup-steps",

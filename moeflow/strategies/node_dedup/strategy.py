@@ -25,7 +25,7 @@ other way. (The step simulator, :func:`moeflow.comm.alltoall.phases.node_dedup_p
 the intra-node hop per choice.) Trimmed, with several ranks per node, the two hops
 overlap per source node as in DeepEP's normal mode: the relay forwards the rows already
 received while the other nodes' are in flight, and returns each node's sums while it gathers
-the next (:mod:`moeflow.strategies.node_dedup.overlap`).
+the next (:mod:`moeflow.strategies.node_dedup.relay_overlap`).
 
 Pipelining (``pipeline_degree`` r > 1, any scheduler; ScheMoE section 4): the tokens are cut
 into r chunks of consecutive tokens and each chunk runs the whole exchange above as the seven

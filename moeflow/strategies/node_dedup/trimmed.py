@@ -18,7 +18,7 @@ Per chunk of consecutive tokens (:mod:`moeflow.strategies.node_dedup.steps`' sev
 
 With several ranks per node the two hops of a chunk overlap per source node as DeepEP's
 normal mode overlaps its RDMA sends and NVLink forwarding
-(:mod:`moeflow.strategies.node_dedup.overlap`: the relay forwards what has landed while the
+(:mod:`moeflow.strategies.node_dedup.relay_overlap`: the relay forwards what has landed while the
 other nodes' rows are in flight, and returns each node's sums while it gathers the next);
 with one rank per node the relay is the expert rank and each hop is one collective.
 
@@ -41,7 +41,7 @@ from moeflow.comm.alltoall.phases import token_nodes
 from moeflow.comm.codecs import CODECS
 from moeflow.comm.exchange import gather_device_counts
 from moeflow.schedule.executor import Stage
-from moeflow.strategies.node_dedup.overlap import (Overlapped, SourceSplits,
+from moeflow.strategies.node_dedup.relay_overlap import (Overlapped, SourceSplits,
                                                    overlapped_combine, overlapped_dispatch)
 from moeflow.strategies.node_dedup.steps import (CodedAllToAll, DedupStage, Hop,
                                                  gated_sum_backward, hop_backward)
