@@ -173,6 +173,7 @@ def test_a_hung_rank_times_out_and_the_restart_finishes_the_run(reference, tmp_p
 
 
 @pytest.mark.multirank
+@pytest.mark.slow   # the default run: tests/unit/cuda/test_cuda_review2_host.py (the async save's path), the restart above
 def test_async_checkpoints_publish_every_save_and_equal_the_sync_run(reference, tmp_path):
     out = tmp_path / "run"
     done = _train(out, ["--async-checkpoint"], None, tmp_path)
