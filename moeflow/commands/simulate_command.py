@@ -20,7 +20,8 @@ import torch
 from moeflow.cases.layer_grid import case_routing, cases_for
 from moeflow.commands import simulate_twins as twins
 from moeflow.commands.layer_args import add_layer_args
-from moeflow.commands.simulate_common import add_model_args, add_out_summary, write_rows
+from moeflow.commands.simulate_common import (add_model_args, add_out_summary, write_rows,
+                                              zipf_routing)
 from moeflow.errors import ConfigError
 
 
@@ -528,7 +529,6 @@ def run_simulate_train(args: argparse.Namespace) -> int:
     from moeflow.measure.profiles import load_profile
     from moeflow.models.cost import model_cost
     from moeflow.simulate import LayerSpec, cost_model
-    from moeflow.simulate.loads import sample_routing, zipf_popularity
     from moeflow.simulate.train_model import TrainSpec, simulate_train
 
     try:
@@ -583,11 +583,7 @@ def run_simulate_train(args: argparse.Namespace) -> int:
                          dtype=args.dtype)
     except ConfigError as e:
         raise SystemExit(f"moeflow simulate train: the MoE layer: {e}") from None
-    routing, how = None, "uniform"
-    if args.zipf is not None:
-        routing = sample_routing(zipf_popularity(spec.num_experts, args.zipf), world, T,
-                                 spec.top_k, args.routing_seed)
-        how = f"zipf {args.zipf}, seed {args.routing_seed}"
+    routing, how = zipf_routing(args, spec, world, T)
     cost = model_cost(mcfg)
     a = 3 if moe.activation == "swiglu" else 2
     w, hid = spec.width, spec.hidden     # BigMac's experts: rM -> F/r -> rM (Eq. 4)

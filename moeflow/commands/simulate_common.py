@@ -35,6 +35,17 @@ def add_out_summary(group) -> None:
                             "times and their breakdown")
 
 
+def zipf_routing(args: argparse.Namespace, spec, world: int, tokens: int):
+    """``simulate train``'s routing of every MoE layer: ``(None, "uniform")``, or with
+    ``--zipf`` a sampled routing of ``tokens`` per rank over ``world`` ranks and its label."""
+    if args.zipf is None:
+        return None, "uniform"
+    from moeflow.simulate.loads import sample_routing, zipf_popularity
+    routing = sample_routing(zipf_popularity(spec.num_experts, args.zipf), world, tokens,
+                             spec.top_k, args.routing_seed)
+    return routing, f"zipf {args.zipf}, seed {args.routing_seed}"
+
+
 def write_rows(args: argparse.Namespace, costs, rows: list, **extra) -> int:
     """With --out, the predicted rows as JSON with the command, the fits' source, the
     provenance (:func:`run_meta`) and ``extra``."""

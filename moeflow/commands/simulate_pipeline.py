@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from moeflow.errors import ConfigError
+from moeflow.commands.simulate_common import zipf_routing
 from moeflow.simulate.train_model import ACCUMULATE_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 
 
@@ -179,7 +180,6 @@ def run_pipeline(args: argparse.Namespace, mcfg, costs, nodes: int, per: int) ->
                                                               stages_per_rank)
     from moeflow.pipeline_parallel.split import stage_blocks
     from moeflow.simulate import LayerSpec, simulate_layer
-    from moeflow.simulate.loads import sample_routing, zipf_popularity
     from moeflow.simulate.pipeline_model import simulate_pipeline
     from moeflow.simulate.pipeline_order import torch_order
     from moeflow.simulate.pipeline_stages import StageSpec, stage_times
@@ -221,11 +221,7 @@ def run_pipeline(args: argparse.Namespace, mcfg, costs, nodes: int, per: int) ->
                          downscale_factor=moe.downscale_factor, dtype=args.dtype)
     except ConfigError as e:
         raise _refuse(f"the MoE layer of a stage ({size} ranks): {e}") from None
-    routing, how = None, "uniform"
-    if args.zipf is not None:
-        routing = sample_routing(zipf_popularity(spec.num_experts, args.zipf), size, T,
-                                 spec.top_k, args.routing_seed)
-        how = f"zipf {args.zipf}, seed {args.routing_seed}"
+    routing, how = zipf_routing(args, spec, size, T)
     layer = simulate_layer(spec, costs, routing)
     n_stages = num_stages(sched, pp)
     blocks = stage_blocks(mcfg.n_layers, n_stages)
