@@ -323,10 +323,12 @@ def _key(c) -> tuple:
 def overlap_trials(schedules: list[str], degrees: list[int]) -> list[tuple[str, int]]:
     """(schedule, r) of the early overlap trials of a budgeted tuning: ScheMoE's OptSche
     (Theorem 1: never slower than the pipelined order in the two-lane model) at every allowed
-    pipelining degree above 1, smallest first; the pipelined order where OptSche is not
-    allowed; none where neither is."""
+    pipelining degree above 1, largest first; the pipelined order where OptSche is not
+    allowed; none where neither is. Largest first because the budget often holds only one
+    trial, and six of the seven unbounded tunings on record that chose an overlapped schedule
+    chose the largest degree (docs/autotune.md, "Time budget")."""
     s = next((s for s in ("optsche", "pipelined") if s in schedules), None)
-    return [(s, r) for r in sorted(degrees) if r > 1] if s is not None else []
+    return [(s, r) for r in sorted(degrees, reverse=True) if r > 1] if s is not None else []
 
 
 def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
@@ -355,9 +357,10 @@ def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
 
 def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[int]) -> list:
     """Candidates measured without predictions when the budget leaves no time to profile:
-    the best screened (codec, algorithm) with the overlapping schedules at the smallest
-    pipelining degree above 1 (ScheMoE's OptSche first, Theorem 1)."""
-    r = min((d for d in degrees if d > 1), default=None)
+    the best screened (codec, algorithm) with the overlapping schedules at the largest
+    pipelining degree (ScheMoE's OptSche first, Theorem 1; the degree as
+    :func:`overlap_trials` orders it)."""
+    r = max((d for d in degrees if d > 1), default=None)
     order = [s for s in ("optsche", "pipelined") if s in schedules]
     return [((pair[0], pair[1], s, r), None) for s in order] if r is not None else []
 

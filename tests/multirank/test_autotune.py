@@ -91,14 +91,14 @@ def test_screen_order_puts_overlap_before_other_algorithms_only_under_a_budget()
             ["sequential", "pipelined", "optsche"], [1, 2, 4])
     assert screen_order(*args, budgeted=True) == [
         ("screen", "none", "direct"), ("screen", "fp16", "direct"),
-        ("overlap", "optsche", 2), ("overlap", "optsche", 4),
+        ("overlap", "optsche", 4), ("overlap", "optsche", 2),
         ("screen", "none", "pairwise"), ("screen", "none", "pipe")]
     assert screen_order(*args, budgeted=False) == [
         ("screen", "none", "direct"), ("screen", "fp16", "direct"),
         ("screen", "none", "pairwise"), ("screen", "none", "pipe")]
     # the allowed schedules and degrees bound the trials
-    assert overlap_trials(["sequential", "pipelined"], [4, 1, 2]) == [("pipelined", 2),
-                                                                      ("pipelined", 4)]
+    assert overlap_trials(["sequential", "pipelined"], [1, 4, 2]) == [("pipelined", 4),
+                                                                      ("pipelined", 2)]
     assert overlap_trials(["sequential"], [1, 2, 4]) == []
     assert overlap_trials(["optsche"], [1]) == []
 
