@@ -20,7 +20,7 @@ from moeflow.comm.codecs import CODECS
 from moeflow.config import FROM_CONFIG, ConfigError, MoEConfig
 from moeflow.devices import check_not_capturing
 from moeflow.dispatch import capacity, combine
-from moeflow.dispatch.plan import KnownCapacities
+from moeflow.dispatch.plan import KnownCapacities, padding_trimmed
 from moeflow.experts.shared import SharedExperts
 from moeflow.experts.structure import build_projections
 from moeflow.layer_call import LayerCall
@@ -142,15 +142,14 @@ class MoELayer(nn.Module):
         self._checked_schedule = key
 
     def _trims(self, sched, device: torch.device) -> bool:
-        """Whether capacity mode sends only the kept rows (``MoEConfig.capacity_padding``):
-        where the strategy allows it (plain EP, not FSSDP, Parm's schedules or ESP shards,
-        which lay out capacity themselves: ``ExpertStrategy.trims_padding``); "auto" where a host synchronisation is free: on CPU, in eager
-        mode (under ``torch.compile`` the kept counts' host read would break the graph at the
-        plan, so "auto" pads there)."""
-        mode = self.cfg.capacity_padding
-        if mode == "pad" or sched is not None or not self.strategy.trims_padding:
-            return False
-        return mode == "trim" or (device.type == "cpu" and not torch.compiler.is_compiling())
+        """Whether this call's capacity plan sends only the kept rows
+        (``MoEConfig.capacity_padding``): where the strategy trims with the call's schedule
+        ``sched`` (:meth:`ExpertStrategy.trims`: plain EP; Parm's ted, pipelined ted, S1 and
+        MP-drop baseline; not FSSDP, Parm's S2 or its baseline with ESP shards, which lay out
+        capacity themselves) and the mode trims on ``device``
+        (:func:`~moeflow.dispatch.plan.padding_trimmed`: "auto" on CPU in eager mode)."""
+        return (padding_trimmed(self.cfg.capacity_padding, device)
+                and self.strategy.trims(sched))
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the last forward's aux_loss (it belongs to that graph)."""

@@ -396,8 +396,10 @@ def compare_worker(opts: dict) -> dict:
     rows, checks = [], []
     for tokens in opts["tokens"]:
         M = opts["d_model"]
+        padding = opts.get("capacity_padding")      # None: the config's default
         base = MoEConfig(d_model=M, d_expert=2 * M, num_experts=ep * opts["experts_per_ep"],
-                         top_k=opts["top_k"], capacity_factor=1.0, seed=1)
+                         top_k=opts["top_k"], capacity_factor=1.0, seed=1,
+                         **({} if padding is None else {"capacity_padding": padding}))
         gen = torch.Generator().manual_seed(4000 + topo.rank // mp)   # MP ranks: same tokens
         x = torch.randn(tokens, M, generator=gen).to(device)
         checks.append({"tokens_per_rank": tokens, **compare_outputs(base, topo, x)})
@@ -415,17 +417,21 @@ def compare_worker(opts: dict) -> dict:
                     for ts, t in zip(times, got):
                         ts.append(t)
             chosen = auto_choice(layers[labels.index("auto") - len(dsl)])
+            trimmed = {v: bool(l.stats["parm_trimmed"]) for (v, _), l
+                       in zip(MOEFLOW_VARIANTS, layers) if "parm_trimmed" in l.stats}
             for layer in layers:
                 layer.lane.close()
             med = {v: 1e3 * statistics.median(ts) for v, ts in zip(labels, times)}
             rows.append({"n_mp": mp, "n_ep": ep, "n_esp": esp, "tokens_per_rank": tokens,
                          "d_model": M, "d_expert": 2 * M, "num_experts": cfg.num_experts,
                          "top_k": cfg.top_k, "capacity_factor": f, "auto_choice": chosen,
+                         "capacity_padding": cfg.capacity_padding, "trimmed": trimmed,
                          "step_ms": med,
                          "speedup_over_deepspeed": {v: med["deepspeed"] / med[v] for v in labels},
                          "samples_ms": {v: [1e3 * t for t in ts]
                                         for v, ts in zip(labels, times)}})
     return {"topology": repr(topo), "deepspeed_version": deepspeed.__version__,
+            "capacity_padding": base.capacity_padding,
             "deepspeed_labels": ds_labels(),
             "deepspeed_drops_mp_duplicates": drops_mp_duplicates(),
             "numpy_version": __import__("numpy").__version__,
@@ -437,7 +443,10 @@ def format_compare(res: dict) -> str:
     dsl = res.get("deepspeed_labels", ["deepspeed", ORDER_081])
     labels = dsl + [v for v, _ in MOEFLOW_VARIANTS]
     short = short_names(res["deepspeed_version"])
-    lines = [f"{res['topology']}  deepspeed {res['deepspeed_version']}",
+    trimmed = sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
+    lines = [f"{res['topology']}  deepspeed {res['deepspeed_version']}  moeflow "
+             f"capacity_padding={res.get('capacity_padding', '- (Parm padded)')}"
+             + (f" (trimmed: {','.join(trimmed)})" if trimmed else ""),
              f"{'BL':>5} {'f':>5} " + " ".join(f"{short.get(v, v):>12}" for v in labels)
              + f"   speedup over {short['deepspeed']}: "
              + " ".join(short.get(v, v) for v in labels[1:]), "-" * 140]

@@ -47,6 +47,12 @@ def register_bench(bsub) -> None:
                         "as one group, N_EP = world / 2: 4 or 8 ranks) beside baseline / s1 / s2 / auto and check it "
                         "computes the baseline's outputs; skipped with a message when deepspeed "
                         "is not importable (it is not a moeflow dependency)")
+    p.add_argument("--capacity-padding", choices=["pad", "trim", "auto"], default=None,
+                   help="MoEConfig.capacity_padding of the moeflow layers (default: the "
+                        "config's default, as a user builds it): 'trim' sends only the kept "
+                        "rows in the schedules that trim (ted, ted-r4, S1, the baseline with "
+                        "whole experts; S2 and the baseline with ESP shards pad), 'pad' all "
+                        "E*C rows, 'auto' trims on CPU; recorded in the JSON and printed")
     p.add_argument("--out", default=None,
                    help="write the results as JSON here (default: print only)")
     add_launch_args(p, default_nproc=4)
@@ -70,7 +76,7 @@ def run_parm(args: argparse.Namespace) -> int:
                              f"{getattr(args, name)} must be >= 1")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "experts_per_ep", "top_k",
                                           "capacity_factors", "warmup", "reps", "device",
-                                          "collectives", "fit_sizes")}
+                                          "collectives", "fit_sizes", "capacity_padding")}
     if args.layouts:
         from benchmarks.parm.parm import parse_layout
 

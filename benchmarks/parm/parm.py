@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
+
 
 from benchmarks.parm.parm_collectives import (
     ab_json, format_case, grid_elements, measure_baseline_fits, messages, time_case)
 from moeflow.bench.schedule_bench import time_variants
-from moeflow.cases.parm_grid import case_config, case_input
+from moeflow.cases.parm_grid import case_config, case_input, case_routing
 from moeflow.devices import resolve_device
+from moeflow.dispatch.capacity import capacity
+from moeflow.dispatch.plan import padding_trimmed
 from moeflow.strategies.parm.algorithm1 import algorithm1, use_fits
 from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates
 from moeflow.strategies.parm.fits import DEFAULT_ELEMENTS, measure_parm_fits
+from moeflow.strategies.parm.padding import TRIMMING_SCHEDULES
 from moeflow.strategies.parm.ted_pipelined import (AUTO_TED_CHUNKS, pipelined_chunks,
                                                    pipelined_name)
 from moeflow.topology import Topology
@@ -134,19 +139,27 @@ def bench_worker(opts: dict) -> dict:
                     "points": bf["points"]}
         for tokens in opts["tokens"]:
             for f in opts["capacity_factors"]:
-                base = case_config(M, E, k, f)
+                base = case_config(M, E, k, f, opts.get("capacity_padding"))
                 x = case_input(tokens, M, topo.rank // mp).to(device)
                 got = time_variants(base, list(VARIANTS), topo, x, opts["warmup"], opts["reps"])
                 # the auto layer's own candidates (AutoSchedule: ted and the pipelined ted at
                 # AUTO_TED_CHUNKS) from the fits it was given, on the same token count on every
-                # rank: the schedule it ran
-                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp, ep, AUTO_TED_CHUNKS)
+                # rank: the schedule it ran; where the layers trim, the trimming candidates'
+                # terms with the ranks' mean kept fraction (beyond the paper)
+                trimmed = (frozenset(TRIMMING_SCHEDULES)
+                           if padding_trimmed(base.capacity_padding, x.device) else frozenset())
+                f_kept = (kept_fraction(tokens, M, E, k, f, topo.world_size, mp)
+                          if trimmed else None)
+                preds = {lab: algorithm1(fs, tokens, E, M, k, f, esp, mp, ep, AUTO_TED_CHUNKS,
+                                         trimmed, f_kept)
                          for lab, fs in fit_sets.items()}
                 pred = preds[opts.get("fit_sizes", "grid")]
                 row = {"n_mp": mp, "n_ep": ep, "n_esp": esp, "esp_in_node": in_node,
                        "crosses_nodes": spans, "tokens_per_rank": tokens,
                        "d_model": M, "d_expert": 2 * M, "num_experts": E, "top_k": k,
-                       "capacity_factor": f,
+                       "capacity_factor": f, "capacity_padding": base.capacity_padding,
+                       "kept_fraction": f_kept,
+                       "trimmed": {r["variant"]: r["trimmed"] for r in got if "trimmed" in r},
                        "step_ms": {r["variant"]: r["step_ms"] for r in got},
                        "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
                        "auto_choice": pred.schedule,
@@ -165,7 +178,20 @@ def bench_worker(opts: dict) -> dict:
                                                    opts["warmup"], opts["reps"])
                 rows.append(row)
     return {"topology": repr(world_topo), "fit_sizes": opts.get("fit_sizes", "grid"),
+            "capacity_padding": rows[0]["capacity_padding"] if rows else None,
             "fits": fits_out, "rows": rows, "summary": summarize(rows)}
+
+
+def kept_fraction(tokens: int, M: int, E: int, k: int, f: float, world: int, mp: int
+                  ) -> float:
+    """The kept rows of the case's trimmed plans over its ``k B L`` choices, the mean over the
+    ranks (each gating its MP group's whole batch, as the baseline and ted do): the ``f'`` an
+    auto layer's Algorithm 1 weighs after its first trimmed call (:mod:`moeflow.strategies.
+    parm.algorithm1`; S1 gates ``B L / N_MP`` tokens per rank, close to it)."""
+    cap = capacity(tokens, k, E, f)
+    kept = [np.minimum(np.bincount(ids.reshape(-1).numpy(), minlength=E), cap).sum()
+            for ids in case_routing(tokens, M, E, k, f, world, mp)]
+    return float(np.mean(kept)) / (k * tokens)
 
 
 def predicted_ms(pred) -> dict:
@@ -249,7 +275,10 @@ def accuracy(rows: list[dict]) -> dict:
 
 
 def format_result(res: dict) -> str:
-    lines = [res["topology"],
+    trimmed = sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
+    lines = [res["topology"] + "  capacity_padding="     # results from before it: Parm padded
+             + res.get("capacity_padding", "- (Parm padded)")
+             + (f"  trimmed: {','.join(trimmed)}" if trimmed else ""),
              f"{'MP,EP,ESP':>9} {'BL':>5} {'f':>4} " + " ".join(f"{v:>9}" for v, _ in VARIANTS)
              + f" {'alg1':>6} {'pred s1':>8} {'pred s2':>8}", "-" * 100]
     for r in res["rows"]:

@@ -66,11 +66,11 @@ def time_variants(base: MoEConfig, variants: list[tuple[str, dict]], topo: Topol
                 cs.append(slowest(a2a, topo))
     base_ms = 1e3 * statistics.median(times[0])
     out = []
-    for (label, v), ts, cs in zip(variants, times, comm):
-        ms = 1e3 * statistics.median(ts)
+    for (label, v), ts, cs, layer in zip(variants, times, comm, layers):   # Parm: trimmed?
+        ms, st = 1e3 * statistics.median(ts), layer.stats
         out.append({"variant": label, **v, "step_ms": ms, "speedup": base_ms / ms,
-                    "a2a_ms": 1e3 * statistics.median(cs),
-                    "samples_ms": [1e3 * t for t in ts]})
+                    "a2a_ms": 1e3 * statistics.median(cs), "samples_ms": [1e3 * t for t in ts],
+                    **({"trimmed": bool(st["parm_trimmed"])} if "parm_trimmed" in st else {})})
     for layer in layers:
         layer.lane.close()
     return out

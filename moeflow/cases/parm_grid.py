@@ -10,11 +10,13 @@ from moeflow.config import MoEConfig
 from moeflow.routing.choices import router_choices
 
 
-def case_config(d_model: int, num_experts: int, top_k: int, capacity_factor: float
-                ) -> MoEConfig:
-    """The MoE layer of one grid case (``H = 2 M``; the variants override the schedule)."""
+def case_config(d_model: int, num_experts: int, top_k: int, capacity_factor: float,
+                capacity_padding: str | None = None) -> MoEConfig:
+    """The MoE layer of one grid case (``H = 2 M``; the variants override the schedule);
+    ``capacity_padding``: None keeps the config's default."""
+    extra = {} if capacity_padding is None else {"capacity_padding": capacity_padding}
     return MoEConfig(d_model=d_model, d_expert=2 * d_model, num_experts=num_experts,
-                     top_k=top_k, capacity_factor=capacity_factor, seed=1)
+                     top_k=top_k, capacity_factor=capacity_factor, seed=1, **extra)
 
 
 def case_input(tokens: int, d_model: int, mp_group: int) -> torch.Tensor:

@@ -310,14 +310,14 @@ class MoEConfig:
         _require(self.capacity_padding in CAPACITY_PADDINGS, o, "capacity_padding",
                  self.capacity_padding, "choose 'auto' (trim on CPU, pad elsewhere), 'pad' "
                  "(send all E*C capacity rows) or 'trim' (send only the kept rows)")
-        _require(self.capacity_padding != "trim" or (
-                     all(strategies[p].supports_trim for p in
-                         (AUTO_PLACEMENTS if self.placement == AUTO else (self.placement,)))
-                     and self.parallel_schedule == "baseline"),
+        _require(self.capacity_padding != "trim" or all(
+                     strategies[p].supports_trim for p in
+                     (AUTO_PLACEMENTS if self.placement == AUTO else (self.placement,))),
                  o, "capacity_padding", self.capacity_padding,
                  "'trim' works with a placement that sends only kept rows ('ep', "
-                 "'node_dedup') and parallel_schedule='baseline' only (FSSDP and Parm build "
-                 "their own capacity layouts); use 'auto' or 'pad'")
+                 "'node_dedup', 'parm': its ted, pipelined ted, S1 and whole-expert baseline; "
+                 "S2 and the baseline with ESP shards pad, docs/parm.md); FSSDP builds its own "
+                 "capacity layout: use 'auto' or 'pad'")
         _require(self.parallel_schedule in PARM_SCHEDULES, o, "parallel_schedule",
                  self.parallel_schedule, "unknown schedule; use one of "
                  f"{', '.join(PARM_SCHEDULES)} (Parm Fig. 3a, 3b, 3c, Algorithm 1; ted: "

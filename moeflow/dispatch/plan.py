@@ -85,6 +85,17 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
 
 
+def padding_trimmed(mode: str, device: torch.device) -> bool:
+    """Whether ``MoEConfig.capacity_padding=mode`` trims on ``device`` where the strategy's
+    schedule can send only the kept rows: "trim" always, "pad" never, "auto" where the host
+    read of the kept counts is free: on CPU, in eager mode (under ``torch.compile`` it would
+    break the graph at the plan, so "auto" pads there). The same answer on every rank of a
+    job (its config's mode, its device type)."""
+    if mode == "pad":
+        return False
+    return mode == "trim" or (device.type == "cpu" and not torch.compiler.is_compiling())
+
+
 def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
               trim: bool = False) -> DispatchPlan:
     """Build the plan for ``experts: (T, k)`` (device work only, no communication; with

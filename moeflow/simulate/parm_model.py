@@ -24,8 +24,9 @@ Every size comes from the library's own functions on a :class:`~moeflow.topology
 built without process groups (its coordinates are plain arithmetic): the groups
 (``esp_peer_ranks``, ``slot_coords``, ``mp_slots``), the MP parts (``s1.token_rows``), the
 dump (``Dump.build``), capacity (``dispatch.capacity``) and the gate's counts (``make_plan``,
-padded: Parm never trims). Collectives pad to the group's largest block as
-``collectives._gather`` does. Each collective's time is the link fit of its group's class
+padded, as ``capacity_padding="pad"`` runs them; the schedules that trim,
+docs/parm.md "Sending only the kept rows", are modelled padded). Collectives pad to the
+group's largest block as ``collectives._gather`` does. Each collective's time is the link fit of its group's class
 (``intra`` inside a node, ``inter`` one rank per node, ``world`` otherwise) and op, at the nccl-tests
 byte convention (``moeflow.measure.linkmodel``), the slowest member's buffer. The MP
 collectives run on the computing thread (as in the library); with one chunk, which is what is

@@ -94,6 +94,9 @@ class ExpertStrategy:
     ``setup_model`` once the model is built, ``on_step_end`` after each optimizer step,
     ``checkpoint_entries`` and ``metrics`` for the training log.
 
+    Per call, :meth:`trims` (``sched``): whether the layer's plan trims capacity padding with
+    this call's schedule (default: the flag ``trims_padding``; Parm answers per schedule).
+
     Flags (attributes, not hooks): ``trims_padding``, ``supports_trim``,
     ``counts_inter_node_bytes``, ``recomputes_experts``, ``combines_in_exchange``,
     ``tunable_fields``, ``refuses_block_recompute(cfg)``. ``OPTIONS``: the options class of
@@ -177,6 +180,13 @@ class ExpertStrategy:
             call.plan = self._plan(expert_ids, cap, h.device, call)
             self.layer.share_known_capacity(call, cap)
         return self._permute(h, call.plan, weights)
+
+    def trims(self, sched: str | None) -> bool:
+        """Whether this strategy's exchange sends only the kept rows of a capacity plan in a
+        call with schedule ``sched`` (the call's ``Call.sched``, None outside Parm's
+        schedules), where ``MoEConfig.capacity_padding`` trims (the layer's ``_trims``). The
+        answer must be the same on every rank of the call. Default: :attr:`trims_padding`."""
+        return self.trims_padding
 
     def _plan(self, expert_ids: torch.Tensor, cap: int | None, device: torch.device,
               call: Call) -> DispatchPlan:

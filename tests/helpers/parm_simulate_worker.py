@@ -89,7 +89,7 @@ def run(layout: str, schedule: str, factor) -> dict:
                              esp_in_node=in_node)
     cfg = MoEConfig(d_model=M, d_expert=2 * M, num_experts=E, top_k=2, capacity_factor=factor,
                     parallel_schedule=schedule.split("-")[0], parm_saa=schedule != "s2-aas",
-                    seed=1)
+                    seed=1, capacity_padding="pad")       # the simulator models the padding
     layer = MoELayer(cfg, topo)
     gen = torch.Generator().manual_seed(4000 + topo.dp_rank)      # MP: the same tokens
     x = torch.randn(TOKENS, M, generator=gen).requires_grad_()

@@ -34,7 +34,7 @@ def trace(layout: str, **kw) -> tuple[list[dict], float]:
     and the layer's ``stats["parm_inter_node_bytes"]``; ``kw``: more MoEConfig fields."""
     topo = topology(layout)
     cfg = MoEConfig(d_model=8, d_expert=16, num_experts=4, top_k=2, capacity_factor=2.0,
-                    parallel_schedule="ted", seed=1, **kw)
+                    parallel_schedule="ted", seed=1, capacity_padding="pad", **kw)
     layer = MoELayer(cfg, topo)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(4000 + topo.dp_rank))
     log = traced_step(layer, x.requires_grad_())

@@ -41,8 +41,9 @@ def esp_ranks(layout: str) -> tuple[list[int], list[int]]:
 
 def trace(layout: str) -> list[dict]:
     topo = topology(layout)
+    # padded: DeepSpeed 0.8.1's traces are of the E C M capacity buffers
     cfg = MoEConfig(d_model=M, d_expert=2 * M, num_experts=E, top_k=2, capacity_factor=2.0,
-                    parallel_schedule="baseline", seed=1)
+                    parallel_schedule="baseline", seed=1, capacity_padding="pad")
     layer = MoELayer(cfg, topo)
     gen = torch.Generator().manual_seed(4000 + topo.dp_rank)      # MP: the same tokens
     x = torch.randn(TOKENS, M, generator=gen).requires_grad_()

@@ -118,7 +118,12 @@ def main(paths: list[str]) -> None:
     scored_all = []
     for path in paths:
         res = json.load(open(path))
-        print(f"### {path}\n{res['topology']}")
+        # capacity_padding: recorded since the option (bench parm --capacity-padding); older
+        # files ran Parm padded
+        trimmed = sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
+        print(f"### {path}\n{res['topology']}  capacity_padding="
+              f"{res.get('capacity_padding', '- (Parm padded)')}"
+              + (f", trimmed: {', '.join(trimmed)}" if trimmed else ""))
         if "deepspeed_version" in res:
             print("\n".join(compare_rows(res)))
         else:

@@ -21,6 +21,15 @@ beta_rs_esp N_ESP z + alpha_ag + beta_ag N_MP z`` (a group of one rank costs not
 weighed only when the fits have its terms for every group of more than one rank; the choice is
 then the least of the three predictions (lines 6-9 with three branches).
 
+Beyond the paper and DeepSpeed-TED, trimmed capacity (``MoEConfig.capacity_padding``,
+:mod:`.padding`): a candidate whose plan sends only the kept rows (S1, ``ted`` and the pipelined
+ted, where the call trims) moves ``k f' B L / E`` rows per expert instead of line 2's ``k f B L
+/ E``, with ``f' = `` kept rows ``/ (k B L)`` (at most 1, at most ``f``); the candidates that
+pad (S2) keep ``f``. The routing of the call is not known when the schedule is chosen (S1
+splits the tokens before the gate), so ``f'`` is this layer's last trimmed call's on this rank
+(:meth:`AutoSchedule.note_kept`), and before any, balanced routing's ``min(f, 1)``; the
+ranks' predictions are then agreed as below, so the choice weighs the mean over the ranks.
+
 :class:`AutoSchedule` is ``parallel_schedule="auto"``: the fits are measured once per topology
 on the running cluster (:func:`.fits.measure_parm_fits`, collective) unless given, at sizes
 around the messages of the first call (:func:`.fits.elements_around` of the largest ``B L``
@@ -120,20 +129,27 @@ def ted_pipelined_time(fits: ParmFits, tokens: int, M: int, k: int, f: float, n_
 
 
 def algorithm1(fits: ParmFits, tokens: int, E: int, M: int, k: int, f: float, n_esp: int,
-               n_mp: int, n_ep: int | None = None, ted_chunks: tuple[int, ...] = ()
+               n_mp: int, n_ep: int | None = None, ted_chunks: tuple[int, ...] = (),
+               trimmed: frozenset[str] = frozenset(), f_kept: float | None = None
                ) -> Prediction:
     """Algorithm 1 for ``tokens = B L`` on one rank; with ``n_ep`` (the EP group's size) the
     ted schedule is weighed too where the fits have its terms, and the pipelined ted at each of
-    ``ted_chunks`` (beyond the paper)."""
+    ``ted_chunks`` (beyond the paper). ``trimmed``: the candidates whose plans send only the
+    kept rows (``"s1"``, ``"ted"``: the pipelined ted with it), whose terms take ``f_kept``
+    (kept rows / ``k B L``) for ``f`` (beyond the paper, module docstring)."""
+    def factor(candidate: str) -> float:
+        return f if f_kept is None or candidate not in trimmed else f_kept
+
     x = tokens * M                                               # line 1
-    T = k * f * tokens / E                                       # line 2 (tokens per expert)
-    y = E * T * M * n_esp                                        # line 3
+    y1, y2 = (E * (k * factor(s) * tokens / E) * M * n_esp       # lines 2-3 (S1, S2)
+              for s in ("s1", "s2"))
     a, ag, o = fits.a2a, fits.ag_mp, fits.overlap
-    t_d1 = 2 * (a.alpha + a.beta * y / n_mp) + ag.alpha + ag.beta * x    # line 4 (Eq. 13)
-    t_d2 = a.alpha + a.beta * y / n_mp + o.alpha + o.beta * y           # line 5
-    t_ted = None if n_ep is None else ted_time(fits, tokens, M, k, f, n_esp, n_mp, n_ep)
+    t_d1 = 2 * (a.alpha + a.beta * y1 / n_mp) + ag.alpha + ag.beta * x   # line 4 (Eq. 13)
+    t_d2 = a.alpha + a.beta * y2 / n_mp + o.alpha + o.beta * y2         # line 5
+    ft = factor("ted")
+    t_ted = None if n_ep is None else ted_time(fits, tokens, M, k, ft, n_esp, n_mp, n_ep)
     piped = () if t_ted is None else tuple(
-        (r, ted_pipelined_time(fits, tokens, M, k, f, n_esp, n_mp, n_ep, r))
+        (r, ted_pipelined_time(fits, tokens, M, k, ft, n_esp, n_mp, n_ep, r))
         for r in ted_chunks)
     return _pick(t_d1, t_d2, t_ted, piped)                              # lines 6-9
 
@@ -153,10 +169,22 @@ class AutoSchedule:
         self.last: Prediction | None = None
         self._known: dict[tuple, Prediction] = {}    # equal_rank_tokens: per (tokens, k, f)
         self._n_ep: int | None = None                # set per call: ted weighed (choose)
+        self._trimmed: frozenset[str] = frozenset()  # set per call: candidates that trim
+        self.kept: float | None = None               # the last trimmed call's kept fraction
+
+    def note_kept(self, rows: int, choices: int) -> None:
+        """A trimmed call's kept rows out of its ``choices = k B L`` routing choices (this
+        rank's): the next calls' ``f'`` (module docstring; beyond the paper)."""
+        if choices > 0:
+            self.kept = rows / choices
 
     def choose(self, cfg: MoEConfig, tokens: int, top_k: int, factor: float | None,
-               device: torch.device | str = "cpu") -> str:
+               device: torch.device | str = "cpu", trimmed: frozenset[str] = frozenset()
+               ) -> str:
+        """The call's schedule; ``trimmed``: the candidates whose plan would send only the
+        kept rows in this call (the same on every rank: the config and the device type)."""
         f, M = 1.0 if factor is None else float(factor), comm_width(cfg)
+        self._trimmed = trimmed if factor is not None else frozenset()
         if self.fits is None:
             key = id(self.topo)
             if key not in _FITS:                # collective: every rank measures the same sizes
@@ -171,11 +199,11 @@ class AutoSchedule:
         # exchange is unchunked (pipeline_degree 1), so S1 / S2 run as Algorithm 1 models them
         self._n_ep = (self.topo.ep_size if cfg.codec == "none" and cfg.pipeline_degree == 1
                       else None)
-        if cfg.equal_rank_tokens:
-            pred = self._known.get((tokens, top_k, f))
+        if cfg.equal_rank_tokens:      # trimmed: agreed with the kept rows known then
+            key = (tokens, top_k, f, self._trimmed)
+            pred = self._known.get(key)
             if pred is None:
-                pred = self._known[(tokens, top_k, f)] = self._agree_once(cfg, tokens, top_k,
-                                                                          f, M)
+                pred = self._known[key] = self._agree_once(cfg, tokens, top_k, f, M)
         else:
             mine = self._predict(cfg, tokens, top_k, f, M)
             sums = host_all_reduce(_terms(mine), "sum", self.topo.world_group)
@@ -208,9 +236,13 @@ class AutoSchedule:
     def _predict(self, cfg: MoEConfig, tokens: int, top_k: int, f: float,
                  M: int) -> Prediction:
         """This rank's prediction (before the ranks agree)."""
+        f_kept = None
+        if self._trimmed:             # before any trimmed call: balanced routing's kept rows
+            f_kept = min(f, 1.0) if self.kept is None else min(f, self.kept)
         return algorithm1(self.fits, tokens, cfg.num_experts, M, top_k, f, self.topo.esp_size,
                           self.topo.mp_size, self._n_ep,
-                          AUTO_TED_CHUNKS if self._n_ep is not None else ())
+                          AUTO_TED_CHUNKS if self._n_ep is not None else (),
+                          self._trimmed, f_kept)
 
 
 def _terms(p: Prediction) -> list[float]:

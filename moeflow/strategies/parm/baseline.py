@@ -36,6 +36,11 @@ copy of them: ``N_MP / N_ESP`` times where the ESP group lies inside the MP grou
 DeepSpeed's ``N_ESP = N_MP``, each shard computing its slice; once with whole experts, whose
 duplicates are dropped), ``N_MP`` times otherwise: the duplicated work of Section III-A that
 S1 / S2 remove.
+
+With ESP shards both cases keep the capacity layout under ``MoEConfig.capacity_padding="trim"``
+(:mod:`.padding`): the ESP-AllReduce sums the peers' partial outputs row by row, which the
+``E C`` rows keep aligned whatever the routing, and Eq. 1's gather rebuilds the peers' buffers
+from their capacity layout. With whole experts (``N_ESP = 1``) the plan is trimmed.
 """
 
 from __future__ import annotations

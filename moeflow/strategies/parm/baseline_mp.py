@@ -20,6 +20,11 @@ schedulers, shared experts as task S), and the MP-AllGather (:func:`.collectives
 mp_gather_replicated`) puts every share back in buffer order. The MP ranks must route
 identically (one plan split over the group, as S2): ``gate_noise > 0`` is refused
 (:mod:`.checks`) and ``parm_check_plan=True`` checks the plans.
+
+Beyond 0.8.1 (whose buffer is the padded ``E C M``): with a trimmed plan
+(``MoEConfig.capacity_padding``, :mod:`.padding`) ``c_e`` is expert e's kept rows, so the drop
+splits only the kept rows over the MP group and the padding crosses no link (used by the
+baseline here and by the ``ted`` schedule, :mod:`.ted`).
 """
 
 from __future__ import annotations

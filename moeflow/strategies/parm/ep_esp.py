@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeflow.comm.exchange import gather_device_counts
+from moeflow.comm.exchange import gather_device_counts, gather_host_ints
 from moeflow.dispatch.plan import DispatchPlan, capacity_counts
 from moeflow.schedule.chunks import to_device
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
@@ -56,7 +56,9 @@ class ShardPartials(nn.Module):
 
 def block_counts(plan: DispatchPlan, topo: Topology) -> np.ndarray:
     """``C[q][e]``: rows rank q of this EP&ESP block sends to expert e with ``plan`` (collective
-    over the block: dropless reads the device counts once, capacity sends host integers).
+    over the block: dropless reads the device counts once, capacity sends host integers: each
+    rank's ``C_p``, or with a trimmed plan its kept rows per expert, ``plan.host_counts``;
+    beyond the paper, :mod:`.padding`).
     Kept on the plan: a checkpoint's recomputation replays the plan (moeflow/plan_record.py)
     and exchanges no counts again."""
     cached = getattr(plan, "block_counts", None)
@@ -65,6 +67,8 @@ def block_counts(plan: DispatchPlan, topo: Topology) -> np.ndarray:
     u = topo.expert_slots
     if plan.capacity is None:
         counts = gather_device_counts(plan.local_counts, topo.ep_esp_group, u)
+    elif plan.host_counts is not None:        # trimmed capacity: the kept rows per expert
+        counts = gather_host_ints(plan.host_counts.tolist(), topo.ep_esp_group, u)
     else:
         counts = capacity_counts(plan, topo.ep_esp_group, u, "ep_esp")
     plan.block_counts = counts

@@ -17,6 +17,9 @@ rank's rows into the whole send buffer, which every MP rank then combines with i
 EP&ESP payloads) and the MP-AllGather follows it. SAA runs its own phased exchange with the
 experts between the two all-to-alls, so it takes neither codecs nor chunks (refused by
 ``check_parm_layer``).
+
+S2 keeps the capacity layout under ``MoEConfig.capacity_padding="trim"`` (:mod:`.padding`:
+its SAA phases are not extended to trimmed plans; ``layer.stats["parm_trimmed"]`` is 0).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from moeflow.config import MoEConfig
 from moeflow.dispatch.plan import DispatchPlan
 from moeflow.strategies.parm.algorithm1 import AutoSchedule
 from moeflow.strategies.parm.checks import check_saa, check_ted, uses_parm
+from moeflow.strategies.parm.padding import TRIMMING_SCHEDULES
 from moeflow.strategies.parm.plan_agreement import check_plan_agrees
 from moeflow.strategies.parm.ep_esp import ShardPartials, ep_esp_experts, ep_esp_view
 from moeflow.strategies.parm.s1 import mp_gather_tokens, mp_mean_loss, mp_split_tokens
@@ -51,12 +52,23 @@ class ParmParts:
                    auto)
 
     def choose(self, layer, tokens: int, top_k: int, factor: float | None) -> str:
-        """This call's schedule: the config's, or Algorithm 1's (the same on every rank)."""
+        """This call's schedule: the config's, or Algorithm 1's (the same on every rank); its
+        byte terms take the kept rows for the candidates that trim in this call (the layer's
+        ``_trims``, :mod:`.padding`; beyond the paper)."""
         cfg = layer.cfg
         if self.auto is None:
             return cfg.parallel_schedule
         device = next(layer.parameters()).device     # the fits time this device's buffers
-        return self.auto.choose(cfg, tokens, top_k, factor, device)
+        trimmed = frozenset(s for s in TRIMMING_SCHEDULES
+                            if factor is not None and layer._trims(s, device))
+        return self.auto.choose(cfg, tokens, top_k, factor, device, trimmed)
+
+    def note_plan(self, plan: DispatchPlan) -> None:
+        """A fresh call's plan: for ``auto``, a trimmed plan's kept rows
+        (:meth:`.algorithm1.AutoSchedule.note_kept`; beyond the paper)."""
+        self.stats.clear()
+        if plan.host_counts is not None and self.auto is not None:
+            self.auto.note_kept(plan.send_rows, plan.num_tokens * plan.top_k)
 
     def experts(self, cfg: MoEConfig, sched: str, send: torch.Tensor, plan: DispatchPlan,
                 runner: ScheduledExperts) -> torch.Tensor:
@@ -66,7 +78,6 @@ class ParmParts:
                                   runner.scheduler, runner.r, runner.lane, runner.timeline,
                                   runner.nonfinite, recompute=runner.recompute,
                                   can_recompute=runner.can_recompute)
-        self.stats.clear()
         if sched == "s1":
             return ep_esp_experts(send, plan, ep_esp, self.topo)
         chunks = pipelined_chunks(sched)             # auto's pipelined ted: its own chunks

@@ -15,6 +15,7 @@ from moeflow.strategies.parm import schedules as parm
 from moeflow.strategies.parm.baseline import baseline_experts, esp_peers_share_tokens, esp_reduce
 from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates, mp_dropped_experts
 from moeflow.strategies.parm.checks import check_parm_layer
+from moeflow.strategies.parm.padding import schedule_trims
 from moeflow.strategies.parm.plan_agreement import check_plan_agrees
 
 
@@ -22,8 +23,8 @@ from moeflow.strategies.parm.plan_agreement import check_plan_agrees
 class Parm(ExpertStrategy):
     """ESP-sharded experts; ``parts`` holds S1 / S2 / auto (None for the baseline)."""
 
-    trims_padding = False
-    supports_trim = False
+    # capacity_padding: trimmed per schedule (trims(); .padding): ted, the pipelined ted, S1,
+    # the baseline with whole experts; S2 and the baseline with ESP shards pad
     # the baseline schedule's exchange is the expert-parallel one the tuner times (S1 / S2
     # / auto are refused by the layer: parallel_schedule must be "baseline" to tune)
     counts_inter_node_bytes = False
@@ -31,6 +32,7 @@ class Parm(ExpertStrategy):
     def __init__(self, layer) -> None:
         super().__init__(layer)
         self.parts: parm.ParmParts | None = None
+        self._trimmed = 0.0               # 1.0 when the last fresh call's plan was trimmed
 
     @classmethod
     def check_config(cls, cfg, topo) -> None:
@@ -48,6 +50,12 @@ class Parm(ExpertStrategy):
         self.parts = parm.ParmParts.build(experts, self.layer.cfg, self.layer.topo)
         return experts
 
+    def trims(self, sched: str | None) -> bool:
+        """Whether the call's schedule carries a trimmed plan (:func:`.padding.schedule_trims`;
+        beyond the Parm paper). ``sched``: the call's, chosen in :meth:`begin` (Algorithm 1's
+        choice is the same on every rank)."""
+        return schedule_trims(sched, self.layer.topo)
+
     def begin(self, h: torch.Tensor, call: Call):
         layer = self.layer
         if not call.replay:               # a recomputation reuses the first forward's choice
@@ -59,6 +67,10 @@ class Parm(ExpertStrategy):
 
     def exchange(self, send, runner, tokens, call):
         layer, plan = self.layer, call.plan
+        if not call.replay:               # stats' parm_trimmed; Algorithm 1's kept rows
+            self._trimmed = float(plan.host_counts is not None)
+            if self.parts is not None:
+                self.parts.note_plan(plan)
         if call.sched is not None:        # S1 / S2: EP&ESP-AlltoAll (Section III-C)
             return self.parts.experts(layer.cfg, call.sched, send, plan, runner), None
         topo = layer.topo
@@ -75,8 +87,10 @@ class Parm(ExpertStrategy):
         return baseline_experts(send, plan, runner, topo), None
 
     def stats(self) -> dict[str, float]:
-        # the ted schedule's forward bytes to other nodes (schedules.ParmParts.stats)
-        return {} if self.parts is None else dict(self.parts.stats)
+        # whether the last call's plan sent only the kept rows (capacity_padding, .padding),
+        # and the ted schedule's forward bytes to other nodes (schedules.ParmParts.stats)
+        parts = {} if self.parts is None else self.parts.stats
+        return {"parm_trimmed": self._trimmed, **parts}
 
     def finish(self, y, aux_loss, call):
         if call.sched == "s1":            # MP-AllGather after the layer; MP parts' mean loss

@@ -26,7 +26,13 @@ ESP-ReduceScatter -> EP-AlltoAll back -> MP-AllGather -> (gate-weighted combine)
 
 Per rank and pass, with ``y = k f B L M`` the send buffer (capacity: ``E C M``): EP-AlltoAll
 ``y / N_MP`` x 2, ESP-AllGather ``y N_ESP / N_MP`` gathered, ESP-ReduceScatter ``y N_ESP /
-N_MP`` reduced, MP-AllGather ``y`` gathered. The MP ranks must route identically (one plan split
+N_MP`` reduced, MP-AllGather ``y`` gathered. With ``MoEConfig.capacity_padding`` trimming
+(beyond the Parm paper and DeepSpeed-TED, which send the ``E C M`` capacity buffer: Parm
+Section III's volumes, DeepSpeed 0.19.8's ``drop_tokens`` on the capacity dimension), the plan
+holds each expert's kept rows only (:mod:`.padding`): :func:`.ep_esp.block_counts` gathers
+them over the block, the MP drop splits each expert's kept rows, and every collective above
+moves the kept rows (``y = M`` x the kept rows), the experts compute no empty slot; the same
+drops and outputs. The MP ranks must route identically (one plan split
 over them, as S2): ``gate_noise > 0`` with ``mp_size > 1`` is refused, ``parm_check_plan=True``
 checks the plans. The exchange runs its own collectives on the calling thread (no codecs:
 refused by :mod:`.checks`); with ``pipeline_degree`` > 1 it runs in chunks, pipelined with

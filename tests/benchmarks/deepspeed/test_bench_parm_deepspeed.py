@@ -156,3 +156,13 @@ def test_second_expert_noise_is_zeroed_only_inside_the_block():
         else:
             assert inside is saved      # 0.19.8: the layer's switch does it, nothing patched
     assert sharded_moe.gumbel_rsample is saved
+
+
+def test_format_prints_moeflows_capacity_padding():
+    old = pd.format_compare(_result("0.19.8", ["deepspeed", pd.ORDER_081]))
+    assert "moeflow capacity_padding=- (Parm padded)" in old.splitlines()[0]
+    res = _result("0.19.8", ["deepspeed", pd.ORDER_081])
+    res["capacity_padding"] = "trim"
+    res["rows"][0]["trimmed"] = {"ted": True, "ted-r4": True, "s2": False}
+    assert ("moeflow capacity_padding=trim (trimmed: ted,ted-r4)"
+            in pd.format_compare(res).splitlines()[0])

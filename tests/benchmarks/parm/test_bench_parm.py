@@ -104,3 +104,53 @@ def test_summary_scores_the_pipelined_ted_as_a_candidate_where_it_ran():
             s["algorithm1_three_way_picked_fastest"]) == (1, 1)
     text = format_result({"topology": "T", "rows": rows, "summary": s})
     assert "ted-r4" in text.splitlines()[1]                    # the column's header
+
+
+def test_capacity_padding_reaches_the_ranks_and_defaults_to_the_config(monkeypatch):
+    """``--capacity-padding``: passed to the ranks' opts; absent, None (the config's default);
+    a bad value is refused by argparse before any rank."""
+    got = []
+    monkeypatch.setattr(bench_parm, "run_on_ranks", lambda fn, args, opts: got.append(opts))
+    monkeypatch.setattr(bench_parm, "report", lambda *a: 0)
+    main(["bench", "parm", "--nproc", "4", "--capacity-padding", "trim"])
+    main(["bench", "parm", "--nproc", "4"])
+    assert [o["capacity_padding"] for o in got] == ["trim", None]
+    with pytest.raises(SystemExit):
+        main(["bench", "parm", "--nproc", "4", "--capacity-padding", "none"])
+
+
+def test_format_prints_the_padding_of_new_and_old_results():
+    rows = [_row(2, 1, [10, 5, 4, 6, 4], "s2")]
+    s = summarize(rows)
+    old = format_result({"topology": "T", "rows": rows, "summary": s})
+    assert "capacity_padding=- (Parm padded)" in old.splitlines()[0]
+    rows[0].update(capacity_padding="trim", trimmed={"s1": True, "s2": False})
+    new = format_result({"topology": "T", "capacity_padding": "trim", "rows": rows,
+                         "summary": s})
+    assert "capacity_padding=trim  trimmed: s1" in new.splitlines()[0]
+
+
+def test_parm_paired_reads_old_and_new_results(tmp_path, capsys):
+    """docs/benchmarks/scripts/parm_paired.py prints the padding of files with it and of
+    files from before it."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "docs/benchmarks/scripts/parm_paired.py"
+    spec = importlib.util.spec_from_file_location("parm_paired", script)
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    row = _row(2, 1, [10, 5, 4, 6, 4], "s2")
+    row.update(top_k=2, samples_ms={v: [t, t] for v, t in row["step_ms"].items()})
+    old = {"topology": "T", "rows": [row]}
+    new = {"topology": "T", "capacity_padding": "trim",
+           "rows": [dict(row, trimmed={"s1": True, "s2": False})]}
+    paths = []
+    for name, res in (("old", old), ("new", new)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        Path(paths[-1]).write_text(json.dumps(res))
+    paired.main(paths)
+    out = capsys.readouterr().out
+    assert "T  capacity_padding=- (Parm padded)" in out
+    assert "T  capacity_padding=trim, trimmed: s1" in out

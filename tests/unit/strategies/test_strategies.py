@@ -74,7 +74,10 @@ def test_select_by_config():
     ep, fssdp, parm = layer("ep"), layer("fssdp"), layer("parm")
     assert type(ep.strategy) is ExpertParallel and ep.strategy.trims_padding
     assert type(fssdp.strategy) is FSSDP and not fssdp.strategy.trims_padding
-    assert type(parm.strategy) is Parm and not Parm.trims_padding
+    assert type(parm.strategy) is Parm and not fssdp.strategy.trims(None)
+    # Parm trims per schedule (strategies/parm/padding.py): whole experts here
+    assert parm.strategy.trims(None) and parm.strategy.trims("ted")
+    assert not parm.strategy.trims("s2")
     assert {"ep", "fssdp", "parm", "node_dedup"} <= set(STRATEGIES)
     assert STRATEGIES["node_dedup"] is NodeDedup and NodeDedup.combines_in_exchange
 
