@@ -81,10 +81,23 @@ def _collect(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tensor | N
     if w is None:
         return rows.sum(0)
     w = w.view(k, T, 1)
+    if rows.dtype != w.dtype:       # bf16 rows, float32 gates: see _upcast
+        y = _upcast(rows[0], w.dtype).mul_(w[0])
+        for j in range(1, k):
+            y.addcmul_(_upcast(rows[j], w.dtype), w[j])
+        return y
     y = rows[0] * w[0]
     for j in range(1, k):
         y.addcmul_(rows[j], w[j])
     return y
+
+
+def _upcast(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` (bf16 / fp16) as ``dtype`` (float32), exactly: a vectorized conversion. A
+    product or sum of mixed dtypes takes the CPU's element-by-element casting path instead
+    (several times slower); after this the float32 ops are those of the float32 path, so the
+    result equals the float32 combine of the same low-precision values bit for bit."""
+    return rows.to(dtype)
 
 
 class _Permute(torch.autograd.Function):
@@ -101,8 +114,10 @@ class _Permute(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     """The gate-weighted sum; ``back`` may be lower precision than ``gate`` (bf16 expert
-    outputs, float32 gates): the products and the sum are then in ``gate``'s dtype, without a
-    full-precision copy of ``back``."""
+    outputs, float32 gates): the products and the sum are then in ``gate``'s dtype, on rows
+    converted exactly first (one choice's ``(T, M)`` at a time forward, ``back`` once for the
+    gates' gradient), so that every product and sum is the float32 path's own operation. The
+    rows' gradient is computed in ``gate``'s dtype and returned in ``back``'s."""
 
     @staticmethod
     def forward(ctx, back, gate, maps, k, T):
@@ -119,7 +134,8 @@ class _Combine(torch.autograd.Function):
         g_rows = gy.contiguous().index_select(0, m.token_of_row)
         grad_back = grad_gate = None
         if ctx.needs_input_grad[1]:     # <back[i], gy[token(i)]> per row, then per choice
-            per_row = (back * g_rows).sum(-1)
+            per_row = (back * g_rows if back.dtype == g_rows.dtype
+                       else _upcast(back, g_rows.dtype).mul_(g_rows)).sum(-1)
             grad_gate = per_row.index_select(0, m.row_of_choice)
         if ctx.needs_input_grad[0]:
             ext = torch.cat([gate, gate.new_zeros(1)])            # empty rows carry no gate
