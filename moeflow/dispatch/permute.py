@@ -9,7 +9,8 @@ k choices of a token); ``combine`` gathers each choice's row and sums the k gate
 row gather is about 100x faster than the scatters autograd would use otherwise
 (``index_add_`` for the backward of ``index_select``, ``index_copy`` to build the buffer),
 which is what Tutel's fused C++ dispatch loop avoids too. Shapes are known on the host and
-nothing waits for the device; there is no Python loop over tokens. The regrouping of received
+nothing waits for the device; there is no Python loop over tokens, only, on CPU, the
+combine's loop over cache-sized blocks of them (its temporaries stay in cache). The regrouping of received
 rows by local expert lives in :mod:`moeflow.schedule.chunks` (it depends on the chunk).
 """
 
@@ -72,32 +73,77 @@ def _spread(x: torch.Tensor, m: _Maps, weight_row: torch.Tensor | None) -> torch
     return out
 
 
-def _collect(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tensor | None
-             ) -> torch.Tensor:
-    """``y[t] = sum_j g[j,t] * src[row_of_choice[j*T+t]]`` summed in choice order (``g`` is
-    the kept mask when ``gate`` is None)."""
+def _collect(src: torch.Tensor, m: _Maps, k: int, T: int) -> torch.Tensor:
+    """``y[t] = sum_j g[j,t] * src[row_of_choice[j*T+t]]`` summed in choice order (``g``: the
+    kept mask)."""
     rows = src.index_select(0, m.row_of_choice).view(k, T, src.shape[1])
-    w = gate if gate is not None else (None if m.kept is None else m.kept.to(src.dtype))
+    w = None if m.kept is None else m.kept.to(src.dtype)
     if w is None:
         return rows.sum(0)
     w = w.view(k, T, 1)
-    if rows.dtype != w.dtype:       # bf16 rows, float32 gates: see _upcast
-        y = _upcast(rows[0], w.dtype).mul_(w[0])
-        for j in range(1, k):
-            y.addcmul_(_upcast(rows[j], w.dtype), w[j])
-        return y
     y = rows[0] * w[0]
     for j in range(1, k):
         y.addcmul_(rows[j], w[j])
     return y
 
 
-def _upcast(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` (bf16 / fp16) as ``dtype`` (float32), exactly: a vectorized conversion. A
-    product or sum of mixed dtypes takes the CPU's element-by-element casting path instead
-    (several times slower); after this the float32 ops are those of the float32 path, so the
-    result equals the float32 combine of the same low-precision values bit for bit."""
-    return rows.to(dtype)
+def _block_rows(rows: int, width: int, device: torch.device) -> int:
+    """Rows per block of the combine's loops on CPU: about 1 MiB of float32 temporaries per
+    block, which stay in the core's cache between the block's gather, conversion, product and
+    sum, instead of each op streaming a whole ``(rows, width)`` buffer through memory (the
+    combine is memory-bound). One block on other devices (one kernel per op there)."""
+    if device.type != "cpu":
+        return max(rows, 1)
+    return max(1, (1 << 18) // max(width, 1))
+
+
+def _weighted_sum(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tensor
+                  ) -> torch.Tensor:
+    """``y[t] = sum_j gate[j*T+t] * src[row_of_choice[j*T+t]]`` in ``gate``'s dtype, summed in
+    choice order, block by block of tokens. Rows of a lower precision (bf16 expert outputs,
+    float32 gates) are converted exactly first: a product of mixed dtypes would take the CPU's
+    element-by-element casting path, and after the conversion every product and sum is the
+    float32 path's own operation (bit for bit the float32 combine of the same values)."""
+    y = torch.empty(T, src.shape[1], dtype=gate.dtype, device=src.device)
+    w, rows = gate.view(k, T, 1), m.row_of_choice.view(k, T)
+    step = _block_rows(T, src.shape[1], src.device)
+    for s in range(0, T, step):
+        e = min(T, s + step)
+        out = y[s:e]
+        for j in range(k):
+            r = src.index_select(0, rows[j, s:e]).to(gate.dtype)
+            if j == 0:
+                torch.mul(r, w[0, s:e], out=out)
+            else:
+                out.addcmul_(r, w[j, s:e])
+    return y
+
+
+def _weighted_sum_grads(gy: torch.Tensor, back: torch.Tensor, gate: torch.Tensor, m: _Maps,
+                        want_back: bool, want_gate: bool):
+    """The gradients of :func:`_weighted_sum` for the rows (``gy[token(i)] * gate(i)``, in
+    ``back``'s dtype) and the gates (``<back[i], gy[token(i)]>`` per row, then per choice),
+    computed in ``gy``'s dtype block by block of rows: each row's token gradient is gathered
+    once for both."""
+    S, M = back.shape
+    grad_back = torch.empty_like(back) if want_back else None
+    per_row = gy.new_empty(S) if want_gate else None
+    if want_back:                                 # each row's gate; empty rows carry none
+        gate_row = torch.cat([gate, gate.new_zeros(1)]).index_select(
+            0, m.choice_of_row).unsqueeze(1)
+    step = _block_rows(S, M, back.device)
+    for s in range(0, S, step):
+        e = min(S, s + step)
+        g_rows = gy.index_select(0, m.token_of_row[s:e])
+        if want_gate:
+            rows = back[s:e]
+            prod = (rows * g_rows if rows.dtype == g_rows.dtype
+                    else rows.to(g_rows.dtype).mul_(g_rows))
+            torch.sum(prod, -1, out=per_row[s:e])
+        if want_back:
+            grad_back[s:e].copy_(g_rows.mul_(gate_row[s:e]))
+    grad_gate = per_row.index_select(0, m.row_of_choice) if want_gate else None
+    return grad_back, grad_gate
 
 
 class _Permute(torch.autograd.Function):
@@ -109,38 +155,28 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        return _collect(g.contiguous(), ctx.maps, ctx.k, ctx.T, None), None, None, None
+        return _collect(g.contiguous(), ctx.maps, ctx.k, ctx.T), None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """The gate-weighted sum; ``back`` may be lower precision than ``gate`` (bf16 expert
     outputs, float32 gates): the products and the sum are then in ``gate``'s dtype, on rows
-    converted exactly first (one choice's ``(T, M)`` at a time forward, ``back`` once for the
-    gates' gradient), so that every product and sum is the float32 path's own operation. The
-    rows' gradient is computed in ``gate``'s dtype and returned in ``back``'s."""
+    converted exactly first, block by block (:func:`_weighted_sum`). The rows' gradient is
+    computed in ``gate``'s dtype and returned in ``back``'s."""
 
     @staticmethod
     def forward(ctx, back, gate, maps, k, T):
         ctx.maps, ctx.k, ctx.T = maps, k, T
         ctx.save_for_backward(back, gate)
-        return _collect(back, maps, k, T, gate)
+        return _weighted_sum(back, maps, k, T, gate)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
         back, gate = ctx.saved_tensors
-        m = ctx.maps
-        # each send row's token gradient, gathered once for both inputs' gradients
-        g_rows = gy.contiguous().index_select(0, m.token_of_row)
-        grad_back = grad_gate = None
-        if ctx.needs_input_grad[1]:     # <back[i], gy[token(i)]> per row, then per choice
-            per_row = (back * g_rows if back.dtype == g_rows.dtype
-                       else _upcast(back, g_rows.dtype).mul_(g_rows)).sum(-1)
-            grad_gate = per_row.index_select(0, m.row_of_choice)
-        if ctx.needs_input_grad[0]:
-            ext = torch.cat([gate, gate.new_zeros(1)])            # empty rows carry no gate
-            grad_back = g_rows.mul_(ext.index_select(0, m.choice_of_row).unsqueeze(1)
-                                    ).to(back.dtype)
+        grad_back, grad_gate = _weighted_sum_grads(
+            gy.contiguous(), back, gate, ctx.maps, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1])
         return grad_back, grad_gate, None, None, None
 
 
