@@ -3,6 +3,8 @@ and the GShard semantics (choice-major priority, capacity drops) against a slow 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -71,3 +73,34 @@ def test_low_precision_rows_are_summed_in_the_gates_precision(cap, k, low):
     # the former sum in the rows' precision (gates cast down) is not the float32 one
     old = combine(b16.detach(), plan, w16.detach().to(low))
     assert (old.float() - y32).abs().max() > (y16 - y32).abs().max()
+
+
+@pytest.mark.parametrize("block", [1, 4])
+@pytest.mark.parametrize("cap", [3, None])
+def test_combine_blocks_agree_with_one_block(monkeypatch, cap, block):
+    """The combine's CPU blocks (cache-sized at real widths; forced small here) change no bit:
+    output and both gradients, float32 and bf16 rows, equal those of one block, and the
+    blocked float64 combine passes gradcheck."""
+    pm = importlib.import_module("moeflow.dispatch.permute")    # the package's name is the function
+    torch.manual_seed(1)
+    T, M, E, k = 13, 6, 4, 2
+    ex = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    plan = make_plan(ex, E, cap)
+    w0, gy = torch.rand(T, k), torch.randn(T, M)
+    b0 = torch.randn(plan.send_rows, M)
+
+    def run(dtype):
+        b, w = b0.to(dtype).clone().requires_grad_(), w0.clone().requires_grad_()
+        y = combine(b, plan, w, torch.float32)
+        y.backward(gy)
+        assert b.grad.dtype == dtype and w.grad is not None
+        return y.detach(), b.grad, w.grad
+
+    ones = {dt: run(dt) for dt in (torch.float32, torch.bfloat16)}
+    monkeypatch.setattr(pm, "_block_rows", lambda rows, width, device: block)
+    for dt, want in ones.items():
+        for got, ref in zip(run(dt), want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    b = b0.double().requires_grad_()
+    w = w0.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, g: combine(a, plan, g), (b, w))
