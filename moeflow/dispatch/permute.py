@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from moeflow.devices import cache_block_rows
 from moeflow.dispatch.plan import DispatchPlan
 
 
@@ -87,16 +88,6 @@ def _collect(src: torch.Tensor, m: _Maps, k: int, T: int) -> torch.Tensor:
     return y
 
 
-def _block_rows(rows: int, width: int, device: torch.device) -> int:
-    """Rows per block of the combine's loops on CPU: about 1 MiB of float32 temporaries per
-    block, which stay in the core's cache between the block's gather, conversion, product and
-    sum, instead of each op streaming a whole ``(rows, width)`` buffer through memory (the
-    combine is memory-bound). One block on other devices (one kernel per op there)."""
-    if device.type != "cpu":
-        return max(rows, 1)
-    return max(1, (1 << 18) // max(width, 1))
-
-
 def _weighted_sum(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tensor
                   ) -> torch.Tensor:
     """``y[t] = sum_j gate[j*T+t] * src[row_of_choice[j*T+t]]`` in ``gate``'s dtype, summed in
@@ -106,7 +97,7 @@ def _weighted_sum(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tenso
     float32 path's own operation (bit for bit the float32 combine of the same values)."""
     y = torch.empty(T, src.shape[1], dtype=gate.dtype, device=src.device)
     w, rows = gate.view(k, T, 1), m.row_of_choice.view(k, T)
-    step = _block_rows(T, src.shape[1], src.device)
+    step = cache_block_rows(T, src.shape[1], src.device)
     for s in range(0, T, step):
         e = min(T, s + step)
         out = y[s:e]
@@ -131,7 +122,7 @@ def _weighted_sum_grads(gy: torch.Tensor, back: torch.Tensor, gate: torch.Tensor
     if want_back:                                 # each row's gate; empty rows carry none
         gate_row = torch.cat([gate, gate.new_zeros(1)]).index_select(
             0, m.choice_of_row).unsqueeze(1)
-    step = _block_rows(S, M, back.device)
+    step = cache_block_rows(S, M, back.device)
     for s in range(0, S, step):
         e = min(S, s + step)
         g_rows = gy.index_select(0, m.token_of_row[s:e])

@@ -97,7 +97,7 @@ def test_combine_blocks_agree_with_one_block(monkeypatch, cap, block):
         return y.detach(), b.grad, w.grad
 
     ones = {dt: run(dt) for dt in (torch.float32, torch.bfloat16)}
-    monkeypatch.setattr(pm, "_block_rows", lambda rows, width, device: block)
+    monkeypatch.setattr(pm, "cache_block_rows", lambda rows, width, device: block)
     for dt, want in ones.items():
         for got, ref in zip(run(dt), want):
             torch.testing.assert_close(got, ref, rtol=0, atol=0)
