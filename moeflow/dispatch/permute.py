@@ -10,8 +10,9 @@ row gather is about 100x faster than the scatters autograd would use otherwise
 (``index_add_`` for the backward of ``index_select``, ``index_copy`` to build the buffer),
 which is what Tutel's fused C++ dispatch loop avoids too. Shapes are known on the host and
 nothing waits for the device; there is no Python loop over tokens, only, on CPU, the
-combine's loop over cache-sized blocks of them (its temporaries stay in cache). The regrouping of received
-rows by local expert lives in :mod:`moeflow.schedule.chunks` (it depends on the chunk).
+combine's loop over cache-sized blocks of them (its temporaries stay in cache). The
+regrouping of received rows by local expert lives in :mod:`moeflow.schedule.chunks` (it
+depends on the chunk).
 """
 
 from __future__ import annotations
