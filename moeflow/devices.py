@@ -13,6 +13,8 @@ One place for what every command needs to run on CPU or on CUDA:
 * :func:`host_all_reduce` reduces a few Python floats over a group in one collective, on a
   device that group can carry (CPU when it has gloo, the current CUDA device on an NCCL-only
   group that a user created), so host-side bookkeeping never depends on how the group was made.
+* :func:`cache_block_rows`: rows per block for memory-bound loops on CPU (the combine, the
+  experts' input gradient under autocast), so that a block's temporaries stay in cache.
 * :class:`Stopwatch` times work on a device: CUDA events on CUDA (the host clock around
   asynchronous kernels would measure the launch, not the work), ``time.perf_counter`` on CPU.
 """
@@ -200,6 +202,16 @@ CUDA_GRAPH_ERROR = (
     "only the dense parts (torch.cuda.make_graphed_callables on the attention/FFN blocks), or "
     "compile without CUDA graphs (torch.compile mode='default' or "
     "'max-autotune-no-cudagraphs', not 'reduce-overhead')")
+
+
+def cache_block_rows(rows: int, width: int, device: torch.device) -> int:
+    """Rows per block of a memory-bound loop over ``(rows, width)`` buffers on CPU: about
+    1 MiB of float32 temporaries per block, which stay in the core's cache between a block's
+    gather, conversion, product and sum, instead of each op streaming the whole buffer
+    through memory. All rows in one block on other devices (one kernel per op there)."""
+    if device.type != "cpu":
+        return max(rows, 1)
+    return max(1, (1 << 18) // max(width, 1))
 
 
 def check_not_capturing(where: str) -> None:

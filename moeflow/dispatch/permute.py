@@ -9,8 +9,10 @@ k choices of a token); ``combine`` gathers each choice's row and sums the k gate
 row gather is about 100x faster than the scatters autograd would use otherwise
 (``index_add_`` for the backward of ``index_select``, ``index_copy`` to build the buffer),
 which is what Tutel's fused C++ dispatch loop avoids too. Shapes are known on the host and
-nothing waits for the device; there is no Python loop over tokens. The regrouping of received
-rows by local expert lives in :mod:`moeflow.schedule.chunks` (it depends on the chunk).
+nothing waits for the device; there is no Python loop over tokens, only, on CPU, the
+combine's loop over cache-sized blocks of them (its temporaries stay in cache). The
+regrouping of received rows by local expert lives in :mod:`moeflow.schedule.chunks` (it
+depends on the chunk).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from moeflow.devices import cache_block_rows
 from moeflow.dispatch.plan import DispatchPlan
 
 
@@ -72,12 +75,11 @@ def _spread(x: torch.Tensor, m: _Maps, weight_row: torch.Tensor | None) -> torch
     return out
 
 
-def _collect(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tensor | None
-             ) -> torch.Tensor:
-    """``y[t] = sum_j g[j,t] * src[row_of_choice[j*T+t]]`` summed in choice order (``g`` is
-    the kept mask when ``gate`` is None)."""
+def _collect(src: torch.Tensor, m: _Maps, k: int, T: int) -> torch.Tensor:
+    """``y[t] = sum_j g[j,t] * src[row_of_choice[j*T+t]]`` summed in choice order (``g``: the
+    kept mask)."""
     rows = src.index_select(0, m.row_of_choice).view(k, T, src.shape[1])
-    w = gate if gate is not None else (None if m.kept is None else m.kept.to(src.dtype))
+    w = None if m.kept is None else m.kept.to(src.dtype)
     if w is None:
         return rows.sum(0)
     w = w.view(k, T, 1)
@@ -85,6 +87,55 @@ def _collect(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tensor | N
     for j in range(1, k):
         y.addcmul_(rows[j], w[j])
     return y
+
+
+def _weighted_sum(src: torch.Tensor, m: _Maps, k: int, T: int, gate: torch.Tensor
+                  ) -> torch.Tensor:
+    """``y[t] = sum_j gate[j*T+t] * src[row_of_choice[j*T+t]]`` in ``gate``'s dtype, summed in
+    choice order, block by block of tokens. Rows of a lower precision (bf16 expert outputs,
+    float32 gates) are converted exactly first: a product of mixed dtypes would take the CPU's
+    element-by-element casting path, and after the conversion every product and sum is the
+    float32 path's own operation (bit for bit the float32 combine of the same values)."""
+    y = torch.empty(T, src.shape[1], dtype=gate.dtype, device=src.device)
+    w, rows = gate.view(k, T, 1), m.row_of_choice.view(k, T)
+    step = cache_block_rows(T, src.shape[1], src.device)
+    for s in range(0, T, step):
+        e = min(T, s + step)
+        out = y[s:e]
+        for j in range(k):
+            r = src.index_select(0, rows[j, s:e]).to(gate.dtype)
+            if j == 0:
+                torch.mul(r, w[0, s:e], out=out)
+            else:
+                out.addcmul_(r, w[j, s:e])
+    return y
+
+
+def _weighted_sum_grads(gy: torch.Tensor, back: torch.Tensor, gate: torch.Tensor, m: _Maps,
+                        want_back: bool, want_gate: bool):
+    """The gradients of :func:`_weighted_sum` for the rows (``gy[token(i)] * gate(i)``, in
+    ``back``'s dtype) and the gates (``<back[i], gy[token(i)]>`` per row, then per choice),
+    computed in ``gy``'s dtype block by block of rows: each row's token gradient is gathered
+    once for both."""
+    S, M = back.shape
+    grad_back = torch.empty_like(back) if want_back else None
+    per_row = gy.new_empty(S) if want_gate else None
+    if want_back:                                 # each row's gate; empty rows carry none
+        gate_row = torch.cat([gate, gate.new_zeros(1)]).index_select(
+            0, m.choice_of_row).unsqueeze(1)
+    step = cache_block_rows(S, M, back.device)
+    for s in range(0, S, step):
+        e = min(S, s + step)
+        g_rows = gy.index_select(0, m.token_of_row[s:e])
+        if want_gate:
+            rows = back[s:e]
+            prod = (rows * g_rows if rows.dtype == g_rows.dtype
+                    else rows.to(g_rows.dtype).mul_(g_rows))
+            torch.sum(prod, -1, out=per_row[s:e])
+        if want_back:
+            grad_back[s:e].copy_(g_rows.mul_(gate_row[s:e]))
+    grad_gate = per_row.index_select(0, m.row_of_choice) if want_gate else None
+    return grad_back, grad_gate
 
 
 class _Permute(torch.autograd.Function):
@@ -96,35 +147,28 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        return _collect(g.contiguous(), ctx.maps, ctx.k, ctx.T, None), None, None, None
+        return _collect(g.contiguous(), ctx.maps, ctx.k, ctx.T), None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """The gate-weighted sum; ``back`` may be lower precision than ``gate`` (bf16 expert
-    outputs, float32 gates): the products and the sum are then in ``gate``'s dtype, without a
-    full-precision copy of ``back``."""
+    outputs, float32 gates): the products and the sum are then in ``gate``'s dtype, on rows
+    converted exactly first, block by block (:func:`_weighted_sum`). The rows' gradient is
+    computed in ``gate``'s dtype and returned in ``back``'s."""
 
     @staticmethod
     def forward(ctx, back, gate, maps, k, T):
         ctx.maps, ctx.k, ctx.T = maps, k, T
         ctx.save_for_backward(back, gate)
-        return _collect(back, maps, k, T, gate)
+        return _weighted_sum(back, maps, k, T, gate)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
         back, gate = ctx.saved_tensors
-        m = ctx.maps
-        # each send row's token gradient, gathered once for both inputs' gradients
-        g_rows = gy.contiguous().index_select(0, m.token_of_row)
-        grad_back = grad_gate = None
-        if ctx.needs_input_grad[1]:     # <back[i], gy[token(i)]> per row, then per choice
-            per_row = (back * g_rows).sum(-1)
-            grad_gate = per_row.index_select(0, m.row_of_choice)
-        if ctx.needs_input_grad[0]:
-            ext = torch.cat([gate, gate.new_zeros(1)])            # empty rows carry no gate
-            grad_back = g_rows.mul_(ext.index_select(0, m.choice_of_row).unsqueeze(1)
-                                    ).to(back.dtype)
+        grad_back, grad_gate = _weighted_sum_grads(
+            gy.contiguous(), back, gate, ctx.maps, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1])
         return grad_back, grad_gate, None, None, None
 
 

@@ -36,8 +36,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
-from moeflow.devices import to_device_async
+from moeflow.devices import cache_block_rows, to_device_async
 from moeflow.experts.activations import Activation, build_activation
 from moeflow.init import seeded_normal, seeded_uniform
 from moeflow.registry import Registry
@@ -196,14 +197,17 @@ class ExpertFFN(nn.Module):
     def _grouped(self, x, counts, offsets, w1, w2, w3) -> torch.Tensor:
         if offsets is None:
             offsets = to_device_async(list(itertools.accumulate(counts)), x.device, torch.int32)
+        x3 = x                                          # W3's operand (gated activations)
         if torch.is_autocast_enabled(x.device.type):   # grouped_mm is not on autocast's list
             dt = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+            w1, w2 = w1.to(dt), w2.to(dt)
             w3 = None if w3 is None else w3.to(dt)
+            x, x3 = (_CastForTwo.apply(x, dt) if w3 is not None and x.dtype != dt
+                     else (x.to(dt),) * 2)
         rows = _row_expert(counts, offsets, x.device) if self.has_bias else None
         h = self._add_row_bias(F.grouped_mm(x, w1, offs=offsets), "b1", rows)
         if self.act.gated:
-            h = self.act(h, self._add_row_bias(F.grouped_mm(x, w3, offs=offsets), "b3", rows))
+            h = self.act(h, self._add_row_bias(F.grouped_mm(x3, w3, offs=offsets), "b3", rows))
         else:
             h = self.act(h)
         y = self._add_row_bias(F.grouped_mm(h, w2, offs=offsets), "b2", rows)
@@ -245,6 +249,32 @@ class _ReplicaShare(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        return g, None
+
+
+class _CastForTwo(torch.autograd.Function):
+    """``x`` converted to ``dtype`` once, as one output for each GEMM of a gated activation
+    (``W1 h`` and ``W3 h``): their input gradients come back separately and are summed in
+    ``x``'s dtype (float32 under autocast). One output used twice would have autograd sum the
+    two in ``dtype`` first: one more bf16 rounding of the input gradient than two casts of
+    their own (two ``Linear`` layers under autocast, torchtitan's experts) take. The sum runs
+    block by block on CPU (:func:`~moeflow.devices.cache_block_rows`): the two conversions
+    stay in cache, less memory traffic than a bf16 sum converted afterwards."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        low = x.to(dtype)
+        return low, low.view_as(low)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g1, g2):
+        g = torch.empty(g1.shape, dtype=ctx.dtype, device=g1.device)
+        step = cache_block_rows(g.shape[0], g.shape[-1], g.device)
+        for s in range(0, g.shape[0], step):
+            torch.add(g1[s:s + step].to(ctx.dtype), g2[s:s + step].to(ctx.dtype),
+                      out=g[s:s + step])
         return g, None
 
 
