@@ -10,6 +10,12 @@ of S1 and S2 was faster (all per-round ratios s2/s1 on one side of 1); Algorithm
 (the `auto` layer's, `auto_choice`) is scored only on decided cases with N_MP > 1 (at N_MP = 1
 S1 and S2 are the same schedule by Eq. 2), next to the line "always S1".
 
+Every candidate Algorithm 1 weighs (S1, S2, ``ted``, the pipelined ``ted-r4``; whichever of
+them the run timed): per row, the choice is *right* when it was faster than every other timed
+candidate in every round, *wrong* when some other candidate was faster than it in every round,
+and a *tie* otherwise (the rounds do not separate them); a choice the run did not time as a
+column (``ted-r2``) is not scored.
+
 Rows of ``bench parm --layouts`` (N_MP or N_ESP = 4 on 2-rank nodes) also say which groups
 cross the nodes, per schedule; where none of a schedule's does, its traffic stays inside a node
 and the run's bandwidth label does not apply to it (marked "in node").
@@ -90,6 +96,24 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
     return out, scored
 
 
+CANDIDATES = ("s1", "s2", "ted", "ted-r4")
+
+
+def score_choice(row: dict) -> str | None:
+    """Algorithm 1's choice against every other candidate the row timed (module docstring):
+    "right", "wrong (X faster)" or "tie"; None where the choice was not timed as a column."""
+    s, choice = row["samples_ms"], row.get("auto_choice")
+    if choice not in s or choice not in CANDIDATES:
+        return None
+    others = [c for c in CANDIDATES if c in s and c != choice]
+    beaten = [c for c in others if min(paired(s[choice], s[c])) > 1]    # c faster every round
+    if beaten:
+        return "wrong (" + ", ".join(beaten) + " faster)"
+    if all(max(paired(s[choice], s[c])) < 1 for c in others):
+        return "right"
+    return "tie"
+
+
 def compare_rows(res: dict) -> list[str]:
     labels = res["deepspeed_labels"] + [
         v for v in ("baseline", "s1", "s2", "ted", "ted-r4", "auto")
@@ -97,13 +121,15 @@ def compare_rows(res: dict) -> list[str]:
     ds = res["deepspeed_labels"][0]
     out = [f"deepspeed {res['deepspeed_version']}, {res['topology']}; speedup over DeepSpeed's "
            "layer per round, median (min-max)",
-           "| B L | f | DeepSpeed ms | " + " | ".join(labels[1:]) + " |",
-           "|---|---|---|" + "---|" * (len(labels) - 1)]
+           "| B L | f | DeepSpeed ms | " + " | ".join(labels[1:])
+           + " | auto took | Alg. 1 vs the other candidates |",
+           "|---|---|---|" + "---|" * (len(labels) + 1)]
     for row in res["rows"]:
         s = row["samples_ms"]
         out.append(f"| {row['tokens_per_rank']} | {row['capacity_factor']} | "
                    f"{statistics.median(s[ds]):.0f} | "
-                   + " | ".join(cell(paired(s[ds], s[v])) for v in labels[1:]) + " |")
+                   + " | ".join(cell(paired(s[ds], s[v])) for v in labels[1:])
+                   + f" | {row.get('auto_choice', '-')} | {score_choice(row) or '-'} |")
     for c in res.get("numeric_check", []):
         for name in res["deepspeed_labels"]:
             d = c[name]
@@ -115,9 +141,10 @@ def compare_rows(res: dict) -> list[str]:
 
 
 def main(paths: list[str]) -> None:
-    scored_all = []
+    scored_all, all_scores = [], []
     for path in paths:
         res = json.load(open(path))
+        all_scores += [v for v in map(score_choice, res["rows"]) if v is not None]
         # capacity_padding: recorded since the option (bench parm --capacity-padding); older
         # files ran Parm padded
         trimmed = sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
@@ -131,6 +158,10 @@ def main(paths: list[str]) -> None:
             scored_all += scored
             print("\n".join(lines))
         print()
+    if all_scores:
+        tally = {k: sum(v.startswith(k) for v in all_scores) for k in ("right", "wrong", "tie")}
+        print(f"Algorithm 1 against every timed candidate: {tally['right']} right, "
+              f"{tally['wrong']} wrong, {tally['tie']} ties, of {len(all_scores)} rows")
     if scored_all:
         right = sum(s["faster"] == s["choice"] for s in scored_all)
         s1 = sum(s["faster"] == "s1" for s in scored_all)

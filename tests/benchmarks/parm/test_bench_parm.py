@@ -154,3 +154,24 @@ def test_parm_paired_reads_old_and_new_results(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "T  capacity_padding=- (Parm padded)" in out
     assert "T  capacity_padding=trim, trimmed: s1" in out
+
+
+def test_parm_paired_scores_the_choice_against_every_timed_candidate():
+    """Algorithm 1's choice: right when faster than every other timed candidate in every
+    round, wrong when another one was faster in every round, a tie otherwise; a choice that
+    was not timed as a column is not scored."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "docs/benchmarks/scripts/parm_paired.py"
+    spec = importlib.util.spec_from_file_location("parm_paired", script)
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    s = {"s1": [10, 11, 12], "s2": [20, 21, 22], "ted": [9, 12, 13], "ted-r4": [5, 6, 7]}
+    score = paired.score_choice
+    assert score({"samples_ms": s, "auto_choice": "ted-r4"}) == "right"
+    assert score({"samples_ms": s, "auto_choice": "s2"}) == "wrong (s1, ted, ted-r4 faster)"
+    assert score({"samples_ms": s, "auto_choice": "s1"}) == "wrong (ted-r4 faster)"
+    tie = {"s1": [10, 11, 12], "ted": [9, 12, 13]}           # ted faster in 1 of 3 rounds
+    assert score({"samples_ms": tie, "auto_choice": "s1"}) == "tie"
+    assert score({"samples_ms": s, "auto_choice": "ted-r2"}) is None
