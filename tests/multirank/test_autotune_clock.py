@@ -85,7 +85,7 @@ def test_a_budgeted_tuning_measures_the_overlap_trials_before_the_other_algorith
     assert stages[0] == stages[1]
     got = stages[0]
     assert got[0] == ("screen", "direct", "sequential", 1)
-    assert got[1:3] == [("overlap", "direct", "optsche", 2), ("overlap", "direct", "optsche", 4)]
+    assert got[1:3] == [("overlap", "direct", "optsche", 4), ("overlap", "direct", "optsche", 2)]
     others = [g for g in got[3:] if g[0] == "screen"]    # the other algorithms, at r = 1
     assert others and all(g[2:] == ("sequential", 1) for g in others)
     assert not two_ranks[0]["roomy"]["choice"]["budget_cut"]
