@@ -127,16 +127,22 @@ def make_plan(experts: torch.Tensor, num_experts: int, capacity: int | None,
     return DispatchPlan(num_experts, T, k, capacity, slot, send_rows, (~keep).sum())
 
 
-def exchange_counts(plan: DispatchPlan, topo: Topology) -> None:
-    """Give every rank the count matrix (collective over the EP group): dropless gathers the
-    device counts (the one host synchronisation), capacity mode each rank's ``C_p`` as host
-    integers, since rank p sends ``C_p`` rows to every expert."""
+def count_matrix(plan: DispatchPlan, group, size: int, name: str) -> np.ndarray:
+    """``(size, E)``: the rows each rank of ``group`` sends to each expert with its plan
+    (collective over ``group``; ``name`` tells the layer's groups apart): dropless gathers the
+    device counts (the one host synchronisation), trimmed capacity the kept rows per expert
+    (host integers), padded capacity each rank's ``C_p``, since rank p sends ``C_p`` rows to
+    every expert (:func:`capacity_counts`)."""
     if plan.capacity is None:
-        plan.counts = gather_device_counts(plan.local_counts, topo.ep_group, topo.ep_size)
-    elif plan.host_counts is not None:         # trimmed capacity: the kept rows per expert
-        plan.counts = gather_host_ints(plan.host_counts.tolist(), topo.ep_group, topo.ep_size)
-    else:
-        plan.counts = capacity_counts(plan, topo.ep_group, topo.ep_size, "ep")
+        return gather_device_counts(plan.local_counts, group, size)
+    if plan.host_counts is not None:           # trimmed capacity: the kept rows per expert
+        return gather_host_ints(plan.host_counts.tolist(), group, size)
+    return capacity_counts(plan, group, size, name)
+
+
+def exchange_counts(plan: DispatchPlan, topo: Topology) -> None:
+    """Give every rank the count matrix over the EP group (:func:`count_matrix`)."""
+    plan.counts = count_matrix(plan, topo.ep_group, topo.ep_size, "ep")
     plan.ep_rank = topo.ep_rank
 
 

@@ -80,8 +80,7 @@ def counting(layer, counts: dict):
     # Parm's EP&ESP block counts (dropless, padded capacity, trimmed capacity's kept rows);
     # node_dedup's counts (trimmed) or token counts and capacities (padded), gathered inside
     # its exchange
-    gathers = [(ep_esp, "gather_device_counts"), (ep_esp, "capacity_counts"),
-               (ep_esp, "gather_host_ints"),
+    gathers = [(ep_esp, "count_matrix"),
                (node_dedup_trimmed, "gather_device_counts"), (node_dedup_padded, "gather_known")]
     gathers = {(mod, n): getattr(mod, n) for mod, n in gathers}
     for (mod, name), fn in gathers.items():

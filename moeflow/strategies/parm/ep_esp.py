@@ -27,8 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeflow.comm.exchange import gather_device_counts, gather_host_ints
-from moeflow.dispatch.plan import DispatchPlan, capacity_counts
+from moeflow.dispatch.plan import DispatchPlan, count_matrix
 from moeflow.schedule.chunks import to_device
 from moeflow.schedule.pipeline import ScheduledExperts, scheduled_experts
 from moeflow.topology import Topology
@@ -64,13 +63,7 @@ def block_counts(plan: DispatchPlan, topo: Topology) -> np.ndarray:
     cached = getattr(plan, "block_counts", None)
     if cached is not None:
         return cached
-    u = topo.expert_slots
-    if plan.capacity is None:
-        counts = gather_device_counts(plan.local_counts, topo.ep_esp_group, u)
-    elif plan.host_counts is not None:        # trimmed capacity: the kept rows per expert
-        counts = gather_host_ints(plan.host_counts.tolist(), topo.ep_esp_group, u)
-    else:
-        counts = capacity_counts(plan, topo.ep_esp_group, u, "ep_esp")
+    counts = count_matrix(plan, topo.ep_esp_group, topo.expert_slots, "ep_esp")
     plan.block_counts = counts
     return counts
 

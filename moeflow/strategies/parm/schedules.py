@@ -59,8 +59,8 @@ class ParmParts:
         if self.auto is None:
             return cfg.parallel_schedule
         device = next(layer.parameters()).device     # the fits time this device's buffers
-        trimmed = frozenset(s for s in TRIMMING_SCHEDULES
-                            if factor is not None and layer._trims(s, device))
+        trimmed = frozenset() if factor is None else frozenset(
+            s for s in TRIMMING_SCHEDULES if layer._trims(s, device))
         return self.auto.choose(cfg, tokens, top_k, factor, device, trimmed)
 
     def note_plan(self, plan: DispatchPlan) -> None:
