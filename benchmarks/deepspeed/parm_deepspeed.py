@@ -66,7 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.parm.parm import PIPELINED, PIPELINED_CONFIG
+from benchmarks.parm.parm import PIPELINED, PIPELINED_CONFIG, trimmed_variants
 from moeflow.bench.schedule_bench import step_once
 from moeflow.measure.timing import slowest, start_aligned
 from moeflow.config import MoEConfig
@@ -443,7 +443,7 @@ def format_compare(res: dict) -> str:
     dsl = res.get("deepspeed_labels", ["deepspeed", ORDER_081])
     labels = dsl + [v for v, _ in MOEFLOW_VARIANTS]
     short = short_names(res["deepspeed_version"])
-    trimmed = sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
+    trimmed = trimmed_variants(res)
     lines = [f"{res['topology']}  deepspeed {res['deepspeed_version']}  moeflow "
              f"capacity_padding={res.get('capacity_padding', '- (Parm padded)')}"
              + (f" (trimmed: {','.join(trimmed)})" if trimmed else ""),

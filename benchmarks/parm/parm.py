@@ -194,6 +194,12 @@ def kept_fraction(tokens: int, M: int, E: int, k: int, f: float, world: int, mp:
     return float(np.mean(kept)) / (k * tokens)
 
 
+def trimmed_variants(res: dict) -> list[str]:
+    """The variants whose plans sent only the kept rows in any row of a result (``trimmed``,
+    recorded since ``--capacity-padding``; none in older results, which ran Parm padded)."""
+    return sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
+
+
 def predicted_ms(pred) -> dict:
     """Algorithm 1's predicted communication per candidate, ms (None: not weighed)."""
     return {"s1": 1e3 * pred.t_d1, "s2": 1e3 * pred.t_d2,
@@ -275,7 +281,7 @@ def accuracy(rows: list[dict]) -> dict:
 
 
 def format_result(res: dict) -> str:
-    trimmed = sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
+    trimmed = trimmed_variants(res)
     lines = [res["topology"] + "  capacity_padding="     # results from before it: Parm padded
              + res.get("capacity_padding", "- (Parm padded)")
              + (f"  trimmed: {','.join(trimmed)}" if trimmed else ""),
