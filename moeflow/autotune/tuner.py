@@ -50,7 +50,10 @@ rank. When not, the rest of that stage is cut: fewer repetitions, fewer screened
 the profile on one pair or skipped (then the overlapping schedules of the best screened pair
 at the smallest r > 1 are measured without prediction), fewer measured candidates; the best
 measured so far wins and ``TunedChoice.budget_cut`` / the log line say what was cut. Always
-made: the first measurement (1 warm-up + 1 step).
+made: the first measurement (1 warm-up + 1 step) and, where an overlapping schedule is a
+candidate, the first overlap trial (OptSche at the largest r, 1 warm-up + 1 step;
+:func:`always_measured`), so that a budget that holds one step still weighs ScheMoE's schedule
+against the sequential one.
 
 Re-tuning: the layer records the rows its EP group sends per forward (the count matrix, known
 to every rank of the group); every ``layer.retune_check_every`` (default
@@ -355,6 +358,15 @@ def screen_order(lossless: str, first: str, lossy: list[str], others: list[str],
     return order + [("screen", lossless, a) for a in others]
 
 
+def always_measured(order: list[tuple]) -> int | None:
+    """The index in the screen ``order`` of the trial measured whatever the budget, beside the
+    first measurement: the first overlap trial (OptSche at the largest r, :func:`overlap_trials`;
+    only a budgeted screen has overlap trials). Without it, a budget that holds one measurement
+    (steps of 5 s or more against the 30 s default) would always keep the untuned sequential
+    setting, and ScheMoE's schedule (sections 3.2, 4) would never be weighed against it."""
+    return next((i for i, e in enumerate(order) if e[0] == "overlap"), None)
+
+
 def _fallback_trials(pair: tuple[str, str], schedules: list[str], degrees: list[int]) -> list:
     """Candidates measured without predictions when the budget leaves no time to profile:
     the best screened (codec, algorithm) with the overlapping schedules at the largest
@@ -491,12 +503,21 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
             order = screen_order(lossless, first, lossy, algos[1:], schedules, degrees,
                                  budgeted, dedup)
             screen: dict[tuple[str, str], float] = {}    # even one pair: the step estimate
-            for i, (kind, c, a) in enumerate(order):
+            floor = always_measured(order)
+            i = 0
+            while i < len(order):
+                kind, c, a = order[i]
                 left = len(order) - i
-                if measured and not clock.fits(2):
-                    clock.note_cut(f"screen: {left} of {len(order)} unscreened "
-                                   f"({', '.join(_entry(e) for e in order[i:])})")
-                    break
+                if measured and i != floor and not clock.fits(2):
+                    # cut, but for the first overlap trial when still ahead (always_measured)
+                    rest = [e for j, e in enumerate(order[i:], i) if j != floor]
+                    clock.note_cut(f"screen: {len(rest)} of {len(order)} unscreened "
+                                   f"({', '.join(_entry(e) for e in rest)})")
+                    if floor is None or floor < i:
+                        break
+                    order, floor = order[:i] + [order[floor]], i
+                    continue
+                pos, i = i, i + 1
                 # the repetitions adapt: 1 when the budget cannot hold them all
                 n = reps if not measured or clock.fits((1 + reps) * left) else 1
                 if kind == "overlap":       # (schedule, r) on the best pair screened so far
@@ -504,11 +525,11 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                     m = record(concrete(fixed, bc, ba, c, a), None, "overlap", n)
                     if n < reps:
                         clock.note_cut(f"overlap {bc}/{ba}/{c}/r={a}: 1 of {reps} reps")
-                    _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={bc} a2a={ba} "
+                    _say(topo, f"{label}: screen {pos + 1}/{len(order)} codec={bc} a2a={ba} "
                                f"schedule={c} r={a}: {m['measured_ms']:.1f} ms {elapsed()}")
                     continue
                 warm = None
-                if probe is not None and c == lossless and i == 0:
+                if probe is not None and c == lossless and pos == 0:
                     warm = lambda: (probe.reference(), True)[1]          # noqa: E731
                 elif probe is not None and c != lossless:
                     def warm(c=c):
@@ -516,7 +537,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                         return errors[c] <= budget                       # NaN: dropped
                 m = record(concrete(base, c, a), None, "screen", n, warm)
                 if m is None:
-                    _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c}: error "
+                    _say(topo, f"{label}: screen {pos + 1}/{len(order)} codec={c}: error "
                                f"{errors[c]:.2e} over budget {budget:g}, not timed "
                                f"{elapsed()}")
                     continue
@@ -524,7 +545,7 @@ def tune(layer, x: torch.Tensor, requested: MoEConfig, reps: int = 2,
                     clock.note_cut(f"screen {c}/{a}: 1 of {reps} reps")
                 screen[(c, a)] = m["measured_ms"]
                 err = f", error {errors[c]:.2e}" if c in errors else ""
-                _say(topo, f"{label}: screen {i + 1}/{len(order)} codec={c} a2a={a} r=1: "
+                _say(topo, f"{label}: screen {pos + 1}/{len(order)} codec={c} a2a={a} r=1: "
                            f"{screen[(c, a)]:.1f} ms{err} {elapsed()}")
             dedup_ok = True
             if (lossless, DEDUP_ROUTE) in screen and (lossless, first) in screen:
