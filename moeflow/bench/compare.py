@@ -148,6 +148,7 @@ def compare_worker(peer_name: str, opts: dict) -> dict:
                     seed=1, a2a=opts["a2a"], schedule=opts["schedule"],
                     pipeline_degree=opts["pipeline_degree"], codec=opts.get("codec", "none"),
                     lossy_error_budget=opts.get("lossy_error_budget"),
+                    placement=opts.get("placement", "ep"),
                     autotune_budget_s=opts.get("autotune_budget_s", DEFAULT_AUTOTUNE_BUDGET_S))
     layer = MoELayer(cfg, topo).to(device)
     peer.check(layer, opts["tokens"])
@@ -232,9 +233,10 @@ def _compare(peer_name, opts, topo, device, cfg, layer, x, gen, ours, theirs, ot
                 "d_model", "d_expert", "num_experts", "top_k", "capacity_factor",
                 "activation", "a2a", "schedule", "pipeline_degree")}
             | {k: opts.get(k) for k in ("codec", "lossy_error_budget", "autotune_budget_s",
-                                        "dtype")},
+                                        "dtype", "placement")},
             "input_grad": x.requires_grad, "threads": torch.get_num_threads(), "warmup": opts["warmup"], "reps": opts["reps"],
-            "moeflow_settings": {"codec": layer.cfg.codec, "a2a": layer.cfg.a2a,
+            "moeflow_settings": {"placement": layer.cfg.placement,
+                                 "codec": layer.cfg.codec, "a2a": layer.cfg.a2a,
                                  "schedule": layer.cfg.schedule,
                                  "pipeline_degree": layer.cfg.pipeline_degree},
             "tuned": tuned, "agreement": check,
@@ -256,7 +258,8 @@ def format_compare(res: dict) -> str:
     s = res["moeflow_settings"]
     lines = [f"{res['topology']}, {res['tokens_per_rank']} tokens/rank, {res['threads']} "
              f"threads/rank, {res['reps']} interleaved reps (medians)",
-             f"moeflow ({s.get('codec', 'none')} / {s['a2a']} / {s['schedule']} / "
+             f"moeflow ({'' if s.get('placement', 'ep') == 'ep' else s['placement'] + ' / '}"
+             f"{s.get('codec', 'none')} / {s['a2a']} / {s['schedule']} / "
              f"r={s['pipeline_degree']}): "
              f"{ms['moeflow']:.1f} ms   {p}: {ms[p]:.1f} ms   "
              f"speedup {p}/moeflow = {res['speedup']:.3f}",

@@ -157,7 +157,7 @@ def run_compare(args: argparse.Namespace) -> int:
             "peer_python": python, "dtype": args.dtype, "a2a": args.a2a, "schedule": args.schedule, "pipeline_degree": degree,
             "warmup": args.warmup, "reps": args.reps, "device": args.device,
             "input_grad": args.input_grad, "codec": args.codec,
-            "lossy_error_budget": args.lossy_error_budget,
+            "lossy_error_budget": args.lossy_error_budget, "placement": args.placement,
             "autotune_budget_s": (None if args.autotune_budget.lower() == "none"
                                   else float(args.autotune_budget))}
     return report(run_on_ranks(compare_worker, args, args.compare, opts), args,

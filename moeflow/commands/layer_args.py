@@ -70,6 +70,10 @@ def add_layer_args(layer: argparse.ArgumentParser) -> None:
                           "payloads too (not with --compare)")
     cmp.add_argument("--lossy-error-budget", type=float, default=None,
                      help="MoEConfig.lossy_error_budget with --codec auto:lossy (default 1e-2)")
+    cmp.add_argument("--placement", default="ep", choices=("ep", "node_dedup", "auto"),
+                     help="moeflow's MoEConfig.placement (--compare): ep (expert parallelism), "
+                          "node_dedup (DeepEP's inter-node dispatch) or auto (the tuner's pick "
+                          "of the two at the first forward)")
     cmp.add_argument("--autotune-budget", default="30",
                      help="MoEConfig.autotune_budget_s: seconds the tuner may take, or 'none' "
                           "(unbounded) (--compare)")

@@ -78,3 +78,14 @@ def test_flops_count_the_kept_rows_when_padding_is_trimmed():
     assert padded["rows"] == 4 * 40                   # E * C, C = ceil(1.25 * 64 * 2 / 4)
     assert trimmed["rows"] == 96                      # 0.75 of the 128 choices
     assert trimmed["expert_flops"] / padded["expert_flops"] == 96 / 160
+
+
+def test_placement_reaches_moeflow_and_is_recorded():
+    # --placement auto on one rank: the tuner resolves it to expert parallelism (one rank has
+    # no node to deduplicate across) and the row records what was asked and what ran
+    res = compare_worker("moeflow-fixed", OPTS | {"placement": "auto"})
+    assert res["config"]["placement"] == "auto"
+    assert res["moeflow_settings"]["placement"] == "ep"
+    assert res["agreement"]["agree"]
+    with pytest.raises(SystemExit):
+        main(["bench", "layer", "--compare", "moeflow-fixed", "--placement", "dedup"])
