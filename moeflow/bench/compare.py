@@ -235,10 +235,8 @@ def _compare(peer_name, opts, topo, device, cfg, layer, x, gen, ours, theirs, ot
             | {k: opts.get(k) for k in ("codec", "lossy_error_budget", "autotune_budget_s",
                                         "dtype", "placement")},
             "input_grad": x.requires_grad, "threads": torch.get_num_threads(), "warmup": opts["warmup"], "reps": opts["reps"],
-            "moeflow_settings": {"placement": layer.cfg.placement,
-                                 "codec": layer.cfg.codec, "a2a": layer.cfg.a2a,
-                                 "schedule": layer.cfg.schedule,
-                                 "pipeline_degree": layer.cfg.pipeline_degree},
+            "moeflow_settings": {k: getattr(layer.cfg, k) for k in (
+                "placement", "codec", "a2a", "schedule", "pipeline_degree")},
             "tuned": tuned, "agreement": check,
             "step_ms": ms, "samples_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
             "spread_ms": {k: [1e3 * min(v), 1e3 * max(v)] for k, v in times.items()},
@@ -259,8 +257,7 @@ def format_compare(res: dict) -> str:
     lines = [f"{res['topology']}, {res['tokens_per_rank']} tokens/rank, {res['threads']} "
              f"threads/rank, {res['reps']} interleaved reps (medians)",
              f"moeflow ({'' if s.get('placement', 'ep') == 'ep' else s['placement'] + ' / '}"
-             f"{s.get('codec', 'none')} / {s['a2a']} / {s['schedule']} / "
-             f"r={s['pipeline_degree']}): "
+             f"{s.get('codec', 'none')} / {s['a2a']} / {s['schedule']} / r={s['pipeline_degree']}): "
              f"{ms['moeflow']:.1f} ms   {p}: {ms[p]:.1f} ms   "
              f"speedup {p}/moeflow = {res['speedup']:.3f}",
              f"outputs agree: {a['agree']} (max |dy| {a['max_abs_diff_y']:.2e}, max |dx| "
