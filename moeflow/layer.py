@@ -231,7 +231,8 @@ class MoELayer(nn.Module):
         record = plan_record.take(where, self)
         if record is None:
             k, factor = self._begin_call(x, top_k, capacity_factor,
-                                         training=torch.is_grad_enabled() or where is not None)
+                                         training=torch.is_grad_enabled() or where is not None,
+                                         checkpointed=where is not None)
             rows = x.numel() // self.cfg.d_model
             return self._forward(x, LayerCall.fresh(rows, k, factor, where))
         saved = self.exchange_settings()
@@ -332,11 +333,12 @@ class MoELayer(nn.Module):
             call.plan.known = KnownCapacities(self._known_capacities,
                                               (call.rows, call.k, call.factor), call.rows)
 
-    def _begin_call(self, x: torch.Tensor, top_k, capacity_factor, training: bool = True
-                    ) -> tuple[int, float | None]:
-        """Input checks, the tuner's first (or re-) tuning, and this call's (top_k, factor).
-        ``training``: a training forward (grad enabled, or the first forward of a checkpoint,
-        which the reentrant one runs without grad), where the re-tuning check counts."""
+    def _begin_call(self, x: torch.Tensor, top_k, capacity_factor, training: bool = True,
+                    checkpointed: bool = False) -> tuple[int, float | None]:
+        """Input checks, the tuner's first (or re-) tuning, the strategy's measured choices,
+        and this call's (top_k, factor). ``training``: a training forward (grad enabled, or
+        the first forward of a checkpoint, which the reentrant one runs without grad), where
+        the re-tuning check counts; ``checkpointed``: inside an activation checkpoint."""
         if x.is_cuda:                      # a CUDA graph cannot hold this layer (docs/gpu.md)
             check_not_capturing("MoELayer.forward")
         if not x.is_floating_point():
@@ -354,6 +356,15 @@ class MoELayer(nn.Module):
         k, factor = self.cfg.per_call(top_k, capacity_factor)
         if k != self.cfg.top_k:
             self.router.check_top_k(self.cfg, k)
+        # the strategy's per-call candidates timed on this call (Parm's measured auto): at a
+        # training call with gradients, outside a checkpoint (whose forward cannot run the
+        # timed backwards) and the tuner; collective, every rank decides alike
+        if (not self._tuning and not checkpointed and self.training
+                and torch.is_grad_enabled() and self.strategy.wants_measurement()):
+            self.strategy.measure_choices(
+                x, top_k, capacity_factor,
+                autotune.TuneClock(self.cfg.autotune_budget_s, self.topo),
+                autotune._Preserved(self))
         return k, factor
 
     def _record_stats(self, routing, plan, nonfinite, inter_bytes=None) -> None:

@@ -373,8 +373,10 @@ def compare_outputs(base: MoEConfig, topo: Topology, x: torch.Tensor) -> dict:
 
 
 def auto_choice(layer) -> str:
-    """The schedule Algorithm 1 took on ``layer``'s last call (``parallel_schedule="auto"``);
-    "baseline" where the layout runs no paused-MP schedule (no MP / ESP)."""
+    """Algorithm 1's own choice (the prediction alone) at ``layer``'s last call
+    (``parallel_schedule="auto"``); "baseline" where the layout runs no paused-MP schedule
+    (no MP / ESP). With the measured confirmation (``MoEConfig.parm_auto_measure``) the
+    schedule the layer ran is its ``choice_record()["auto_confirmed"]``."""
     parts = layer.strategy.parts
     if parts is None:
         return "baseline"
@@ -416,7 +418,11 @@ def compare_worker(opts: dict) -> dict:
                 if i >= opts["warmup"]:
                     for ts, t in zip(times, got):
                         ts.append(t)
-            chosen = auto_choice(layers[labels.index("auto") - len(dsl)])
+            auto_layer = layers[labels.index("auto") - len(dsl)]
+            chosen = auto_choice(auto_layer)
+            # the schedule it ran after the measured confirmation, the confirmation's median
+            # step per candidate (ms), wall time (s) and what the budget left unmeasured
+            confirmed = auto_layer.strategy.choice_record()
             trimmed = {v: bool(l.stats["parm_trimmed"]) for (v, _), l
                        in zip(MOEFLOW_VARIANTS, layers) if "parm_trimmed" in l.stats}
             for layer in layers:
@@ -425,6 +431,7 @@ def compare_worker(opts: dict) -> dict:
             rows.append({"n_mp": mp, "n_ep": ep, "n_esp": esp, "tokens_per_rank": tokens,
                          "d_model": M, "d_expert": 2 * M, "num_experts": cfg.num_experts,
                          "top_k": cfg.top_k, "capacity_factor": f, "auto_choice": chosen,
+                         **{k: v for k, v in confirmed.items() if k != "auto_algorithm1"},
                          "capacity_padding": cfg.capacity_padding, "trimmed": trimmed,
                          "step_ms": med,
                          "speedup_over_deepspeed": {v: med["deepspeed"] / med[v] for v in labels},
@@ -455,9 +462,13 @@ def format_compare(res: dict) -> str:
         lines.append(f"{r['tokens_per_rank']:>5} {r['capacity_factor']:>5} "
                      + " ".join(f"{t[v]:>12.1f}" for v in labels) + "   "
                      + " ".join(f"{s[v]:.2f}x" for v in labels[1:])
-                     + f"   auto took {r.get('auto_choice', '-')}")
-    lines.append("step ms: median forward + backward, slowest rank; auto took: Algorithm 1's "
-                 "schedule for the case (- in results recorded before it was kept)")
+                     + f"   Algorithm 1 took {r.get('auto_choice', '-')}"
+                     + (f", auto ran {r['auto_confirmed']} (measured ms: "
+                        + ", ".join(f"{c} {t:.0f}" for c, t in r["auto_measured_ms"].items())
+                        + ")" if r.get("auto_confirmed") else ""))
+    lines.append("step ms: median forward + backward, slowest rank; Algorithm 1 took: its "
+                 "prediction's schedule for the case (- in results recorded before it was "
+                 "kept); auto ran: the schedule after its measured confirmation")
     if ORDER_081 in dsl:
         lines.append(f"{ORDER_081}: the {res['deepspeed_version']} layer with its MP drop/gather "
                      "off (0.8.1's order for tensor-parallel experts, emulated)")

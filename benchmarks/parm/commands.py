@@ -27,7 +27,10 @@ def register_bench(bsub) -> None:
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--capacity-factors", type=_list(float), default=[1.2, 2.4],
                    help="f, a comma list (Table III: 1.2,2.4)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps per variant first (>= 1: the auto layer's first "
+                        "training step times Algorithm 1's candidates, MoEConfig."
+                        "parm_auto_measure)")
     p.add_argument("--reps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--collectives", action="store_true",
                    help="also time each collective every schedule runs, alone, at the "
@@ -74,6 +77,10 @@ def run_parm(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"moeflow bench parm: --{name.replace('_', '-')} "
                              f"{getattr(args, name)} must be >= 1")
+    if args.warmup < 1:
+        raise SystemExit(f"moeflow bench parm: --warmup {args.warmup} must be >= 1: the auto "
+                         "layer times Algorithm 1's candidates in its first training step "
+                         "(MoEConfig.parm_auto_measure), which must not be a timed one")
     opts = {k: getattr(args, k) for k in ("tokens", "d_model", "experts_per_ep", "top_k",
                                           "capacity_factors", "warmup", "reps", "device",
                                           "collectives", "fit_sizes", "capacity_padding")}

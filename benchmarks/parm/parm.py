@@ -164,6 +164,7 @@ def bench_worker(opts: dict) -> dict:
                        "samples_ms": {r["variant"]: r["samples_ms"] for r in got},
                        "auto_choice": pred.schedule,
                        "predicted_comm_ms": predicted_ms(pred),
+                       **auto_record(got),
                        "algorithm1": {lab: {"choice": p.schedule, "t_d1_ms": 1e3 * p.t_d1,
                                             "t_d2_ms": 1e3 * p.t_d2,
                                             "t_ted_ms": None if p.t_ted is None
@@ -180,6 +181,21 @@ def bench_worker(opts: dict) -> dict:
     return {"topology": repr(world_topo), "fit_sizes": opts.get("fit_sizes", "grid"),
             "capacity_padding": rows[0]["capacity_padding"] if rows else None,
             "fits": fits_out, "rows": rows, "summary": summarize(rows)}
+
+
+AUTO_RECORD = ("auto_algorithm1", "auto_confirmed", "auto_measured_ms", "auto_confirm_s",
+               "auto_confirm_cut")
+
+
+def auto_record(got: list[dict]) -> dict:
+    """The auto layer's own record (its strategy's ``choice_record``, through
+    ``time_variants``): Algorithm 1's choice in the layer, the schedule it ran after the
+    measured confirmation (``MoEConfig.parm_auto_measure``), the confirmation's median step
+    per candidate (ms), its wall time (s, the fits included where the layer measured them)
+    and the candidates the budget left unmeasured; empty where the layout runs no paused-MP
+    schedule."""
+    rec = next((r for r in got if r["variant"] == "auto"), {})
+    return {k: rec[k] for k in AUTO_RECORD if k in rec}
 
 
 def kept_fraction(tokens: int, M: int, E: int, k: int, f: float, world: int, mp: int
@@ -286,17 +302,19 @@ def format_result(res: dict) -> str:
              + res.get("capacity_padding", "- (Parm padded)")
              + (f"  trimmed: {','.join(trimmed)}" if trimmed else ""),
              f"{'MP,EP,ESP':>9} {'BL':>5} {'f':>4} " + " ".join(f"{v:>9}" for v, _ in VARIANTS)
-             + f" {'alg1':>6} {'pred s1':>8} {'pred s2':>8}", "-" * 100]
+             + f" {'alg1':>6} {'ran':>6} {'pred s1':>8} {'pred s2':>8}", "-" * 107]
     for r in res["rows"]:
         t = r["step_ms"]
         lay = f"{r['n_mp']},{r['n_ep']},{r['n_esp']}" + ("" if r.get("esp_in_node", True) else "e")
         lines.append(f"{lay:<9} {r['tokens_per_rank']:>5} "
                      f"{r['capacity_factor']:>4} "       # results from before ted: "-"
                      + " ".join(f"{t[v]:>9.1f}" if v in t else f"{'-':>9}" for v, _ in VARIANTS)
-                     + f" {r['auto_choice']:>6} {r['predicted_comm_ms']['s1']:>8.2f} "
+                     + f" {r['auto_choice']:>6} {r.get('auto_confirmed') or '-':>6} "
+                     f"{r['predicted_comm_ms']['s1']:>8.2f} "
                      f"{r['predicted_comm_ms']['s2']:>8.2f}")
     s = res["summary"]
-    lines.append("step ms (median); pred = Algorithm 1's communication time, ms; "
+    lines.append("step ms (median); alg1 = Algorithm 1's choice, ran = the auto layer's after "
+                 "its measured confirmation; pred = Algorithm 1's communication time, ms; "
                  "e: EP groups in a node (Section IV-A case 3)")
     for k, d in s["mean_speedup_over_baseline"].items():
         lines.append(f"{k}: mean speedup over baseline  S1 {d['s1']:.2f}x  S2 {d['s2']:.2f}x  "

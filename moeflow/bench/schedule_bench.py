@@ -48,9 +48,9 @@ def step_once(layer: MoELayer, x: torch.Tensor, topo: Topology) -> float:
 
 def time_variants(base: MoEConfig, variants: list[tuple[str, dict]], topo: Topology,
                   x: torch.Tensor, warmup: int, reps: int) -> list[dict]:
-    """Median forward + backward time of each variant (round-robin repetitions), and the
-    median time its all-to-all tasks took (forward + backward, slowest rank). The layers are
-    built on ``x``'s device."""
+    """Median forward + backward time of each variant (round-robin repetitions), the median
+    time its all-to-all tasks took (forward + backward, slowest rank) and its strategy's
+    ``choice_record()``, layers on ``x``'s device (Parm's measured auto: ``warmup`` >= 1)."""
     layers = [MoELayer(base.replace(**v), topo).to(x.device) for _, v in variants]
     times: list[list[float]] = [[] for _ in variants]
     comm: list[list[float]] = [[] for _ in variants]
@@ -67,8 +67,8 @@ def time_variants(base: MoEConfig, variants: list[tuple[str, dict]], topo: Topol
     base_ms = 1e3 * statistics.median(times[0])
     out = []
     for (label, v), ts, cs, layer in zip(variants, times, comm, layers):   # Parm: trimmed?
-        ms, st = 1e3 * statistics.median(ts), layer.stats
-        out.append({"variant": label, **v, "step_ms": ms, "speedup": base_ms / ms,
+        ms, st, rec = 1e3 * statistics.median(ts), layer.stats, layer.strategy.choice_record()
+        out.append({"variant": label, **v, **rec, "step_ms": ms, "speedup": base_ms / ms,
                     "a2a_ms": 1e3 * statistics.median(cs), "samples_ms": [1e3 * t for t in ts],
                     **({"trimmed": bool(st["parm_trimmed"])} if "parm_trimmed" in st else {})})
     for layer in layers:

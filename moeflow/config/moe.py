@@ -186,8 +186,11 @@ class MoEConfig:
     ``"s2"`` after it (Fig. 3c), both with the EP&ESP-AlltoAll; ``"ted"`` (beyond the paper)
     drops the MP duplicates and sends each row once to its expert's EP rank, fanned out to the
     ESP shards inside their group (DeepSpeed-TED's order, ``strategies/parm/ted.py``); ``"auto"``
-    picks S1 or S2 per call by Algorithm 1, or ted where its fits are measured. ``parm_saa`` runs S2's second all-to-all and MP-AllGather at once
-    (SAA, Section III-D; ``False``: sequentially, AAS). See docs/parm.md.
+    picks S1 or S2 per call by Algorithm 1, or ted where its fits are measured; with
+    ``parm_auto_measure`` (default) its candidates are first timed on the layer's first
+    training call and only the measured ones weighed (beyond the paper). ``parm_saa`` runs S2's
+    second all-to-all and MP-AllGather at once (SAA, Section III-D; ``False``: sequentially,
+    AAS). See docs/parm.md.
     """
 
     d_model: int
@@ -239,6 +242,12 @@ class MoEConfig:
     # dispatch plan over the MP group each call (a debug check:
     # one host sync and a small all-reduce; moeflow/strategies/parm/plan_agreement.py)
     parm_check_plan: bool = False
+    # parallel_schedule="auto": at the layer's first training call (grad enabled, outside an
+    # activation checkpoint), time Algorithm 1's candidates on that call's input (1 warm-up + 2
+    # forward + backward steps each, best predicted first, within autotune_budget_s) and weigh
+    # only those measured, each prediction scaled by its measured / predicted ratio (beyond
+    # the paper; moeflow/strategies/parm/measured_choice.py). False: Algorithm 1 alone.
+    parm_auto_measure: bool = True
     # Auto-tuning (moeflow/autotune/, docs/autotune.md): codec="auto:lossy" lets the tuner pick
     # a lossy codec whose relative L2 error (layer output and input gradient vs the lossless
     # exchange, tuning batch, worst rank) is <= lossy_error_budget (None: 1e-2); the tuning
@@ -327,6 +336,10 @@ class MoEConfig:
                  "False")
         _require(isinstance(self.parm_saa, bool), o, "parm_saa", self.parm_saa,
                  "must be True (SAA) or False (AAS)")
+        _require(isinstance(self.parm_auto_measure, bool), o, "parm_auto_measure",
+                 self.parm_auto_measure, "must be True (parallel_schedule='auto' times "
+                 "Algorithm 1's candidates at the first training call and weighs the measured "
+                 "ones) or False (Algorithm 1's prediction alone)")
         if self.router == "bilevel":
             self._bilevel_options_to_fields(o)
             self._check_bilevel(o)

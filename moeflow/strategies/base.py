@@ -96,6 +96,9 @@ class ExpertStrategy:
 
     Per call, :meth:`trims` (``sched``): whether the layer's plan trims capacity padding with
     this call's schedule (default: the flag ``trims_padding``; Parm answers per schedule).
+    Before a fresh training call, where :meth:`wants_measurement` says so, the layer lets
+    :meth:`measure_choices` time the strategy's per-call candidates (Parm's measured
+    ``auto``); :meth:`choice_record` reports what the strategy chose, for benchmarks.
 
     Flags (attributes, not hooks): ``trims_padding``, ``supports_trim``,
     ``counts_inter_node_bytes``, ``recomputes_experts``, ``combines_in_exchange``,
@@ -207,6 +210,29 @@ class ExpertStrategy:
         return y, aux_loss
 
     def stats(self) -> dict[str, float]:
+        return {}
+
+    # ---- measured per-call choices --------------------------------------------------------
+    def wants_measurement(self) -> bool:
+        """Whether :meth:`measure_choices` is to run before this call (the same answer on
+        every rank). Default: never."""
+        return False
+
+    def measure_choices(self, x: torch.Tensor, top_k, capacity_factor, clock,
+                        preserved) -> None:
+        """Time the strategy's per-call candidates on the call's input ``x`` and options
+        before the call proceeds (collective: every rank, the same collectives in the same
+        order). The layer calls it at a fresh training call (training mode, grad enabled,
+        outside an activation checkpoint and the auto-tuner) when :meth:`wants_measurement`;
+        ``clock``: a :class:`~moeflow.autotune.clock.TuneClock` over
+        ``MoEConfig.autotune_budget_s``; ``preserved``: a context manager that puts back what
+        the timing must not change (:class:`~moeflow.autotune.settings._Preserved`). While it
+        runs, the layer's own calls neither tune nor measure (``layer._tuning``)."""
+        return None
+
+    def choice_record(self) -> dict:
+        """What the strategy chose for the last call and how (JSON-able, for benchmark
+        records); default: nothing."""
         return {}
 
     # ---- model-level interface (class methods over this strategy's layers) ---------------

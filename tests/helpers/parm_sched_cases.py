@@ -138,7 +138,8 @@ def auto_choices(topo: Topology) -> dict:
             "s2": ParmFits(ag_mp=dear, a2a=cheap, overlap=cheap)}
     out = {}
     for want, f in fits.items():
-        layer = parity.make_layer("capacity_k2", topo, parallel_schedule="auto")
+        layer = parity.make_layer("capacity_k2", topo, parallel_schedule="auto",
+                                  parm_auto_measure=False)      # Algorithm 1 alone
         layer.strategy.parts.auto.fits = f
         x, _ = parity.make_batch("capacity_k2", batch_index(topo.rank, topo.mp_size))
         y = layer(x)

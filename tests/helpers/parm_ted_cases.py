@@ -59,7 +59,8 @@ def auto_takes_ted(layout: str, pipelined: bool = False) -> tuple[str, torch.Ten
     latency-bound ones, where chunks only add latencies."""
     cheap, dear = AlphaBeta(1e-6, 1e-12), AlphaBeta(1e-3, 1e-6)
     topo = topology(layout)
-    layer = parity.make_layer("capacity_k2", topo, parallel_schedule="auto")
+    layer = parity.make_layer("capacity_k2", topo, parallel_schedule="auto",
+                              parm_auto_measure=False)      # Algorithm 1 alone
     ted = AlphaBeta(1e-9, 1e-8) if pipelined else cheap
     layer.strategy.parts.auto.fits = ParmFits(dear, dear, dear, a2a_ep=ted, ag_esp=ted,
                                               rs_esp=ted)

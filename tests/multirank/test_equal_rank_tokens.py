@@ -74,7 +74,7 @@ def _parm_runs(topo) -> dict:
     out = {}
     for equal in (False, True):
         layer = parity.make_layer("capacity_k2", topo, parallel_schedule="auto",
-                                  equal_rank_tokens=equal)
+                                  equal_rank_tokens=equal, parm_auto_measure=False)
         layer.strategy.parts.auto.fits = ParmFits(ag_mp=dear, a2a=cheap, overlap=cheap)     # S2
         with Counter(algorithm1, "host_all_reduce") as r, Counter(plan, "gather_host_ints") as g:
             ys = _forwards(layer, 0, SIZES)      # MP ranks hold the same (replicated) batch
@@ -84,7 +84,8 @@ def _parm_runs(topo) -> dict:
 
 def _broken_promise(topo, parm: bool) -> str:
     from tests.helpers import parity
-    kw = dict(parallel_schedule="auto") if parm else dict(capacity_padding="pad")
+    kw = (dict(parallel_schedule="auto", parm_auto_measure=False) if parm
+          else dict(capacity_padding="pad"))
     layer = parity.make_layer("capacity_k2", topo, equal_rank_tokens=True, **kw)
     if parm:
         layer.strategy.parts.auto.fits = ParmFits(*(AlphaBeta(1e-6, 1e-9),) * 3)

@@ -14,7 +14,10 @@ Every candidate Algorithm 1 weighs (S1, S2, ``ted``, the pipelined ``ted-r4``; w
 them the run timed): per row, the choice is *right* when it was faster than every other timed
 candidate in every round, *wrong* when some other candidate was faster than it in every round,
 and a *tie* otherwise (the rounds do not separate them); a choice the run did not time as a
-column (``ted-r2``) is not scored.
+column (``ted-r2``) is not scored. ``auto_choice`` is Algorithm 1's own choice (the prediction
+alone); in runs since the measured confirmation (``MoEConfig.parm_auto_measure``) the row also
+records the schedule the auto layer ran after timing the candidates (``auto_confirmed``), which
+is printed and scored the same way beside it.
 
 Rows of ``bench parm --layouts`` (N_MP or N_ESP = 4 on 2-rank nodes) also say which groups
 cross the nodes, per schedule; where none of a schedule's does, its traffic stays inside a node
@@ -61,7 +64,7 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
     out, scored = [], []
     wide = any("crosses_nodes" in row for row in res["rows"])
     out.append("| N_MP,N_EP,N_ESP | " + ("crossing: baseline / S1,S2 | " if wide else "")
-               + "k | B L | f | baseline ms | S1 | S2 | auto (choice) | "
+               + "k | B L | f | baseline ms | S1 | S2 | auto (Alg. 1's choice, ran) | "
                "S1/S2 time, rounds | decided | Alg. 1 right |")
     out.append("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if wide else ""))
     for row in res["rows"]:
@@ -80,7 +83,9 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
             f"{row['tokens_per_rank']} | {row['capacity_factor']} | "
             f"{statistics.median(base):.0f} | {cell(paired(base, s['s1']))} | "
             f"{cell(paired(base, s['s2']))} | {cell(paired(base, s['auto']))} "
-            f"({row['auto_choice']}) | {cell(s2_over_s1)} | "
+            f"({row['auto_choice']}" + (f", ran {row['auto_confirmed']}"
+                                         if row.get("auto_confirmed") else "")
+            + f") | {cell(s2_over_s1)} | "
             f"{('yes, ' + faster) if decided else ('n/a (N_MP=1)' if mp == 1 else 'no')} | "
             f"{right} |")
     by_layout: dict[str, dict[str, list[float]]] = {}
@@ -99,10 +104,11 @@ def bench_rows(res: dict) -> tuple[list[str], list[dict]]:
 CANDIDATES = ("s1", "s2", "ted", "ted-r4")
 
 
-def score_choice(row: dict) -> str | None:
-    """Algorithm 1's choice against every other candidate the row timed (module docstring):
-    "right", "wrong (X faster)" or "tie"; None where the choice was not timed as a column."""
-    s, choice = row["samples_ms"], row.get("auto_choice")
+def score_choice(row: dict, key: str = "auto_choice") -> str | None:
+    """Algorithm 1's choice (``key="auto_confirmed"``: the measured auto's) against every other
+    candidate the row timed (module docstring): "right", "wrong (X faster)" or "tie"; None
+    where the choice was not recorded or not timed as a column."""
+    s, choice = row["samples_ms"], row.get(key)
     if choice not in s or choice not in CANDIDATES:
         return None
     others = [c for c in CANDIDATES if c in s and c != choice]
@@ -114,6 +120,18 @@ def score_choice(row: dict) -> str | None:
     return "tie"
 
 
+def confirmed(row: dict) -> str:
+    """The schedule the measured auto ran, with the confirmation's medians (ms) per candidate
+    and its wall time; "-" in rows recorded before it."""
+    if row.get("auto_confirmed") is None:
+        return "-"
+    ms = ", ".join(f"{c} {t:.0f}" for c, t in row.get("auto_measured_ms", {}).items())
+    cut = row.get("auto_confirm_cut") or []
+    return (f"{row['auto_confirmed']} (measured ms: {ms}"
+            + (f"; not measured: {', '.join(cut)}" if cut else "")
+            + f"; {row.get('auto_confirm_s', 0):.1f} s)")
+
+
 def compare_rows(res: dict) -> list[str]:
     labels = res["deepspeed_labels"] + [
         v for v in ("baseline", "s1", "s2", "ted", "ted-r4", "auto")
@@ -122,14 +140,16 @@ def compare_rows(res: dict) -> list[str]:
     out = [f"deepspeed {res['deepspeed_version']}, {res['topology']}; speedup over DeepSpeed's "
            "layer per round, median (min-max)",
            "| B L | f | DeepSpeed ms | " + " | ".join(labels[1:])
-           + " | auto took | Alg. 1 vs the other candidates |",
-           "|---|---|---|" + "---|" * (len(labels) + 1)]
+           + " | Alg. 1 took | Alg. 1 vs the other candidates | auto ran (measured) | "
+           "measured auto vs the others |",
+           "|---|---|---|" + "---|" * (len(labels) + 3)]
     for row in res["rows"]:
         s = row["samples_ms"]
         out.append(f"| {row['tokens_per_rank']} | {row['capacity_factor']} | "
                    f"{statistics.median(s[ds]):.0f} | "
                    + " | ".join(cell(paired(s[ds], s[v])) for v in labels[1:])
-                   + f" | {row.get('auto_choice', '-')} | {score_choice(row) or '-'} |")
+                   + f" | {row.get('auto_choice', '-')} | {score_choice(row) or '-'} | "
+                   f"{confirmed(row)} | {score_choice(row, 'auto_confirmed') or '-'} |")
     for c in res.get("numeric_check", []):
         for name in res["deepspeed_labels"]:
             d = c[name]
@@ -141,10 +161,12 @@ def compare_rows(res: dict) -> list[str]:
 
 
 def main(paths: list[str]) -> None:
-    scored_all, all_scores = [], []
+    scored_all, all_scores, measured_scores = [], [], []
     for path in paths:
         res = json.load(open(path))
         all_scores += [v for v in map(score_choice, res["rows"]) if v is not None]
+        measured_scores += [v for v in (score_choice(r, "auto_confirmed") for r in res["rows"])
+                            if v is not None]
         # capacity_padding: recorded since the option (bench parm --capacity-padding); older
         # files ran Parm padded
         trimmed = sorted({v for r in res["rows"] for v, t in r.get("trimmed", {}).items() if t})
@@ -158,10 +180,11 @@ def main(paths: list[str]) -> None:
             scored_all += scored
             print("\n".join(lines))
         print()
-    if all_scores:
-        tally = {k: sum(v.startswith(k) for v in all_scores) for k in ("right", "wrong", "tie")}
-        print(f"Algorithm 1 against every timed candidate: {tally['right']} right, "
-              f"{tally['wrong']} wrong, {tally['tie']} ties, of {len(all_scores)} rows")
+    for what, scores in (("Algorithm 1", all_scores), ("auto (measured)", measured_scores)):
+        if scores:
+            tally = {k: sum(v.startswith(k) for v in scores) for k in ("right", "wrong", "tie")}
+            print(f"{what} against every timed candidate: {tally['right']} right, "
+                  f"{tally['wrong']} wrong, {tally['tie']} ties, of {len(scores)} rows")
     if scored_all:
         right = sum(s["faster"] == s["choice"] for s in scored_all)
         s1 = sum(s["faster"] == "s1" for s in scored_all)

@@ -5,6 +5,7 @@ DeepSpeed-MoE's order (Fig. 3a), with ``baseline_mp`` its duplicate-token drop u
 ``ep_esp``: the EP&ESP-AlltoAll with local dump and combine (Section III-C); ``s1`` /
 ``s2``: the schedules of Fig. 3b / 3c; ``saa``: SAA and AAS (Section III-D); ``ted``: DeepSpeed-TED's order with a node-once EP&ESP exchange (beyond the paper);
 ``fits`` / ``algorithm1``: the alpha-beta models and Algorithm 1 (Section V);
+``measured_choice``: Algorithm 1's candidates timed on the layer (beyond the paper);
 ``schedules``: how the layer runs them; ``checks``: what is refused.
 """
 

@@ -40,6 +40,13 @@ token count, so every rank predicts the same from the same fits) the prediction 
 per distinct ``(tokens, k, f)`` and reused, which also checks the promise. The last prediction
 is kept on ``AutoSchedule.last`` and logged (logger ``moeflow.parm``) whenever the choice
 changes, for comparison with the measured time.
+
+Beyond the paper, with ``MoEConfig.parm_auto_measure`` (:mod:`.measured_choice`): the layer's
+first training call times the candidates in their predicted order (``AutoSchedule.forced``
+while each runs: :meth:`AutoSchedule.choose` returns it on every rank without its
+all-reduce), and from then on each call's prediction is weighed through the measurements
+(``AutoSchedule.calibration``): the call runs ``AutoSchedule.choice``, the measured times are
+on ``AutoSchedule.measured``, and ``AutoSchedule.last`` keeps Algorithm 1's own prediction.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from moeflow.devices import host_all_reduce
 from moeflow.errors import ConfigError
 from moeflow.experts.structure import comm_width
 from moeflow.strategies.parm.fits import ParmFits, elements_around, measure_parm_fits
+from moeflow.strategies.parm.measured_choice import Calibration
 from moeflow.strategies.parm.ted_pipelined import AUTO_TED_CHUNKS, pipelined_name
 from moeflow.topology import Topology
 
@@ -171,6 +179,27 @@ class AutoSchedule:
         self._n_ep: int | None = None                # set per call: ted weighed (choose)
         self._trimmed: frozenset[str] = frozenset()  # set per call: candidates that trim
         self.kept: float | None = None               # the last trimmed call's kept fraction
+        # measured confirmation (MoEConfig.parm_auto_measure, .measured_choice; beyond the
+        # paper): the candidate being timed (returned by choose on every rank while set), the
+        # confirming call's measurements, its wall time (seconds) and the candidates the
+        # budget left unmeasured; choice: the schedule the last call ran
+        self.forced: str | None = None
+        self.calibration: Calibration | None = None
+        self.confirm_s: float | None = None
+        self.confirm_cut: list[str] = []
+        self.choice: str | None = None
+
+    def measure_pending(self, cfg: MoEConfig) -> bool:
+        """Whether the measured confirmation is still to run (once per layer)."""
+        return cfg.parm_auto_measure and self.calibration is None and self.forced is None
+
+    @property
+    def measured(self) -> dict[str, float]:
+        """Each confirmed candidate's measured step (ms: median forward + backward of the
+        layer, slowest rank); empty before the confirmation or without it."""
+        if self.calibration is None:
+            return {}
+        return {c: 1e3 * t for c, t in self.calibration.measured_s.items()}
 
     def note_kept(self, rows: int, choices: int) -> None:
         """A trimmed call's kept rows out of its ``choices = k B L`` routing choices (this
@@ -183,6 +212,8 @@ class AutoSchedule:
                ) -> str:
         """The call's schedule; ``trimmed``: the candidates whose plan would send only the
         kept rows in this call (the same on every rank: the config and the device type)."""
+        if self.forced is not None:     # the confirmation: the same candidate on every rank
+            return self.forced
         f, M = 1.0 if factor is None else float(factor), comm_width(cfg)
         self._trimmed = trimmed if factor is not None else frozenset()
         if self.fits is None:
@@ -208,13 +239,16 @@ class AutoSchedule:
             mine = self._predict(cfg, tokens, top_k, f, M)
             sums = host_all_reduce(_terms(mine), "sum", self.topo.world_group)
             pred = _from_terms([t / self.topo.world_size for t in sums])    # the ranks' mean
-        if self.last is None or pred.schedule != self.last.schedule:
+        choice = pred.schedule if self.calibration is None else self.calibration.choose(pred)
+        if (self.last is None or pred.schedule != self.last.schedule
+                or choice != self.choice):
             piped = ", ".join(f"{pipelined_name(r)} {t:.3g} s" for r, t in pred.t_ted_pipelined)
             log.info("Parm Algorithm 1: %s (predicted t_D1 %.3g s, t_D2 %.3g s, ted %s, "
-                     "pipelined ted %s)", pred.schedule, pred.t_d1, pred.t_d2,
-                     "-" if pred.t_ted is None else f"{pred.t_ted:.3g} s", piped or "-")
-        self.last = pred
-        return pred.schedule
+                     "pipelined ted %s)%s", pred.schedule, pred.t_d1, pred.t_d2,
+                     "-" if pred.t_ted is None else f"{pred.t_ted:.3g} s", piped or "-",
+                     "" if self.calibration is None else f"; measured choice: {choice}")
+        self.last, self.choice = pred, choice
+        return choice
 
     def _agree_once(self, cfg: MoEConfig, tokens: int, top_k: int, f: float,
                     M: int) -> Prediction:

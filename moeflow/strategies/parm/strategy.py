@@ -15,6 +15,7 @@ from moeflow.strategies.parm import schedules as parm
 from moeflow.strategies.parm.baseline import baseline_experts, esp_peers_share_tokens, esp_reduce
 from moeflow.strategies.parm.baseline_mp import drops_mp_duplicates, mp_dropped_experts
 from moeflow.strategies.parm.checks import check_parm_layer
+from moeflow.strategies.parm.measured_choice import confirm
 from moeflow.strategies.parm.padding import schedule_trims
 from moeflow.strategies.parm.plan_agreement import check_plan_agrees
 
@@ -91,6 +92,32 @@ class Parm(ExpertStrategy):
         # and the ted schedule's forward bytes to other nodes (schedules.ParmParts.stats)
         parts = {} if self.parts is None else self.parts.stats
         return {"parm_trimmed": self._trimmed, **parts}
+
+    def wants_measurement(self) -> bool:
+        # parallel_schedule="auto" with parm_auto_measure: once, at the first training call
+        auto = None if self.parts is None else self.parts.auto
+        return auto is not None and auto.measure_pending(self.layer.cfg)
+
+    def measure_choices(self, x, top_k, capacity_factor, clock, preserved) -> None:
+        # Algorithm 1's candidates timed in their predicted order (.measured_choice; beyond
+        # the paper); the last call's statistics are put back with the layer's
+        trimmed, stats = self._trimmed, dict(self.parts.stats)
+        try:
+            confirm(self.layer, self.parts.auto, x, top_k, capacity_factor, clock, preserved)
+        finally:
+            self._trimmed = trimmed
+            self.parts.stats.clear()
+            self.parts.stats.update(stats)
+
+    def choice_record(self) -> dict:
+        # auto: Algorithm 1's own choice, the one the call ran (measured: the calibrated
+        # one), the confirmation's medians (ms), wall time (s) and unmeasured candidates
+        auto = None if self.parts is None else self.parts.auto
+        if auto is None or auto.last is None:
+            return {}
+        return {"auto_algorithm1": auto.last.schedule, "auto_confirmed": auto.choice,
+                "auto_measured_ms": auto.measured, "auto_confirm_s": auto.confirm_s,
+                "auto_confirm_cut": list(auto.confirm_cut)}
 
     def finish(self, y, aux_loss, call):
         if call.sched == "s1":            # MP-AllGather after the layer; MP parts' mean loss

@@ -113,7 +113,16 @@ def test_format_names_the_installed_version_and_its_columns():
     assert "baseline vs deepspeed-0.8.1-order" in new
     # the speedup column of the emulation: 10.0 / 11.0
     assert "0.91x" in new.splitlines()[3]
-    assert "auto took ted" in new.splitlines()[3]
+    assert "Algorithm 1 took ted" in new.splitlines()[3]
+    assert "auto ran" not in new.splitlines()[3]            # a row from before the confirmation
+
+
+def test_format_prints_the_measured_autos_choice():
+    res = _result("0.19.8", ["deepspeed", pd.ORDER_081])
+    res["rows"][0].update(auto_confirmed="ted-r4", auto_measured_ms={"ted": 12.0, "ted-r4": 9.0},
+                          auto_confirm_s=0.5, auto_confirm_cut=["s1"])
+    line = pd.format_compare(res).splitlines()[3]
+    assert "Algorithm 1 took ted, auto ran ted-r4 (measured ms: ted 12, ted-r4 9)" in line
 
 
 def _layer(parts):

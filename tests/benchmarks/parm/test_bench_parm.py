@@ -32,6 +32,9 @@ def test_layouts_flag_is_checked_before_any_rank(monkeypatch):
         main(["bench", "parm", "--nproc", "8", "--layouts", "4x4x1,4x2"])
     with pytest.raises(SystemExit, match="--layouts and --compare deepspeed"):
         main(["bench", "parm", "--nproc", "8", "--layouts", "4x4x1", "--compare", "deepspeed"])
+    # the auto layer's measured confirmation runs in its first step: never a timed one
+    with pytest.raises(SystemExit, match="--warmup 0 must be >= 1: the auto layer times"):
+        main(["bench", "parm", "--nproc", "4", "--warmup", "0"])
 
 
 def _row(mp, esp, times, choice):
@@ -175,3 +178,49 @@ def test_parm_paired_scores_the_choice_against_every_timed_candidate():
     tie = {"s1": [10, 11, 12], "ted": [9, 12, 13]}           # ted faster in 1 of 3 rounds
     assert score({"samples_ms": tie, "auto_choice": "s1"}) == "tie"
     assert score({"samples_ms": s, "auto_choice": "ted-r2"}) is None
+    # the measured auto's choice, scored the same way; rows from before it: not scored
+    assert score({"samples_ms": s, "auto_confirmed": "ted-r4"}, "auto_confirmed") == "right"
+    assert score({"samples_ms": s, "auto_choice": "s1"}, "auto_confirmed") is None
+
+
+def test_parm_paired_prints_both_choices(tmp_path, capsys):
+    """A --compare deepspeed row with the measured confirmation: Algorithm 1's choice and the
+    one auto ran, each scored, and both tallies."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "docs/benchmarks/scripts/parm_paired.py"
+    spec = importlib.util.spec_from_file_location("parm_paired", script)
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    s = {"deepspeed": [20, 20], "s1": [10, 11], "s2": [20, 21], "ted": [9, 12],
+         "ted-r4": [5, 6], "auto": [5, 6]}
+    res = {"topology": "T", "deepspeed_version": "0.19.8", "deepspeed_labels": ["deepspeed"],
+           "rows": [{"tokens_per_rank": 512, "capacity_factor": 1.25, "samples_ms": s,
+                     "auto_choice": "s1", "auto_confirmed": "ted-r4",
+                     "auto_measured_ms": {"s1": 10.0, "ted-r4": 5.0}, "auto_confirm_s": 0.4,
+                     "auto_confirm_cut": ["s2"]}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    paired.main([str(path)])
+    out = capsys.readouterr().out
+    assert "| s1 | wrong (ted-r4 faster) | ted-r4 (measured ms: s1 10, ted-r4 5; not " \
+           "measured: s2; 0.4 s) | right |" in out
+    assert "Algorithm 1 against every timed candidate: 0 right, 1 wrong" in out
+    assert "auto (measured) against every timed candidate: 1 right, 0 wrong" in out
+
+
+def test_rows_record_the_auto_layers_own_choices():
+    """The auto variant's ``choice_record`` (through ``time_variants``) reaches the row: the
+    measured choice beside Algorithm 1's; a layout without the auto parts records none."""
+    from benchmarks.parm.parm import auto_record
+
+    rec = {"auto_algorithm1": "s1", "auto_confirmed": "ted", "auto_confirm_cut": [],
+           "auto_measured_ms": {"s1": 2.0, "ted": 1.0}, "auto_confirm_s": 0.1}
+    got = [{"variant": "s1", "step_ms": 1.0}, {"variant": "auto", "step_ms": 1.0, **rec}]
+    assert auto_record(got) == rec
+    assert auto_record(got[:1]) == {}
+    row = dict(_row(2, 1, [10, 5, 4, 6, 4], "s1"), auto_confirmed="ted")
+    text = format_result({"topology": "T", "rows": [row], "summary": summarize([row])})
+    assert text.splitlines()[3].split()[-4:-2] == ["s1", "ted"]
