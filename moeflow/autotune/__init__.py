@@ -21,7 +21,8 @@ the package's interface (``from moeflow import autotune; autotune.tune(...)``).
 """
 
 from moeflow.autotune.clock import TuneClock
-from moeflow.autotune.paired import PAIRED_REPS, dedup_wins, paired_times
+from moeflow.autotune.paired import PAIRED_REPS, dedup_wins
+from moeflow.measure.timing import paired_times
 from moeflow.autotune.lossy import ErrorProbe, codec_errors, gentlest_first, lossy_candidates
 from moeflow.autotune.settings import _Preserved, apply
 from moeflow.autotune.tuner import AUTO_FIELDS, \

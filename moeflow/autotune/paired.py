@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 
 PAIRED_REPS = 5          # interleaved (EP, node_dedup) pairs after one warm-up of each
+# (timed by moeflow.measure.timing.paired_times)
 
 
 def dedup_wins(ep_s: list[float], dedup_s: list[float], margin: float) -> bool:
@@ -30,18 +31,3 @@ def dedup_wins(ep_s: list[float], dedup_s: list[float], margin: float) -> bool:
     if any(t <= 0.0 for t in dedup_s):
         raise ValueError(f"node_dedup times must be positive, got {dedup_s}")
     return statistics.median(e / d for e, d in zip(ep_s, dedup_s)) > 1.0 + margin
-
-
-def paired_times(step_ep, step_dedup, pairs: int, fits) -> tuple[list[float], list[float]]:
-    """Time ``pairs`` interleaved pairs: ``step_ep()`` then ``step_dedup()`` each return one
-    step's seconds (the slowest rank's); one warm-up of each first (not returned). Before
-    each pair after the first, ``fits(2)`` (collective, the same answer on every rank) says
-    whether two more steps fit the time budget; when not, the pairs so far are returned."""
-    step_ep(), step_dedup()                     # warm-ups: allocations, the new strategy
-    ep, dedup = [], []
-    for i in range(pairs):
-        if i > 0 and not fits(2):
-            break
-        ep.append(step_ep())
-        dedup.append(step_dedup())
-    return ep, dedup

@@ -83,7 +83,8 @@ import torch
 
 from moeflow.autotune.clock import TuneClock
 from moeflow.autotune.lossy import ErrorProbe, gentlest_first, lossy_candidates
-from moeflow.autotune.paired import PAIRED_REPS, dedup_wins, paired_times
+from moeflow.autotune.paired import PAIRED_REPS, dedup_wins
+from moeflow.measure.timing import paired_times
 from moeflow.autotune.settings import _Preserved, apply
 from moeflow.config import AUTO, AUTO_LOSSY, AUTO_PLACEMENTS, MoEConfig
 

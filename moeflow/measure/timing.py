@@ -56,3 +56,22 @@ def inter_node_seconds_per_byte(topo: "Topology", device: torch.device,
     for _ in range(2):                       # the first is a warm-up
         t = time_aligned(lambda: dist.all_to_all_single(recv, send, group=group), topo, device)
     return t / (4 * n * (N - 1))
+
+
+def paired_times(step_a: Callable[[], float], step_b: Callable[[], float], pairs: int, fits,
+                 warmup: bool = True) -> tuple[list[float], list[float]]:
+    """Time ``pairs`` interleaved pairs (a, b, a, b, ...): ``step_a()`` and ``step_b()`` each
+    return one step's seconds (the slowest rank's), so a slow spell of a shared machine falls
+    on both of a pair. With ``warmup``, one step of each first (not returned). Before each pair
+    after the first, ``fits(2)`` (collective, the same answer on every rank) says whether two
+    more steps fit the time budget; when not, the pairs so far are returned. Used by the
+    auto-tuner's placement screen and Parm's measured ``auto``."""
+    if warmup:
+        step_a(), step_b()                      # allocations, a newly applied setting
+    a, b = [], []
+    for i in range(pairs):
+        if i > 0 and not fits(2):
+            break
+        a.append(step_a())
+        b.append(step_b())
+    return a, b

@@ -11,7 +11,8 @@ from moeflow import MoEConfig
 from moeflow.config import ConfigError
 from moeflow.launch import launch_local
 from moeflow.strategies.parm.algorithm1 import AutoSchedule, Prediction
-from moeflow.strategies.parm.measured_choice import Calibration, predicted_order
+from moeflow.strategies.parm.measured_choice import (PAIRED_MARGIN, Calibration, close_pair,
+                                                     predicted_order)
 from moeflow.topology import Topology
 from tests.helpers import parm_measured_cases as cases
 
@@ -55,6 +56,15 @@ def test_unmeasured_candidates_are_not_weighed():
     cal = Calibration({"s1": 5.0}, {"s1": 1.0})
     assert cal.choose(_pred(1.0, 0.001, 0.0001, ((2, 1e-5),))) == "s1"
     assert Calibration({"ted": 1.0}, {"ted": 1.0}).choose(_pred(1.0, 2.0)) == "s1"
+
+
+def test_only_aclose_pair_is_timed_again():
+    """The two fastest are re-timed in interleaved pairs only when the second is within
+    PAIRED_MARGIN of the first; one measured candidate has no pair."""
+    m = PAIRED_MARGIN
+    assert close_pair({"ted": 1.0, "s1": 1.0 + m / 2, "s2": 0.99}) == ("s2", "ted")
+    assert close_pair({"ted": 1.0, "s1": 1.0 + 2 * m}) is None
+    assert close_pair({"ted": 1.0}) is None
 
 
 def test_a_zero_prediction_takes_the_measured_time():

@@ -12,6 +12,11 @@ input, best predicted first, each step the slowest rank's
 (``MoEConfig.autotune_budget_s``: a candidate after the first is measured only while the
 budget holds its steps; Algorithm 1's own choice always is).
 
+Where the two fastest lie within :data:`PAIRED_MARGIN` of each other, they are timed again in
+:data:`PAIRED_STEPS` interleaved pairs (:func:`moeflow.measure.timing.paired_times`, as the
+auto-tuner's placement screen; while the budget holds each pair), so that a slow spell of a
+shared machine falls on both; each one's time is then the median of all its timed steps.
+
 Afterwards Algorithm 1 still predicts per call (the token count may change), and
 :class:`Calibration` weighs only the measured candidates, each prediction multiplied by that
 candidate's measured / predicted ratio at the confirming call: at the confirming call's own
@@ -36,6 +41,10 @@ log = logging.getLogger("moeflow.parm")
 
 #: forward + backward steps timed per candidate, after one warm-up step
 TIMED_STEPS = 2
+#: the two fastest are re-timed in interleaved pairs when the second is within this fraction
+PAIRED_MARGIN = 0.10
+#: interleaved pairs of the two fastest (one step each, both already warm)
+PAIRED_STEPS = 3
 
 
 def predicted_times(pred) -> dict[str, float]:
@@ -79,6 +88,16 @@ class Calibration:
         return min(times, key=times.get) if times else pred.schedule
 
 
+def close_pair(measured: dict[str, float]) -> tuple[str, str] | None:
+    """The two fastest measured candidates when the second is within :data:`PAIRED_MARGIN` of
+    the first (2 timed steps each cannot tell them apart on a shared machine: on the emulated
+    cluster one such pair measured 128 against 134 ms); None otherwise."""
+    if len(measured) < 2:
+        return None
+    first, second = sorted(measured, key=measured.get)[:2]
+    return (first, second) if measured[second] <= measured[first] * (1 + PAIRED_MARGIN) else None
+
+
 def confirm(layer, auto, x: torch.Tensor, top_k, capacity_factor, clock, preserved) -> None:
     """Time Algorithm 1's candidates on ``layer`` with this call's input and options, then
     give ``auto`` (the layer's :class:`.algorithm1.AutoSchedule`) its :class:`Calibration`
@@ -88,7 +107,7 @@ def confirm(layer, auto, x: torch.Tensor, top_k, capacity_factor, clock, preserv
     forward's aux loss and stats, timer and timeline
     (:class:`~moeflow.autotune.settings._Preserved`). The Algorithm 1 state the steps touch
     (the last prediction and choice, the kept fraction) is put back too."""
-    from moeflow.measure.timing import time_aligned
+    from moeflow.measure.timing import paired_times, time_aligned
 
     t0 = time.perf_counter()
     k, factor = layer.cfg.per_call(top_k, capacity_factor)
@@ -104,7 +123,14 @@ def confirm(layer, auto, x: torch.Tensor, top_k, capacity_factor, clock, preserv
         y = layer(x, top_k=top_k, capacity_factor=capacity_factor)
         (y.float().square().mean() + layer.aux_loss).backward()
 
-    measured, cut = {}, []
+    def one_step(cand: str) -> float:          # a paired step: the candidate is warm
+        auto.forced = cand
+        t = time_aligned(step, layer.topo, x.device)
+        clock.note_step(t)
+        layer.zero_grad(set_to_none=True)
+        return t
+
+    measured, samples, cut = {}, {}, []
     with preserved, torch.enable_grad():
         layer._tuning = True                   # the steps neither tune nor confirm again
         layer.zero_grad(set_to_none=True)      # the caller's gradients are put back after
@@ -119,7 +145,15 @@ def confirm(layer, auto, x: torch.Tensor, top_k, capacity_factor, clock, preserv
                     times.append(time_aligned(step, layer.topo, x.device))
                     clock.note_step(times[-1], estimate=s > 0)   # the warm-up: no estimate
                     layer.zero_grad(set_to_none=True)
+                samples[cand] = times[1:]
                 measured[cand] = statistics.median(times[1:])
+            paired = close_pair(measured)     # the same on every rank (slowest ranks' times)
+            if paired and clock.fits(2):
+                a, b = paired_times(lambda: one_step(paired[0]), lambda: one_step(paired[1]),
+                                    PAIRED_STEPS, clock.fits, warmup=False)
+                for cand, more in zip(paired, (a, b)):
+                    samples[cand] += more
+                    measured[cand] = statistics.median(samples[cand])
         finally:
             auto.forced = None
             layer._tuning = False

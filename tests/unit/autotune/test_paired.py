@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from moeflow.autotune import SIMPLER_MARGIN, pick
-from moeflow.autotune.paired import PAIRED_REPS, dedup_wins, paired_times
+from moeflow.autotune.paired import PAIRED_REPS, dedup_wins
+from moeflow.measure.timing import paired_times
 
 
 def test_real_gain_survives_a_slow_spell():
@@ -55,6 +56,9 @@ def test_paired_times_interleave_after_one_warmup_each():
     assert calls == ["ep", "dd"] * (1 + PAIRED_REPS)
     assert e == [2.0] * PAIRED_REPS and d == [1.0] * PAIRED_REPS
     assert PAIRED_REPS > 2
+    calls.clear()                    # candidates already warm (Parm's measured auto): no warm-up
+    e, d = paired_times(ep, dd, 3, lambda steps: True, warmup=False)
+    assert calls == ["ep", "dd"] * 3 and len(e) == len(d) == 3
 
 
 def test_paired_times_stop_when_the_budget_is_spent():
