@@ -141,7 +141,7 @@ class MoELayer(nn.Module):
                 "choose another schedule") from e
         self._checked_schedule = key
 
-    def _trims(self, sched, device: torch.device) -> bool:
+    def trims_capacity(self, sched, device: torch.device) -> bool:
         """Whether this call's capacity plan sends only the kept rows
         (``MoEConfig.capacity_padding``): where the strategy trims with the call's schedule
         ``sched`` (:meth:`ExpertStrategy.trims`: plain EP; Parm's ted, pipelined ted, S1 and

@@ -190,8 +190,8 @@ def _compare(peer_name, opts, topo, device, cfg, layer, x, gen, ours, theirs, ot
     else:
         check = _runner_agreement(layer, ours, x, topo, runner)
     layer.zero_grad(set_to_none=True)
-    trimmed_kept = (1.0 - layer.stats["dropped_fraction"]
-                    if cfg.capacity_factor is not None and layer._trims(None, x.device) else None)
+    trims = cfg.capacity_factor is not None and layer.trims_capacity(None, x.device)
+    trimmed_kept = 1.0 - layer.stats["dropped_fraction"] if trims else None
     fl = layer_flops(layer, opts["tokens"], trimmed_kept)
     # the reference: one (S, M) x (M, H) product, S = the rows this rank's experts compute
     # (the FLOPs of the experts' first forward GEMM, as one large matmul)

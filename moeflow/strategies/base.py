@@ -187,14 +187,14 @@ class ExpertStrategy:
     def trims(self, sched: str | None) -> bool:
         """Whether this strategy's exchange sends only the kept rows of a capacity plan in a
         call with schedule ``sched`` (the call's ``Call.sched``, None outside Parm's
-        schedules), where ``MoEConfig.capacity_padding`` trims (the layer's ``_trims``). The
-        answer must be the same on every rank of the call. Default: :attr:`trims_padding`."""
+        schedules), where ``MoEConfig.capacity_padding`` trims (``MoELayer.trims_capacity``).
+        The answer must be the same on every rank of the call. Default: :attr:`trims_padding`."""
         return self.trims_padding
 
     def _plan(self, expert_ids: torch.Tensor, cap: int | None, device: torch.device,
               call: Call) -> DispatchPlan:
         return make_plan(expert_ids, self.layer.cfg.num_experts, cap,
-                         trim=cap is not None and self.layer._trims(call.sched, device))
+                         trim=cap is not None and self.layer.trims_capacity(call.sched, device))
 
     def _permute(self, h: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor
                  ) -> torch.Tensor:

@@ -53,14 +53,14 @@ class ParmParts:
 
     def choose(self, layer, tokens: int, top_k: int, factor: float | None) -> str:
         """This call's schedule: the config's, or Algorithm 1's (the same on every rank); its
-        byte terms take the kept rows for the candidates that trim in this call (the layer's
-        ``_trims``, :mod:`.padding`; beyond the paper)."""
+        byte terms take the kept rows for the candidates that trim in this call
+        (``layer.trims_capacity``, :mod:`.padding`; beyond the paper)."""
         cfg = layer.cfg
         if self.auto is None:
             return cfg.parallel_schedule
         device = next(layer.parameters()).device     # the fits time this device's buffers
         trimmed = frozenset() if factor is None else frozenset(
-            s for s in TRIMMING_SCHEDULES if layer._trims(s, device))
+            s for s in TRIMMING_SCHEDULES if layer.trims_capacity(s, device))
         return self.auto.choose(cfg, tokens, top_k, factor, device, trimmed)
 
     def note_plan(self, plan: DispatchPlan) -> None:
