@@ -253,10 +253,9 @@ def concrete(cfg: MoEConfig, codec: str, route: str, schedule: str | None = None
 def _step_of(layer, x: torch.Tensor):
     """The forward + backward step every timing of the tuner runs (:func:`_measure`,
     :func:`_time_step`)."""
-    def step():
-        y = layer(x)
-        (y.float().square().mean() + layer.aux_loss).backward()
-    return step
+    from moeflow.measure.timing import layer_step
+
+    return lambda: layer_step(layer, x)
 
 
 def _measure(layer, cfg: MoEConfig, x: torch.Tensor, reps: int, clock: TuneClock,

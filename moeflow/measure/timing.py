@@ -15,6 +15,14 @@ from moeflow.devices import Stopwatch, host_all_reduce, synchronize
 # read); it is not imported so that this core module stays below the topology and the layer.
 
 
+def layer_step(layer, x: torch.Tensor, **call) -> None:
+    """One forward + backward of an MoE layer as its tuners time it (the auto-tuner, its
+    schedule profiler, Parm's measured ``auto``): the loss ``mean(y^2)`` in float32 plus the
+    layer's aux loss; ``call``: the layer's per-call options (``top_k``, ``capacity_factor``)."""
+    y = layer(x, **call)
+    (y.float().square().mean() + layer.aux_loss).backward()
+
+
 def slowest(seconds: float, topo: "Topology") -> float:
     """The maximum of ``seconds`` over all ranks (itself on a world of one); a host-side
     collective that works on any group (gloo, or ``cpu:gloo,cuda:nccl``)."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from moeflow.devices import Stopwatch, synchronize
+from moeflow.measure.timing import layer_step
 from moeflow.schedule.executor import TaskRecord, Timeline
 
 
@@ -83,8 +84,7 @@ def profile(layer: torch.nn.Module, x: torch.Tensor, degrees: list[int], reps: i
                 synchronize(x.device)               # earlier work is not this step's
                 timeline.clear()
                 watch = Stopwatch(x.device).start()
-                y = layer(x)
-                (y.float().square().mean() + layer.aux_loss).backward()
+                layer_step(layer, x)
                 seconds = watch.stop()
                 if i >= warmup:
                     steps.append(seconds)

@@ -107,7 +107,7 @@ def confirm(layer, auto, x: torch.Tensor, top_k, capacity_factor, clock, preserv
     forward's aux loss and stats, timer and timeline
     (:class:`~moeflow.autotune.settings._Preserved`). The Algorithm 1 state the steps touch
     (the last prediction and choice, the kept fraction) is put back too."""
-    from moeflow.measure.timing import paired_times, time_aligned
+    from moeflow.measure.timing import layer_step, paired_times, time_aligned
 
     t0 = time.perf_counter()
     k, factor = layer.cfg.per_call(top_k, capacity_factor)
@@ -119,18 +119,18 @@ def confirm(layer, auto, x: torch.Tensor, top_k, capacity_factor, clock, preserv
     order = predicted_order(pred)
     x = x.detach().requires_grad_(x.requires_grad)       # the real step's backward, no further
 
-    def step():
-        y = layer(x, top_k=top_k, capacity_factor=capacity_factor)
-        (y.float().square().mean() + layer.aux_loss).backward()
-
-    def one_step(cand: str) -> float:          # a paired step: the candidate is warm
+    def one_step(cand: str, estimate: bool = True) -> float:
+        """One timed step of ``cand`` (the slowest rank's seconds); a warm-up is no estimate
+        of the next steps' length for the budget."""
         auto.forced = cand
-        t = time_aligned(step, layer.topo, x.device)
-        clock.note_step(t)
+        t = time_aligned(lambda: layer_step(layer, x, top_k=top_k,
+                                            capacity_factor=capacity_factor),
+                         layer.topo, x.device)
+        clock.note_step(t, estimate=estimate)
         layer.zero_grad(set_to_none=True)
         return t
 
-    measured, samples, cut = {}, {}, []
+    samples, cut = {}, []                      # each candidate's timed steps (seconds)
     with preserved, torch.enable_grad():
         layer._tuning = True                   # the steps neither tune nor confirm again
         layer.zero_grad(set_to_none=True)      # the caller's gradients are put back after
@@ -139,25 +139,20 @@ def confirm(layer, auto, x: torch.Tensor, top_k, capacity_factor, clock, preserv
                 if i > 0 and not clock.fits(1 + TIMED_STEPS):    # the same on every rank
                     cut = order[i:]
                     break
-                auto.forced = cand
-                times = []
-                for s in range(1 + TIMED_STEPS):
-                    times.append(time_aligned(step, layer.topo, x.device))
-                    clock.note_step(times[-1], estimate=s > 0)   # the warm-up: no estimate
-                    layer.zero_grad(set_to_none=True)
-                samples[cand] = times[1:]
-                measured[cand] = statistics.median(times[1:])
-            paired = close_pair(measured)     # the same on every rank (slowest ranks' times)
+                samples[cand] = [one_step(cand, estimate=s > 0)
+                                 for s in range(1 + TIMED_STEPS)][1:]
+            # the same on every rank (the slowest ranks' times)
+            paired = close_pair({c: statistics.median(t) for c, t in samples.items()})
             if paired and clock.fits(2):
                 a, b = paired_times(lambda: one_step(paired[0]), lambda: one_step(paired[1]),
                                     PAIRED_STEPS, clock.fits, warmup=False)
                 for cand, more in zip(paired, (a, b)):
                     samples[cand] += more
-                    measured[cand] = statistics.median(samples[cand])
         finally:
             auto.forced = None
             layer._tuning = False
             auto.last, auto.kept, auto.choice = last, kept, choice
+    measured = {c: statistics.median(t) for c, t in samples.items()}
     predicted = predicted_times(pred)
     auto.calibration = Calibration(measured, {c: predicted[c] for c in measured})
     auto.confirm_s, auto.confirm_cut = time.perf_counter() - t0, cut
